@@ -1,0 +1,33 @@
+"""Shared pytest set-up.
+
+Triton kernels are tested on the CPU through the Triton interpreter, which must be
+switched on before triton is first imported; on a CUDA machine the real kernels run.
+"""
+import os
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover - torch is a hard dependency
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_device():
+    """Device the Triton kernels run on: CUDA when present, else the CPU interpreter."""
+    return "cuda" if _HAS_CUDA else "cpu"
