@@ -1,0 +1,260 @@
+"""The public engine: load a target (and optionally a draft) LLaVA checkpoint, then
+generate autoregressively or speculatively (TABED chain ensembles or draft trees)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from .config import SamplingParams
+from .loader import LoadedLVLM, load_lvlm, load_processor
+from .model import KVCache
+from .prompt import Prepared, prepare
+from .sampling import pick_tokens
+
+VIEW_NAMES = ("M", "T", "P", "C")
+
+
+@dataclass
+class GenerationStats:
+    """What happened during one generation (timings in seconds)."""
+
+    speculative: bool
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0          # decode/verify forwards after the prefill
+    accepted_lengths: list[int] = field(default_factory=list)   # drafted tokens accepted per block
+    weights: list[list[float]] = field(default_factory=list)    # ensemble weights per block
+    views: tuple[str, ...] = ()
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_ensemble: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def block_efficiency(self) -> float:
+        """Tokens per target decode/verify forward (the prefill's first token excluded);
+        1.0 for autoregressive decoding."""
+        if self.target_forwards == 0:
+            return 1.0
+        return (self.new_tokens - 1) / self.target_forwards
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["block_efficiency"] = self.block_efficiency
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    text: str
+    stats: GenerationStats
+
+
+class Engine:
+    """Speculative-decoding engine for LLaVA-family models.
+
+    Use `Engine.from_pretrained(target_dir, draft_dir, ...)`; see `generate` and `stream`.
+    """
+
+    def __init__(self, target: LoadedLVLM, processor, *, draft: Optional[LoadedLVLM] = None,
+                 device=None, dtype=None, views: Sequence[str] = ("M", "T"), policy: str = "w-grid",
+                 window: int = 0, gamma: int = 5, tree=None, max_len: Optional[int] = None,
+                 escape_token: Optional[int] = None, pool_size: Optional[int] = None,
+                 captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
+                 grid_step: float = 0.1, timing: bool = True):
+        from .ensemble import EnsembleConfig
+
+        self.target, self.draft, self.processor = target, draft, processor
+        self.device, self.dtype = device, dtype
+        self.tokenizer = processor.tokenizer
+        tcfg = target.lm.cfg
+        self.max_len = int(max_len or min(tcfg.max_position_embeddings, 4096))
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.gamma = gamma
+        self.tree = tree
+        self.timing = timing
+        views = tuple(views)
+        if not views or any(v not in VIEW_NAMES for v in views) or len(set(views)) != len(views):
+            raise ValueError(f"views must be a non-empty subset of {VIEW_NAMES} without repeats, got {views}")
+        self.views = views
+        self.ensemble = EnsembleConfig(policy=policy, window=window, temperature=weight_temperature,
+                                       grid_step=grid_step, num_views=len(views))
+        self.captioner = captioner
+        self.escape_token = escape_token if escape_token is not None else self._newline_id()
+        self.tokens_per_image = self._tokens_per_image()
+        self.pool_size = pool_size
+        if draft is not None:
+            if draft.lm.cfg.vocab_size != tcfg.vocab_size:
+                raise ValueError(f"draft vocabulary ({draft.lm.cfg.vocab_size}) differs from the "
+                                 f"target's ({tcfg.vocab_size})")
+            if draft.image_token_id != target.image_token_id:
+                raise ValueError("draft and target use different image token ids")
+        self.eos_ids = self._eos_ids()
+        self._target_cache: Optional[KVCache] = None
+        self._draft_cache: Optional[KVCache] = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, target_dir: str, draft_dir: Optional[str] = None, device=None, dtype=None,
+                        **kwargs) -> "Engine":
+        """Load local HF LLaVA checkpoints (no network). device defaults to CUDA when present;
+        dtype to bfloat16 on CUDA and float32 on the CPU. Other keyword arguments: views,
+        policy, window, gamma, tree, max_len, escape_token, pool_size, captioner,
+        weight_temperature, grid_step (see the README)."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        target = load_lvlm(target_dir, device, dtype)
+        draft = load_lvlm(draft_dir, device, dtype) if draft_dir else None
+        return cls(target, load_processor(target_dir), draft=draft, device=device, dtype=dtype, **kwargs)
+
+    def _newline_id(self) -> int:
+        ids = self.tokenizer.encode("\n", add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError("the tokenizer has no single newline token; pass escape_token=")
+        return ids[0]
+
+    def _tokens_per_image(self) -> int:
+        vc = self.target.config.get("vision_config", {})
+        grid = (vc.get("image_size", 336) // vc.get("patch_size", 14)) ** 2
+        return grid + (1 if self.target.config.get("vision_feature_select_strategy", "default") == "full" else 0)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        eos = self.target.config.get("text_config", {}).get("eos_token_id")
+        for e in (eos if isinstance(eos, list) else [eos]):
+            if e is not None:
+                ids.add(int(e))
+        return ids
+
+    # ------------------------------------------------------------------ caches
+    def target_cache(self, rows: int) -> KVCache:
+        c = self._target_cache
+        if c is None or c.rows != rows:
+            c = self._target_cache = KVCache(self.target.lm.cfg, rows, self.max_len, self.device, self.dtype)
+        c.lengths.zero_()
+        return c
+
+    def draft_cache(self, rows: int) -> KVCache:
+        c = self._draft_cache
+        if c is None or c.rows != rows:
+            c = self._draft_cache = KVCache(self.draft.lm.cfg, rows, self.max_len, self.device, self.dtype)
+        c.lengths.zero_()
+        return c
+
+    def kv_bucket(self, needed: int) -> int:
+        """Attend over a bucketed cache prefix (fewer bytes than S_max, few distinct shapes)."""
+        return min(self.max_len, -(-needed // 128) * 128)
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
+                 caption: Optional[str] = None, speculative: bool = True) -> GenerationOutput:
+        """Generate a completion.
+
+        prompt: a string with one `<image>` per image, a list of chat messages (rendered by
+        the processor's chat template), or a list of token ids with the image token where each
+        image goes. images: PIL images, HWC uint8 arrays or tensors. speculative=False (or no
+        draft) decodes autoregressively. Returns token ids, text and `GenerationStats`.
+        """
+        tokens: list[int] = []
+        run = self._run(prompt, images, sampling, caption, speculative)
+        try:
+            while True:
+                tokens += next(run)
+        except StopIteration as stop:
+            stats = stop.value
+        return GenerationOutput(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), stats)
+
+    def stream(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
+               caption: Optional[str] = None, speculative: bool = True) -> Iterator[str]:
+        """Like `generate`, but yields text pieces as tokens are accepted."""
+        tokens: list[int] = []
+        shown = ""
+        for new in self._run(prompt, images, sampling, caption, speculative):
+            tokens += new
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if len(text) > len(shown) and not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, prompt, images, sampling, caption, speculative):
+        sp = sampling or SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise TypeError("sampling must be a SamplingParams")
+        prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image)
+        need = len(prep.ids) + sp.max_new_tokens + self.gamma + 2
+        if need > self.max_len:
+            raise ValueError(f"prompt ({len(prep.ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+                             f"+ draft lookahead exceeds the cache length {self.max_len}")
+        use_sd = speculative and self.draft is not None
+        if use_sd and "C" in self.views and caption is None and self.captioner is None \
+                and prep.num_images > 0:
+            raise ValueError("view 'C' needs caption= in generate() or a captioner given to the engine")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(sp.seed if sp.seed is not None else torch.seed() % (2 ** 63))
+        with torch.inference_mode():
+            if use_sd:
+                from .speculative import run_speculative
+
+                return (yield from run_speculative(self, prep, sp, gen, caption))
+            return (yield from self._run_ar(prep, sp, gen))
+
+    def sync(self):
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def encode_images(self, model: LoadedLVLM, prep: Prepared) -> Optional[torch.Tensor]:
+        """Projected image features [n_images, tokens, hidden] for `model`."""
+        if prep.pixel_values is None:
+            return None
+        return model.vision(prep.pixel_values.to(self.device))
+
+    @staticmethod
+    def embed(model: LoadedLVLM, ids: list[int], spans, feats) -> torch.Tensor:
+        """Token embeddings [len(ids), hidden] with image features placed at each span."""
+        dev = model.lm.embed_tokens.weight.device
+        x = model.lm.embed_tokens(torch.tensor(ids, device=dev))
+        for i, (start, n) in enumerate(spans):
+            if feats[i].shape[0] != n:
+                raise ValueError(f"image {i} has {feats[i].shape[0]} features for {n} image tokens")
+            x[start:start + n] = feats[i].to(x.dtype)
+        return x
+
+    def _run_ar(self, prep: Prepared, sp: SamplingParams, gen):
+        stats = GenerationStats(speculative=False, prompt_tokens=len(prep.ids))
+        t0 = time.perf_counter()
+        lm = self.target.lm
+        cache = self.target_cache(1)
+        n = len(prep.ids)
+        x = self.embed(self.target, prep.ids, prep.image_spans, self.encode_images(self.target, prep))
+        pos = torch.arange(n, device=self.device)[None]
+        logits = lm(cache, pos, embeds=x[None], logits_index=torch.tensor([[n - 1]], device=self.device),
+                    kv_len=self.kv_bucket(n))[:, -1]
+        cache.lengths += n
+        self.sync()
+        stats.time_prefill = time.perf_counter() - t0
+        length = n
+        for step in range(sp.max_new_tokens):
+            tok = pick_tokens(logits, sp, gen)          # [1]
+            t = int(tok[0])
+            stats.new_tokens += 1
+            yield [t]
+            if (sp.stop_at_eos and t in self.eos_ids) or step == sp.max_new_tokens - 1:
+                break
+            logits = lm(cache, cache.lengths.long()[:, None], input_ids=tok[:, None],
+                        kv_len=self.kv_bucket(length + 1))[:, -1]
+            cache.lengths += 1
+            length += 1
+            stats.target_forwards += 1
+        self.sync()
+        stats.time_total = time.perf_counter() - t0
+        return stats

@@ -1,0 +1,124 @@
+"""Test-time adaptive ensemble weights (TABED).
+
+After each verification the target's distributions at the accepted positions plus the
+first rejected one are free; each view's divergence from them (and, for `w-grid`, how each
+candidate weight vector's mixture would have done) is appended to a per-request history.
+The next block's weights come from the last `window` recorded positions (0 = all).
+All state lives on the device; nothing here syncs with the host.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+POLICIES = ("uniform", "kld", "tvd", "w-grid", "confidence")
+
+
+@dataclass
+class EnsembleConfig:
+    """policy: one of POLICIES. window: history positions used (0 = all). temperature:
+    optional temperature on the weights of `kld`/`tvd` (w = softmax(-log D / temperature);
+    None = 1, i.e. w ∝ 1/D). grid_step: spacing of the `w-grid` simplex grid."""
+
+    policy: str = "w-grid"
+    window: int = 0
+    temperature: Optional[float] = None
+    grid_step: float = 0.1
+    num_views: int = 2
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown ensemble policy {self.policy!r}; choose one of {POLICIES}")
+        if not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"window must be an int >= 0 (0 = all positions), got {self.window!r}")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError(f"weight temperature must be > 0, got {self.temperature}")
+        steps = round(1.0 / self.grid_step) if self.grid_step > 0 else 0
+        if steps < 1 or abs(steps * self.grid_step - 1.0) > 1e-6:
+            raise ValueError(f"grid_step must divide 1 (e.g. 0.1, 0.25), got {self.grid_step}")
+
+    def grid(self, device) -> torch.Tensor:
+        """All weight vectors [G, K] with entries on multiples of grid_step summing to 1."""
+        n, K = round(1.0 / self.grid_step), self.num_views
+        pts = [c for c in itertools.product(range(n + 1), repeat=K - 1) if sum(c) <= n]
+        g = torch.tensor([list(c) + [n - sum(c)] for c in pts], dtype=torch.float32, device=device)
+        return g / n
+
+
+class EnsembleState:
+    """Per-generation history for B requests × K views, with capacity for `capacity`
+    recorded positions per request."""
+
+    def __init__(self, cfg: EnsembleConfig, batch: int, capacity: int, device):
+        self.cfg = cfg
+        K = cfg.num_views
+        self.K, self.B = K, batch
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.div = torch.zeros(batch, K, capacity, device=device)          # KL or TV per view
+        self.grid = cfg.grid(device) if cfg.policy == "w-grid" and K > 1 else None
+        G = 0 if self.grid is None else self.grid.shape[0]
+        self.match = torch.zeros(batch, G, capacity, device=device)       # mixture argmax == target's
+        self.gkl = torch.zeros(batch, G, capacity, device=device)          # KL(p || mixture)
+        self.cursor = 0
+        self._uniform = torch.full((batch, K), 1.0 / K, device=device)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.cfg.policy in ("kld", "tvd", "w-grid") and self.K > 1
+
+    def record(self, p_logits, q_logits, valid, temperature: float = 1.0):
+        """Append one block. p_logits [B, P, V] target, q_logits [B, K, P, V] views,
+        valid [B, P] bool (accepted positions plus the first rejected one)."""
+        if not self.adaptive:
+            return
+        from .ops.window_divergence import window_divergence
+
+        P = valid.shape[1]
+        if self.cursor + P > self.valid.shape[1]:
+            raise RuntimeError("ensemble history capacity exceeded")
+        kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid)
+        sl = slice(self.cursor, self.cursor + P)
+        self.valid[:, sl] = valid
+        self.div[:, :, sl] = kl if self.cfg.policy in ("kld", "w-grid") else tv
+        if self.grid is not None:
+            self.match[:, :, sl] = gm.float()
+            self.gkl[:, :, sl] = gkl
+        self.cursor += P
+
+    def _in_window(self) -> torch.Tensor:
+        """[B, capacity] mask of the last `window` valid positions (all when window = 0)."""
+        v = self.valid[:, : self.cursor]
+        if self.cfg.window == 0:
+            return v
+        from_end = v.flip(-1).cumsum(-1).flip(-1)     # valid positions at or after each slot
+        return v & (from_end <= self.cfg.window)
+
+    def weights(self) -> torch.Tensor:
+        """Weights [B, K] for the next block (uniform before any history)."""
+        if not self.adaptive or self.cursor == 0:
+            return self._uniform
+        w_mask = self._in_window().float()                    # [B, H]
+        any_pos = w_mask.sum(-1, keepdim=True) > 0             # [B, 1]
+        if self.cfg.policy == "w-grid":
+            H = self.cursor
+            match = (self.match[:, :, :H] * w_mask[:, None]).sum(-1)     # [B, G]
+            kl = (self.gkl[:, :, :H] * w_mask[:, None]).sum(-1)          # [B, G]
+            best = match.max(-1, keepdim=True).values
+            kl = kl.masked_fill(match < best, float("inf"))
+            w = self.grid[kl.argmin(-1)]                                   # [B, K]
+        else:
+            d = (self.div[:, :, : self.cursor] * w_mask[:, None]).sum(-1)  # [B, K]
+            t = self.cfg.temperature or 1.0
+            w = torch.softmax(-torch.log(d.clamp_min(1e-12)) / t, dim=-1)
+        return torch.where(any_pos, w, self._uniform)
+
+
+def confidence_weights(logits: torch.Tensor, B: int, K: int, temperature: float) -> torch.Tensor:
+    """`confidence` policy: one-hot weights [B, K] on the view whose next-token distribution
+    has the largest max probability. logits: [B*K, V]."""
+    x = logits.float() / temperature
+    conf = (x.max(-1).values - torch.logsumexp(x, -1)).view(B, K)
+    return torch.nn.functional.one_hot(conf.argmax(-1), K).float()

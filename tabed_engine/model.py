@@ -1,0 +1,178 @@
+"""Compact Llama-family decoder over a static KV cache with per-row lengths.
+
+One forward call serves prefill (ragged rows, right-padded), chain decode, target
+verification of γ+1 tokens and tree nodes: every row r writes its T new tokens' K/V at
+cache slots `lengths[r] + t` and each new token attends to the row's committed prefix
+`[0, lengths[r])` plus the new tokens its `tree_mask` bits allow (causal by default).
+Rolling back after a rejection is lowering `lengths` — no copy.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LMConfig
+
+
+class KVCache:
+    """Static cache `k, v: [L, rows, kv_heads, S_max, head_dim]` plus per-row lengths."""
+
+    def __init__(self, cfg: LMConfig, rows: int, max_len: int, device, dtype):
+        shape = (cfg.num_layers, rows, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(rows, device=device, dtype=torch.int32)  # [rows]
+        self.max_len = max_len
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(cfg: LMConfig, max_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_pos, head_dim] in float32 (HF's rotate-half convention)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64,
+                                                  device=device).float() / cfg.head_dim))
+    t = torch.arange(max_pos, device=device, dtype=torch.float32) / cfg.rope_scaling_factor
+    freqs = torch.outer(t, inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    # x: [R, T, H, D]; cos/sin: [R, T, 1, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, h * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx: "ForwardContext"):
+        # x: [R, T, hidden]; k_cache/v_cache: [R, kv, S, hd] (this layer)
+        R, T, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(R, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(R, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(R, T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # write the new tokens at each row's own slots: cache[r, :, slots[r, t]] = k[r, t]
+        k_cache[ctx.row_index, :, ctx.slots] = k
+        v_cache[ctx.row_index, :, ctx.slots] = v
+        S = ctx.kv_len
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_cache[:, :, :S], v_cache[:, :, :S],
+            attn_mask=ctx.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ForwardContext:
+    """Per-call metadata shared by all layers (built once per forward, not per layer)."""
+
+    def __init__(self, lengths, T: int, kv_len: int, tree_mask=None):
+        # lengths: [R] int32 committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
+        R = lengths.shape[0]
+        dev = lengths.device
+        ar = torch.arange(T, device=dev)
+        self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
+        self.slots = lengths.long()[:, None] + ar[None, :]                  # [R, T]
+        self.kv_len = kv_len
+        s = torch.arange(kv_len, device=dev)                                # [S]
+        rel = s[None, None, :] - lengths.long()[:, None, None]              # [R, 1, S]
+        prefix = rel < 0
+        if tree_mask is None:
+            new = (rel >= 0) & (rel <= ar[None, :, None])                   # causal among new
+        else:
+            idx = rel.clamp(0, T - 1).expand(R, T, kv_len)
+            new = (rel >= 0) & (rel < T) & torch.gather(tree_mask, 2, idx)
+        self.mask = (prefix | new)[:, None]                                  # [R, 1, T, S]
+
+
+class LlamaLM(nn.Module):
+    """Decoder + embeddings + head. Weights are mapped from a HF checkpoint by the loader."""
+
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope = None
+
+    def rope(self, max_pos: int, device):
+        if self._rope is None or self._rope[0].shape[0] < max_pos or self._rope[0].device != device:
+            self._rope = rope_tables(self.cfg, max(max_pos, 256), device)
+        return self._rope
+
+    def forward(self, cache: KVCache, positions: torch.Tensor, *, input_ids=None, embeds=None,
+                tree_mask: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
+                kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None):
+        """Run T new tokens per row; returns logits in float32.
+
+        positions: [R, T] RoPE positions. input_ids: [R, T] or embeds: [R, T, hidden].
+        tree_mask: [R, T, T] bool (node i sees node j) or None for causal.
+        logits_index: [R, n] indices into T of the positions whose logits are wanted
+        (None = all). kv_len: attend over cache slots [0, kv_len) (default: whole cache).
+        lengths: per-row committed prefix (default `cache.lengths`). Does not update lengths.
+        """
+        x = self.embed_tokens(input_ids) if embeds is None else embeds
+        R, T = positions.shape
+        lengths = cache.lengths if lengths is None else lengths
+        kv_len = cache.max_len if kv_len is None else kv_len
+        ctx = ForwardContext(lengths, T, kv_len, tree_mask)
+        cos_t, sin_t = self.rope(int(self.cfg.max_position_embeddings), x.device)
+        cos = cos_t[positions][:, :, None, :]
+        sin = sin_t[positions][:, :, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], ctx)
+        if logits_index is not None:
+            x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.norm(x)).float()
