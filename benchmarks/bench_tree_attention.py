@@ -1,0 +1,161 @@
+"""Benchmark: Triton tree attention vs SDPA with a dense boolean mask (eager and compiled).
+
+    python benchmarks/bench_tree_attention.py [--out benchmarks/results/tree_attention.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_tree_attention.py --smoke   # CPU, tiny, no claims
+
+Shapes: rows R (1 = target verification of one request, 4/8 = draft-like rows), H = Hkv = 32,
+D = 128, bf16, every row with the same prefix and a causal chain of N nodes (tree slots
+after the prefix). Columns (median of triton.testing.do_bench, which flushes L2 before each
+call so K/V come from HBM):
+  triton    the kernel (split-K included)
+  sdpa      torch SDPA on the cache slice [0, prefix + N) with a dense bool mask, eager
+  compiled  torch.compile of the same function (static shapes)
+  ref       tabed_engine.ops.tree_attention_reference (fp32 upcast, poisoned-slot cleaning)
+GB/s counts the bytes the op must move: K/V over [0, prefix + N) once, q and out.
+TFLOP/s counts QK^T and PV over each node's visible slots. The copy ceiling is a
+device-to-device copy measured in the same run.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import triton
+
+from tabed_engine.kernels import tree_attention as _k
+from tabed_engine.ops.tree_attention import tree_attention_mask, tree_attention_reference
+
+
+def sdpa_dense(q, k_cache, v_cache, lengths, tree_mask, span: int):
+    # q: [R, N, H, D]  caches: [R, Hkv, S, D] with H == Hkv here
+    mask = tree_attention_mask(lengths, tree_mask, span)  # [R, N, span]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=mask[:, None])
+    return out.transpose(1, 2)
+
+
+def make_inputs(R, N, H, Hkv, D, prefix, S, dtype, device):
+    q = torch.randn(R, N, H, D, device=device, dtype=dtype)
+    cache = torch.randn(2, R, Hkv, S, D, device=device, dtype=dtype)  # one layer of K and of V
+    lengths = torch.full((R,), prefix, device=device, dtype=torch.int32)
+    chain = [(1 << (i + 1)) - 1 for i in range(N)]
+    tree_mask = torch.tensor([[w - (1 << 64) if w >= 1 << 63 else w for w in chain]] * R,
+                             device=device, dtype=torch.int64)
+    return q, cache[0], cache[1], lengths, tree_mask
+
+
+def bytes_and_flops(R, N, H, Hkv, D, prefix, elt):
+    kv = 2 * R * Hkv * (prefix + N) * D * elt
+    qo = 2 * R * N * H * D * elt
+    visible = N * prefix + N * (N + 1) // 2  # chain: node i sees prefix + i + 1 slots
+    return kv + qo, 4 * R * H * D * visible
+
+
+def timer(smoke):
+    if not smoke:
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def wall_ms(fn):  # interpreter: one warm call, one timed call; numbers mean nothing
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return wall_ms
+
+
+def copy_bandwidth(device, smoke):
+    n = (1 << 20) if smoke else (1 << 29)  # 1 GiB bf16 each way on the GPU: far past L2
+    src = torch.empty(n, device=device, dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    ms = timer(smoke)(lambda: dst.copy_(src))
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tree_attention[_smoke].json)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--prefix", type=int, nargs="+", default=[600, 1000, 2000])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    args = ap.parse_args(argv)
+
+    if args.smoke:
+        device, H, Hkv, D, S = "cpu", 4, 4, 64, 160
+        args.rows, args.prefix, args.nodes = [1, 2], [40, 70], [1, 5]
+        args.no_compile = True
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU (or --smoke on CPU)")
+        device, H, Hkv, D, S = "cuda", 32, 32, 128, 4096
+    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        "tree_attention_smoke.json" if args.smoke else "tree_attention.json")
+    dtype = torch.bfloat16
+    bench = timer(args.smoke)
+    compiled = None
+    if not args.no_compile:
+        # One static-shape graph per (R, N, prefix): lift the recompile cap (default 8) so no
+        # shape silently falls back to eager.
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 1024)
+        compiled = torch.compile(sdpa_dense, dynamic=False)
+
+    copy_gbs = copy_bandwidth(device, args.smoke)
+    rows = []
+    header = (f"{'R':>2} {'prefix':>6} {'N':>3} | {'triton':>8} {'sdpa':>8} {'compiled':>8} {'ref':>8} us"
+              f" | {'GB/s':>6} {'%copy':>5} {'TF/s':>5} | {'x sdpa':>6} {'x comp':>6} {'max err':>8}")
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (interpreter)'}"
+          f"  copy bandwidth {copy_gbs:.0f} GB/s")
+    print(header)
+    for R in args.rows:
+        for prefix in args.prefix:
+            for N in args.nodes:
+                q, k, v, lengths, tm = make_inputs(R, N, H, Hkv, D, prefix, S, dtype, device)
+                span = prefix + N
+                out = torch.empty_like(q)
+                t = {"triton": bench(lambda: _k.tree_attention(q, k, v, lengths, tm, out=out)),
+                     "sdpa": bench(lambda: sdpa_dense(q, k, v, lengths, tm, span)),
+                     "ref": bench(lambda: tree_attention_reference(q, k, v, lengths, tm, span=span))}
+                if compiled is not None:
+                    t["compiled"] = bench(lambda: compiled(q, k, v, lengths, tm, span))
+                truth = tree_attention_reference(q, k, v, lengths, tm, span=span)
+                err = (out.float() - truth.float()).abs().max().item()
+                nbytes, flops = bytes_and_flops(R, N, H, Hkv, D, prefix, q.element_size())
+                gbs = nbytes / (t["triton"] * 1e-3) / 1e9
+                tfs = flops / (t["triton"] * 1e-3) / 1e12
+                comp = t.get("compiled", float("nan"))
+                rows.append(dict(R=R, H=H, Hkv=Hkv, D=D, prefix=prefix, N=N, dtype=str(dtype),
+                                 ms=t, bytes=nbytes, flops=flops, triton_gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+                                 triton_tflops=tfs, speedup_vs_sdpa=t["sdpa"] / t["triton"],
+                                 speedup_vs_ref=t["ref"] / t["triton"],
+                                 speedup_vs_compiled=comp / t["triton"], max_abs_err=err))
+                print(f"{R:>2} {prefix:>6} {N:>3} | {t['triton'] * 1e3:>8.1f} {t['sdpa'] * 1e3:>8.1f} "
+                      f"{comp * 1e3:>8.1f} {t['ref'] * 1e3:>8.1f}    | {gbs:>6.0f} {100 * gbs / copy_gbs:>5.1f} "
+                      f"{tfs:>5.1f} | {t['sdpa'] / t['triton']:>6.2f} {comp / t['triton']:>6.2f} {err:>8.2g}")
+
+    result = dict(
+        op="tree_attention", smoke=args.smoke,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1)",
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
+        copy_gbs=copy_gbs, timer="triton.testing.do_bench median (L2 flushed)" if not args.smoke else "wall clock",
+        rows=rows,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

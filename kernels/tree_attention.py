@@ -1,0 +1,258 @@
+"""Tree attention over a static KV cache: decode, chain verification and tree verification.
+
+Query node i of row r attends to the committed prefix, cache slots [0, lengths[r]), and to
+the tree slots lengths[r] + j whose bit j is set in tree_mask[r, i] (the nodes' own K/V are
+already in the cache). One program owns a tile of (node, query head) pairs that share one
+kv head, so K/V are read once per kv head and QK^T / PV run on tensor cores (tl.dot).
+Flash-decoding online softmax in fp32, base-2 exponentials with the scale folded in.
+
+Two key loops per program: the full prefix blocks need no mask at all (every query sees
+them), only the one or two blocks that hold the prefix end and the tree slots test bits.
+
+Split-K: with few rows (R=1, Hkv=32 -> 32 programs on 132 SMs) most SMs would idle and a
+single SM cannot keep enough loads in flight to come near HBM bandwidth, so key blocks are
+dealt round-robin to SPLITS programs per (row, kv head) and a small kernel combines their
+partial (max, sum, unnormalised output). The deal is cyclic (block b -> split b % SPLITS)
+so the work stays balanced for any length without reading `lengths` on the host.
+"""
+import torch
+import triton
+import triton.language as tl
+
+_MAX_NODES = 64  # tree_mask is one int64 word per node
+_SM_COUNT = {}
+
+
+@triton.jit
+def _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis,
+                  MASKED: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    # q: [BM, BD]  k, v: [BN, BD]  vis: [BM, BN] (only read when MASKED)
+    in_ty = v.dtype
+    if DOT_FP32:  # the CPU interpreter's bf16 tl.dot returns garbage (triton 3.9); same values in fp32
+        q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * qk_scale
+    if MASKED:
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(in_ty).to(v.dtype), v, input_precision=PRECISION, out_dtype=tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
+    stride_qr, stride_qn, stride_qh,
+    stride_kr, stride_kh, stride_ks,
+    stride_vr, stride_vh, stride_vs,
+    stride_mr, stride_mn,
+    stride_or, stride_on, stride_oh,
+    R, N, H, S, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)  # tile of (node, head-in-group) pairs; fastest so tiles sharing K/V run together
+    pid_rh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_kv = H // GROUP
+    r = pid_rh // num_kv
+    kh = pid_rh % num_kv
+    length = tl.load(len_ptr + r)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # m = node * GROUP + g
+    node = offs_m // GROUP
+    head = kh * GROUP + offs_m % GROUP
+    m_ok = node < N
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_b = tl.arange(0, BLOCK_N)
+
+    q = tl.load(q_ptr + r * stride_qr + node[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    bits = tl.load(mask_ptr + r * stride_mr + node * stride_mn, mask=m_ok, other=0)
+    k_base = k_ptr + r * stride_kr + kh * stride_kh + offs_d[None, :]
+    v_base = v_ptr + r * stride_vr + kh * stride_vh + offs_d[None, :]
+
+    # Finite start so a row whose first blocks are all masked never computes (-inf) - (-inf).
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    n_full = length // BLOCK_N
+    for b in range(split, n_full, SPLITS):
+        offs_s = b * BLOCK_N + offs_b
+        if BLOCK_D == HEAD_DIM:  # no mask at all: plain vectorised loads
+            k = tl.load(k_base + offs_s[:, None] * stride_ks)
+            v = tl.load(v_base + offs_s[:, None] * stride_vs)
+        else:
+            k = tl.load(k_base + offs_s[:, None] * stride_ks, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_base + offs_s[:, None] * stride_vs, mask=d_ok[None, :], other=0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, DOT_FP32)
+
+    end = length + N
+    first = n_full + (split - n_full % SPLITS + SPLITS) % SPLITS  # continue the cyclic deal
+    for b in range(first, tl.cdiv(end, BLOCK_N), SPLITS):
+        offs_s = b * BLOCK_N + offs_b
+        s_ok = (offs_s < end) & (offs_s < S)  # slots past the tree may hold anything (NaN)
+        j = offs_s - length
+        in_tree = (j >= 0) & s_ok
+        jj = tl.where(in_tree, j, 0).to(tl.int64)
+        bit = ((bits[:, None] >> jj[None, :]) & 1) != 0
+        vis = (offs_s < length)[None, :] | (in_tree[None, :] & bit)
+        k = tl.load(k_base + offs_s[:, None] * stride_ks, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + offs_s[:, None] * stride_vs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis, True, PRECISION, DOT_FP32)
+
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + r * stride_or + node[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    else:
+        part = ((split * R + r) * N + node) * H + head  # partials: [SPLITS, R, N, H(, D)]
+        tl.store(m_part_ptr + part, m_i, mask=m_ok)
+        tl.store(l_part_ptr + part, l_i, mask=m_ok)
+        tl.store(acc_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _tree_attention_combine_kernel(
+    m_part_ptr, l_part_ptr, acc_part_ptr, out_ptr,
+    stride_or, stride_on, stride_oh, R, N, H,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # flat (r, n, h)
+    n_rows = R * N * H
+    row_ok = rows < n_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    m_run = tl.full([BLOCK_ROWS], -1.0e30, tl.float32)
+    l_run = tl.zeros([BLOCK_ROWS], tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
+    for sp in tl.static_range(SPLITS):  # a split that saw no key has m = -1e30, l = 0: weight 0
+        m = tl.load(m_part_ptr + sp * n_rows + rows, mask=row_ok, other=-1.0e30)
+        l = tl.load(l_part_ptr + sp * n_rows + rows, mask=row_ok, other=0.0)
+        a = tl.load(acc_part_ptr + (sp * n_rows + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m_run, m)
+        w_run = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        l_run = l_run * w_run + l * w
+        acc = acc * w_run[:, None] + a * w[:, None]
+        m_run = m_new
+    o = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    h = rows % H
+    n = (rows // H) % N
+    r = rows // (H * N)
+    o_ptrs = out_ptr + r[:, None] * stride_or + n[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _sm_count(device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
+    """Split-K factor, from shapes only (lengths stay on the device, no sync).
+
+    Reasoning, not yet a measurement: a BLOCK_N=64, D=128 bf16 K+V tile pair is 32 KB of
+    smem per pipeline stage, so 2 programs fit per SM (3 stages) and keep ~128 KB of loads
+    in flight per SM, well past what HBM latency x bandwidth needs (~30 KB/SM on H100/H200).
+    With fewer programs than 2 per SM the idle SMs' bandwidth is lost, so split until ~2 per
+    SM. Each split writes and the combine reads R*N*H*D fp32 partials; capping splits at
+    512 / (N*group) keeps that traffic under the K/V bytes of a 1024-key prefix (N=64 -> 8
+    splits, N=1 -> 16). Splits beyond a short row's block count just write m=-1e30, l=0.
+    """
+    if device.type != "cuda":
+        return 1
+    target = 2 * _sm_count(device)
+    if base_programs * 2 > target:
+        return 1
+    cap = min(16, max(1, 512 // queries_per_kv), max_blocks)
+    return max(1, min(triton.cdiv(target, base_programs), cap))
+
+
+def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=None, num_splits=None):
+    """Triton tree attention; see `tabed_engine.ops.tree_attention` for the contract.
+
+    q [R, N, H, D], k_cache/v_cache [R, Hkv, S, D] (any strides, unit last stride), lengths [R]
+    int32, tree_mask [R, N] int64 -> out [R, N, H, D] in q's dtype. `num_splits` overrides the
+    split-K heuristic (tests use it to cover both paths on the interpreter).
+    """
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(f"q must be [R, N, H, D] and k/v caches [R, Hkv, S, D], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    R, N, H, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != R or k_cache.shape[3] != D:
+        raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv})")
+    if not 1 <= N <= _MAX_NODES:
+        raise ValueError(f"N={N} query nodes per row, expected 1..{_MAX_NODES}")
+    if D > 256:
+        raise ValueError(f"head_dim {D} > 256 is not supported")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q dtype {q.dtype} not supported (float16, bfloat16, float32)")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if lengths.shape != (R,) or lengths.dtype != torch.int32:
+        raise ValueError(f"lengths must be int32 [{R}], got {lengths.dtype} {tuple(lengths.shape)}")
+    if tree_mask.shape != (R, N) or tree_mask.dtype != torch.int64:
+        raise ValueError(f"tree_mask must be int64 [{R}, {N}], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
+    tensors = (k_cache, v_cache, lengths, tree_mask)
+    if any(t.device != q.device for t in tensors):
+        raise ValueError("q, k_cache, v_cache, lengths and tree_mask must be on one device")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous last dim")
+    lengths = lengths.contiguous()
+    if R == 0:
+        return out
+
+    group = H // Hkv
+    BLOCK_M = min(64, max(16, triton.next_power_of_2(N * group)))
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    m_blocks = triton.cdiv(N * group, BLOCK_M)
+    splits = num_splits or _pick_splits(q.device, R * Hkv * m_blocks, N * group, triton.cdiv(S, BLOCK_N))
+    # fp32 inputs take the exact (non-TF32) tensor-core path: the fp32 engine path must match
+    # the reference to ~1e-6, TF32 would give ~1e-3.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    dot_fp32 = q.device.type != "cuda"  # interpreter
+    num_stages = 2 if (q.dtype == torch.float32 or BLOCK_D > 128) else 3
+    scale = D ** -0.5 if scale is None else float(scale)
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the kernel
+
+    if splits == 1:
+        m_part = l_part = acc_part = out  # unused
+    else:
+        m_part = torch.empty((splits, R, N, H), device=q.device, dtype=torch.float32)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty((splits, R, N, H, D), device=q.device, dtype=torch.float32)
+    _tree_attention_kernel[(m_blocks, R * Hkv, splits)](
+        q, k_cache, v_cache, lengths, tree_mask, out, m_part, l_part, acc_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        tree_mask.stride(0), tree_mask.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        R, N, H, S, qk_scale,
+        GROUP=group, HEAD_DIM=D, SPLITS=splits,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
+        num_warps=4, num_stages=num_stages,
+    )
+    if splits > 1:
+        block_rows = 16  # 16 x 128 fp32 per split step: 4 warps, enough programs at R*N*H >= 32
+        _tree_attention_combine_kernel[(triton.cdiv(R * N * H, block_rows),)](
+            m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2), R, N, H,
+            SPLITS=splits, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_D=BLOCK_D, num_warps=4,
+        )
+    return out

@@ -1,0 +1,137 @@
+"""Tree attention over the static KV cache (decode, chain verification, tree verification).
+
+Row r has a committed prefix of `lengths[r]` cache slots; its N query nodes' own K/V sit at
+slots lengths[r] + j. Node i sees the whole prefix plus the nodes j whose bit is set in
+`tree_mask[r, i]` (itself and its ancestors). A chain is the lower-triangular mask, plain
+decode is N = 1 with mask 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def tree_attention_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, span: int) -> torch.Tensor:
+    """Dense visibility mask of the first `span` cache slots.
+
+    Parameters
+    ----------
+    lengths : torch.Tensor
+        [R] int32/int64, committed prefix length per row.
+    tree_mask : torch.Tensor
+        [R, N] int64, bit j of tree_mask[r, i] set iff node i attends to node j.
+    span : int
+        Number of cache slots covered.
+
+    Returns
+    -------
+    torch.Tensor
+        [R, N, span] bool, True where node i of row r may attend to slot s.
+    """
+    R, N = tree_mask.shape
+    slot = torch.arange(span, device=tree_mask.device)  # [span]
+    j = slot[None, :] - lengths.to(torch.int64)[:, None]  # [R, span] node index of each slot
+    in_tree = (j >= 0) & (j < N)
+    bit = (tree_mask[:, :, None] >> j.clamp(0, 63)[:, None, :]) & 1  # [R, N, span]
+    return (j < 0)[:, None, :] | (in_tree[:, None, :] & (bit != 0))
+
+
+def tree_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    tree_mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+    span: int | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Plain-PyTorch tree attention: a dense boolean mask and SDPA.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [R, N, H, D] queries of the N nodes of each row (float16/bfloat16/float32).
+    k_cache, v_cache : torch.Tensor
+        [R, Hkv, S, D] one layer of the static cache, H a multiple of Hkv (query head h reads
+        kv head h // (H // Hkv)). The nodes' own K/V are already at slots lengths[r] + j.
+    lengths : torch.Tensor
+        [R] int32, committed prefix length per row.
+    tree_mask : torch.Tensor
+        [R, N] int64, bit j of tree_mask[r, i] set iff node i attends to node j.
+    scale : float, optional
+        Softmax scale, default 1 / sqrt(D).
+    span : int, optional
+        Cache slots to look at, at least max(lengths) + N. Default computes that bound,
+        which syncs with the host; pass it to stay sync-free (e.g. under torch.compile).
+    upcast : bool
+        Compute in float32 and cast the result back (default); else in q's dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        [R, N, H, D] in q's dtype.
+    """
+    R, N, H, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if span is None:
+        span = min(S, int(lengths.max()) + N) if R else 0
+    mask = tree_attention_mask(lengths, tree_mask, span)  # [R, N, span]
+    # Slots past a row's tree may hold garbage (even NaN); a zero softmax weight times NaN is
+    # still NaN, so those K/V are zeroed rather than only masked.
+    live = (torch.arange(span, device=q.device)[None, :] < (lengths.to(torch.int64) + N)[:, None])
+    live = live[:, None, :, None]  # [R, 1, span, 1]
+    k = torch.where(live, k_cache[:, :, :span], 0)
+    v = torch.where(live, v_cache[:, :, :span], 0)
+    if H != Hkv:
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    qt = q.transpose(1, 2)  # [R, H, N, D]
+    if upcast:
+        qt, k, v = qt.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2).to(q.dtype).contiguous()
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    tree_mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tree attention: the Triton kernel for CUDA tensors, else the reference.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [R, N, H, D], N <= 64, any strides with a contiguous last dimension.
+    k_cache, v_cache : torch.Tensor
+        [R, Hkv, S, D], e.g. `cache[layer]` of a [L, R, Hkv, S, D] tensor (strides honoured).
+    lengths : torch.Tensor
+        [R] int32 on q's device, committed prefix length per row.
+    tree_mask : torch.Tensor
+        [R, N] int64, bit j of tree_mask[r, i] set iff node i attends to node j (own bit
+        included). Slots >= lengths[r] + N are never read.
+    scale : float, optional
+        Softmax scale, default 1 / sqrt(D).
+    out : torch.Tensor, optional
+        [R, N, H, D] buffer in q's dtype to write into (e.g. a CUDA-graph static buffer).
+
+    Returns
+    -------
+    torch.Tensor
+        [R, N, H, D] in q's dtype.
+    """
+    if q.is_cuda:
+        from tabed_engine.kernels import tree_attention as _k
+
+        return _k.tree_attention(q, k_cache, v_cache, lengths, tree_mask, scale=scale, out=out)
+    result = tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, scale=scale)
+    if out is None:
+        return result
+    return out.copy_(result)

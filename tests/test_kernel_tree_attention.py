@@ -1,0 +1,214 @@
+"""Tree attention: Triton kernel (interpreter on CPU) and PyTorch reference vs a brute-force loop.
+
+The ground truth gathers each node's visible slots one by one (no dense mask) in float64.
+Low-precision kernels must stay within ~2x the error of the same-precision PyTorch
+computation (flash-attention style). Cache slots past each row's tree, the other layer of
+the cache and the output buffer are NaN-poisoned.
+"""
+import pytest
+import torch
+
+from tabed_engine.kernels import tree_attention as _k
+from tabed_engine.ops.tree_attention import tree_attention, tree_attention_mask, tree_attention_reference
+
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+def _signed(word):
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def random_tree_masks(R, N, gen, chain=False):
+    """[R, N] int64 masks: random parent < child (or -1 = hangs off the prefix), mask = ancestors | self."""
+    rows = []
+    for _ in range(R):
+        words = []
+        for i in range(N):
+            parent = i - 1 if chain else int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+            words.append((words[parent] if parent >= 0 else 0) | (1 << i))
+        rows.append([_signed(w) for w in words])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def bruteforce(q, k_cache, v_cache, lengths, tree_mask, scale, dtype):
+    """Visible slots listed node by node from the mask bits (no shared code with the kernel or
+    `tree_attention_mask`). float64 = ground truth; bf16/fp16 = the same-precision baseline
+    (scores and P rounded to dtype, softmax in fp32)."""
+    R, N, H, D = q.shape
+    group = H // k_cache.shape[1]
+    out = torch.empty(R, N, H, D, dtype=dtype)
+    for r in range(R):
+        length = int(lengths[r])
+        vis = torch.zeros(N, length + N, dtype=torch.bool)
+        for i in range(N):
+            word = int(tree_mask[r, i]) & ((1 << 64) - 1)
+            vis[i, :length] = True
+            vis[i, [length + j for j in range(N) if word >> j & 1]] = True
+        k = k_cache[r][:, : length + N].to(dtype).repeat_interleave(group, 0)  # [H, L, D]
+        v = v_cache[r][:, : length + N].to(dtype).repeat_interleave(group, 0)
+        s = torch.einsum("nhd,hld->hnl", q[r].to(dtype), k).double() * scale
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)
+        p = p.to(dtype if dtype == torch.float64 else torch.float32).to(dtype)
+        out[r] = torch.einsum("hnl,hld->nhd", p, v)
+    return out
+
+
+def make_case(R, N, H, Hkv, D, dtype, device, *, chain=False, seed=0, S=None, lengths=None):
+    gen = torch.Generator().manual_seed(seed)
+    S = S or 200 + N + 3  # > 3 key blocks of 64, not a multiple of anything
+    if lengths is None:
+        lengths = torch.randint(0, S - N + 1, (R,), generator=gen)
+        lengths[0] = 0
+        if R > 1:
+            lengths[1] = S - N  # tree ends on the last slot
+        if R > 2:
+            lengths[2] = 7
+    lengths = torch.as_tensor(lengths, dtype=torch.int32)
+    # Layer 1 of a two-layer K/V cache stored [L, R, S, Hkv, D] and viewed [L, R, Hkv, S, D]
+    # (non-trivial strides); the other layer and the slots past each row's tree are NaN.
+    cache = torch.full((2, 2, R, S, Hkv, D), float("nan"))
+    live = torch.randn(2, R, S, Hkv, D, generator=gen)
+    for r in range(R):
+        n_live = int(lengths[r]) + N
+        cache[:, 1, r, :n_live] = live[:, r, :n_live]
+    cache = cache.to(device=device, dtype=dtype).transpose(3, 4)
+    # q as a slice of a fused [R, N, H + 2 Hkv, D] projection output: non-contiguous.
+    qkv = torch.randn(R, N, H + 2 * Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    masks = random_tree_masks(R, N, gen, chain=chain)
+    return qkv[:, :, :H], cache[0, 1], cache[1, 1], lengths.to(device), masks.to(device)
+
+
+def check(q, k, v, lengths, masks, out, scale=None):
+    """Assert out (kernel result) is within 2x the same-precision baseline error of the truth."""
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    args = [t.cpu() for t in (q, k, v, lengths, masks)]
+    truth = bruteforce(*args, scale, torch.float64)
+    out = out.cpu().double()
+    assert torch.isfinite(out).all(), "kernel left NaN/inf (unwritten output or read a poisoned slot)"
+    err = (out - truth).abs().max().item()
+    base_dtype = q.dtype if q.dtype != torch.float32 else torch.float32
+    base_err = (bruteforce(*args, scale, base_dtype).double() - truth).abs().max().item()
+    assert err <= 2 * base_err + ATOL[q.dtype], f"max err {err:.3g} vs same-precision baseline {base_err:.3g}"
+
+
+HEADS = [(4, 4), (8, 2), (6, 1)]
+CASES = [
+    (R, N, H, Hkv, D, dtype, chain, splits)
+    for i, (N, (H, Hkv), dtype) in enumerate(
+        (N, hh, dt) for N in (1, 5, 17, 64) for hh in HEADS for dt in (torch.bfloat16, torch.float16, torch.float32))
+    for R, D, chain in [((1, 4, 9, 3)[i % 4], (64, 80)[i % 2], i % 3 == 1)]
+    for splits in [{1: 3, 3: 3, 4: 2, 9: 1}[R]]  # the interpreter pays per program: split small R
+]
+
+
+@pytest.mark.parametrize("R,N,H,Hkv,D,dtype,chain,splits", CASES)
+def test_kernel_matches_bruteforce(R, N, H, Hkv, D, dtype, chain, splits, kernel_device):
+    q, k, v, lengths, masks = make_case(R, N, H, Hkv, D, dtype, kernel_device, chain=chain, seed=R * 100 + N)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    res = _k.tree_attention(q, k, v, lengths, masks, out=out, num_splits=splits)
+    assert res is out
+    check(q, k, v, lengths, masks, out)
+
+
+@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_kernel_padded_head_dims_and_scale(D, splits, kernel_device):
+    q, k, v, lengths, masks = make_case(3, 9, 4, 2, D, torch.bfloat16, kernel_device, seed=D + splits)
+    out = _k.tree_attention(q, k, v, lengths, masks, scale=0.3, num_splits=splits)
+    check(q, k, v, lengths, masks, out, scale=0.3)
+
+
+def test_kernel_more_splits_than_blocks(kernel_device):
+    # Rows of length 0 and 7: most splits get no key block and must drop out of the combine.
+    q, k, v, lengths, masks = make_case(2, 5, 4, 4, 64, torch.float32, kernel_device, lengths=[0, 7], S=80)
+    out = _k.tree_attention(q, k, v, lengths, masks, num_splits=6)
+    check(q, k, v, lengths, masks, out)
+
+
+def test_mask_changes_result(kernel_device):
+    # Guards against a kernel that ignores the tree: a chain and a star give different outputs.
+    q, k, v, lengths, _ = make_case(2, 6, 4, 4, 64, torch.float32, kernel_device, lengths=[0, 30])
+    chain = random_tree_masks(2, 6, None, chain=True).to(kernel_device)
+    star = torch.tensor([[1 << i for i in range(6)]] * 2, device=kernel_device)
+    a = _k.tree_attention(q, k, v, lengths, chain)
+    b = _k.tree_attention(q, k, v, lengths, star)
+    assert (a[:, 1:] - b[:, 1:]).abs().amax() > 1e-2
+    torch.testing.assert_close(a[:, 0], b[:, 0])  # node 0 sees the same slots in both
+    check(q, k, v, lengths, star, b)
+
+
+@pytest.mark.parametrize("dtype,upcast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_reference_matches_bruteforce(dtype, upcast):
+    q, k, v, lengths, masks = make_case(4, 17, 8, 2, 80, dtype, "cpu", seed=5)
+    out = tree_attention_reference(q, k, v, lengths, masks, upcast=upcast)
+    assert out.dtype == dtype and out.shape == q.shape
+    if upcast:
+        check(q, k, v, lengths, masks, out)
+    else:  # bf16 SDPA: same order of error as the bf16 baseline
+        truth = bruteforce(q, k, v, lengths, masks, 80 ** -0.5, torch.float64)
+        assert (out.double() - truth).abs().max() < 3e-2
+
+
+def test_reference_span_and_mask_helper():
+    lengths = torch.tensor([0, 3], dtype=torch.int32)
+    masks = torch.tensor([[1, 3], [1, 2]])  # row 1 node 1 does not see node 0
+    m = tree_attention_mask(lengths, masks, 6)
+    expect = torch.tensor([[[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]],
+                           [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]]], dtype=torch.bool)
+    assert torch.equal(m, expect)
+    q, k, v, lengths, masks = make_case(2, 5, 4, 4, 64, torch.float32, "cpu", lengths=[4, 20], S=40)
+    full = tree_attention_reference(q, k, v, lengths, masks)
+    torch.testing.assert_close(tree_attention_reference(q, k, v, lengths, masks, span=40), full)
+
+
+def test_bit63_and_dispatch_on_cpu(kernel_device):
+    # N = 64 uses the sign bit of the int64 word; the CPU dispatcher must give the reference.
+    q, k, v, lengths, _ = make_case(2, 64, 4, 2, 64, torch.float32, "cpu", lengths=[0, 11], S=80)
+    masks = random_tree_masks(2, 64, None, chain=True)
+    assert (masks[:, 63] < 0).all()
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    assert tree_attention(q, k, v, lengths, masks, out=out) is out
+    check(q, k, v, lengths, masks, out)
+    dev = [t.to(kernel_device) for t in (q, k, v, lengths, masks)]
+    torch.testing.assert_close(_k.tree_attention(*dev).cpu(), out, atol=1e-5, rtol=1e-5)
+
+
+def test_launcher_rejects_bad_input():
+    q, k, v, lengths, masks = make_case(2, 5, 4, 2, 64, torch.float32, "cpu", lengths=[0, 7], S=40)
+    with pytest.raises(ValueError, match="int32"):
+        _k.tree_attention(q, k, v, lengths.long(), masks)
+    with pytest.raises(ValueError, match="multiple"):
+        _k.tree_attention(q[:, :, :3], k, v, lengths, masks)
+    with pytest.raises(ValueError, match="tree_mask"):
+        _k.tree_attention(q, k, v, lengths, masks[:, :4])
+    with pytest.raises(ValueError, match="contiguous last"):
+        _k.tree_attention(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, lengths, masks)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        _k.tree_attention(q, k.half(), v, lengths, masks)
+    big = torch.zeros(1, 65, 4, 64)
+    with pytest.raises(ValueError, match="N=65"):
+        _k.tree_attention(big, k[:1], v[:1], lengths[:1], torch.ones(1, 65, dtype=torch.int64))
+
+
+# ---- GPU only: real cache sizes, default split heuristic ------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,H,Hkv,N,lengths", [
+    (1, 32, 32, 1, [1999]), (1, 32, 32, 64, [600]), (1, 32, 8, 17, [4000]),
+    (5, 32, 8, 64, [0, 7, 600, 1999, 4031]), (8, 32, 32, 6, [5, 900, 1000, 1100, 2000, 3000, 3500, 4090]),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_long_prefix_default_splits(R, H, Hkv, N, lengths, dtype):
+    q, k, v, lengths, masks = make_case(R, N, H, Hkv, 128, dtype, "cuda", S=4096 + 1, lengths=lengths, seed=N)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    _k.tree_attention(q, k, v, lengths, masks, out=out)
+    check(q, k, v, lengths, masks, out)
+
+@pytest.mark.gpu
+def test_gpu_split_heuristic_fills_sms():
+    dev = torch.device("cuda")
+    sms = _k._sm_count(dev)
+    assert _k._pick_splits(dev, 32, 1, 64) * 32 >= sms  # R=1, Hkv=32 decode keeps every SM busy
+    assert _k._pick_splits(dev, 32, 64, 64) >= 2
+    assert _k._pick_splits(dev, 4 * sms, 1, 64) == 1
