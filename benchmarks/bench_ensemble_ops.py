@@ -1,0 +1,206 @@
+"""Microbenchmark of the ensemble ops: ensemble_mix, window_divergence, chain_verify.
+
+For each op at engine shapes (B=1, K in {1, 2, 4}, V=32064, P = gamma in {5, 6}) and at
+bandwidth shapes (64+ rows), times the Triton op, the eager PyTorch reference and
+torch.compile of the reference (triton.testing.do_bench, median; plus CUDA-graph replay
+timings, since the engine runs these ops inside CUDA graphs), and reports achieved GB/s
+from the bytes each op must move next to the device-to-device copy bandwidth measured
+in the same run.
+
+    python benchmarks/bench_ensemble_ops.py [--out benchmarks/results/ensemble_ops.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_ensemble_ops.py --smoke   # CPU check, no timings
+"""
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import triton  # noqa: E402
+import triton.testing
+
+from tabed_engine.kernels import chain_verify as k_cv
+from tabed_engine.kernels import ensemble_mix as k_em
+from tabed_engine.kernels import window_divergence as k_wd
+from tabed_engine.ops.chain_verify import chain_verify_reference
+from tabed_engine.ops.ensemble_mix import ensemble_mix_reference
+from tabed_engine.ops.window_divergence import window_divergence_reference
+
+
+def simplex_grid(K, steps=10):
+    pts = [c for c in itertools.product(range(steps + 1), repeat=K) if sum(c) == steps]
+    return torch.tensor(pts, dtype=torch.float32) / steps
+
+
+OPS = {  # op: (Triton launcher, PyTorch reference)
+    "ensemble_mix": (k_em.ensemble_mix, ensemble_mix_reference),
+    "window_divergence": (k_wd.window_divergence, window_divergence_reference),
+    "chain_verify": (k_cv.chain_verify, chain_verify_reference),
+}
+
+
+def cases(smoke, device):
+    """(op, label, bytes it must move, args, kwargs, reference comparable) per configuration."""
+    V = 64 if smoke else 32064
+    dt, es = torch.bfloat16, 2
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 2.0).to(dt).to(device)
+
+    out = []
+    # ensemble_mix: logits read once from DRAM (pass 2 re-reads from L2).  Greedy is compared
+    # with the reference; the reference's sampling syncs the host, so sampling is Triton-only.
+    em_shapes = [(1, 1), (1, 4)] if smoke else [(1, 1), (1, 2), (1, 4), (16, 4), (64, 1), (128, 4)]
+    for B, K in em_shapes:
+        logits = rnd(B * K, V)
+        w = torch.full((B, K), 1.0 / K, device=device)
+        seed = torch.zeros(1, dtype=torch.int64, device=device)
+        off = torch.zeros(1, dtype=torch.int64, device=device)
+        nbytes = B * K * V * es
+        out.append(("ensemble_mix", f"greedy B={B} K={K} V={V}", nbytes, (logits, w),
+                    {"greedy": True}, True))
+        out.append(("ensemble_mix", f"sample B={B} K={K} V={V}", nbytes, (logits, w),
+                    {"greedy": False, "seed": seed, "offset": off}, False))
+    # window_divergence: P history positions of the [P, B, K(+1), V] buffer, as the engine
+    # passes them; grid = the w-grid policy's 0.1-step simplex grid.
+    wd_shapes = [(1, 2, 5, False), (1, 2, 5, True)] if smoke else [
+        (1, 1, 5, False), (1, 2, 5, False), (1, 4, 6, False), (16, 4, 6, False),
+        (64, 1, 6, False), (1, 2, 5, True), (1, 4, 6, True)]
+    for B, K, P, with_grid in wd_shapes:
+        buf = rnd(P, B, K + 1, V)
+        p_l, q_l = buf[:, :, 0].permute(1, 0, 2), buf[:, :, 1:].permute(1, 2, 0, 3)
+        grid = simplex_grid(K, 2 if smoke else 10).to(device) if with_grid else None
+        tag = f" G={grid.shape[0]}" if with_grid else ""
+        out.append(("window_divergence", f"B={B} K={K} P={P} V={V}{tag}", B * (K + 1) * P * V * es,
+                    (p_l, q_l), {"grid": grid}, True))
+    # chain_verify: greedy on bf16 logits with every token accepted (all gamma+1 rows read);
+    # sampling on fp32 probabilities with q == p (all accepted, bonus drawn from p_gamma).
+    cv_shapes = [(1, 5)] if smoke else [(1, 5), (1, 6), (64, 5), (256, 6)]
+    for B, gamma in cv_shapes:
+        logits = rnd(B, gamma + 1, V)
+        draft = logits[:, :gamma].argmax(-1)
+        out.append(("chain_verify", f"greedy B={B} gamma={gamma} V={V}", B * (gamma + 1) * V * es,
+                    (draft, None, logits), {"greedy": True}, True))
+        p = torch.softmax(logits.float(), dim=-1)
+        q = p[:, :gamma].contiguous()
+        u = torch.rand(B, gamma + 1, generator=g).to(device)
+        out.append(("chain_verify", f"sample B={B} gamma={gamma} V={V}", B * V * 4,
+                    (draft, q, p), {"greedy": False, "uniforms": u}, True))
+    return out
+
+
+_COMPILED = {}
+
+
+def compiled_reference(op):
+    """torch.compile of the reference, specialised per shape.  Dynamo's default limit of 8
+    recompilations per function would silently fall back to eager for later shapes."""
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 256)
+    if op not in _COMPILED:
+        _COMPILED[op] = torch.compile(OPS[op][1], dynamic=False)
+    return _COMPILED[op]
+
+
+def time_us(fn, smoke):
+    if smoke:  # interpreter: run once, no timing claim
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def graph_time_us(fn):
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+    except Exception as e:  # an implementation that cannot be captured is recorded as such
+        return f"not capturable: {type(e).__name__}"
+
+
+def copy_bandwidth_gbs(device, smoke):
+    n = (1 << 20) if smoke else (1 << 28)  # 1 GiB of fp32 each way on the GPU
+    x = torch.empty(n, dtype=torch.float32, device=device).normal_()
+    y = torch.empty_like(x)
+    t_us = time_us(lambda: y.copy_(x), smoke)
+    return 2 * x.numel() * 4 / (t_us * 1e-6) / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/ensemble_ops.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU/interpreter, no timing claims")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        sys.exit("needs a CUDA GPU (or --smoke)")
+    device = "cuda" if cuda else "cpu"
+    smoke = args.smoke
+    copy_gbs = copy_bandwidth_gbs(device, smoke)
+    rows = []
+    for op, label, nbytes, a, kw, comparable in cases(smoke, device):
+        launcher, reference = OPS[op]
+        impls = {"triton": lambda: launcher(*a, **kw)}
+        if comparable:
+            impls["eager"] = lambda: reference(*a, **kw)
+            if not args.no_compile:
+                impls["compile"] = lambda: compiled_reference(op)(*a, **kw)
+        row = {"op": op, "case": label, "bytes": nbytes}
+        for name, fn in impls.items():
+            try:
+                us = time_us(fn, smoke)
+            except Exception as e:  # e.g. torch.compile failing on this stack: record, go on
+                row[f"{name}_us"] = f"failed: {type(e).__name__}: {e}"[:200]
+                continue
+            row[f"{name}_us"] = us
+            if not smoke:
+                row[f"{name}_GBs"] = nbytes / (us * 1e-6) / 1e9
+                if cuda:
+                    row[f"{name}_graph_us"] = graph_time_us(fn)
+        if not smoke and isinstance(row.get("triton_us"), float):
+            row["triton_pct_of_copy"] = 100 * row["triton_GBs"] / copy_gbs
+            for base in ("eager", "compile"):
+                if isinstance(row.get(f"{base}_us"), float):
+                    row[f"speedup_vs_{base}"] = row[f"{base}_us"] / row["triton_us"]
+        rows.append(row)
+    print_table(rows, copy_gbs, smoke)
+    result = {
+        "gpu": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "smoke": smoke, "interpreter": bool(os.environ.get("TRITON_INTERPRET")),
+        "copy_bandwidth_GBs": copy_gbs, "timer": "triton.testing.do_bench median (us); *_graph_us: do_bench_cudagraph",
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+def print_table(rows, copy_gbs, smoke):
+    print(f"copy bandwidth: {copy_gbs:.0f} GB/s" + ("  (smoke: no timing claims)" if smoke else ""))
+    cols = ["triton_us", "eager_us", "compile_us", "triton_graph_us", "triton_GBs", "triton_pct_of_copy",
+            "speedup_vs_eager", "speedup_vs_compile"]
+    print(f"{'op':<18}{'case':<34}" + "".join(f"{c:>20}" for c in cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:>20.2f}" if isinstance(v, float) else f"{str(v)[:19]:>20}")
+        print(f"{r['op']:<18}{r['case']:<34}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Per-view divergences from the target over a window of positions (ensemble history).
+
+For each request b, view k and window position p: KL(p || q_k) and TV(p, q_k), and for
+an optional grid of weight vectors g the `w-grid` policy statistics: does the argmax
+of the mixture sum_k g_k q_k match the target argmax, and KL(p || mixture_g).
+"""
+import torch
+
+try:
+    from tabed_engine.kernels import window_divergence as _k
+except ImportError:  # triton missing: the reference serves every device
+    _k = None
+
+_GRID_CHUNK = 16  # weight vectors per step of the reference: bounds B*16*P*V memory
+
+
+def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=None):
+    """Plain-PyTorch window divergences (ground truth for tests; CPU path of the engine)."""
+    logp = torch.log_softmax(p_logits.float() / temperature, dim=-1)     # [B, P, V]
+    logq = torch.log_softmax(q_logits.float() / temperature, dim=-1)     # [B, K, P, V]
+    p = logp.exp()
+    q = logq.exp()
+    p4 = p[:, None]
+    kl = torch.where(p4 > 0, p4 * (logp[:, None] - logq), 0.0).sum(-1)  # [B, K, P]
+    tv = 0.5 * (p4 - q).abs().sum(-1)
+    if grid is None:
+        return kl, tv, None, None
+    p_arg = p_logits.argmax(dim=-1)[:, None]                             # [B, 1, P]
+    match, gkl = [], []
+    for g in grid.float().split(_GRID_CHUNK):
+        mix = torch.einsum("gk,bkpv->bgpv", g, q)                        # [B, g, P, V]
+        match.append(mix.argmax(dim=-1) == p_arg)
+        gkl.append(torch.where(p4 > 0, p4 * (logp[:, None] - mix.log()), 0.0).sum(-1))
+    return kl, tv, torch.cat(match, dim=1), torch.cat(gkl, dim=1)
+
+
+def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
+    """Divergences between the target and each draft view at P window positions.
+
+    Parameters
+    ----------
+    p_logits : Tensor [B, P, V], bf16/fp16/fp32, unit last stride, any other strides
+        Target logits.
+    q_logits : Tensor [B, K, P, V], same dtypes and stride rules
+        Draft logits of the K views (e.g. a permuted view of a [P, B, K, V] buffer).
+    temperature : float > 0
+        Both sides are softmax(logits / temperature).
+    grid : Tensor [G, K] fp32, optional
+        Mixture weight vectors (simplex grid) for the `w-grid` policy.
+
+    Returns
+    -------
+    kl : Tensor [B, K, P] fp32, KL(p || q_k)
+    tv : Tensor [B, K, P] fp32, 0.5 * sum |p - q_k|
+    grid_match : Tensor [B, G, P] bool or None, argmax(sum_k g_k q_k) == argmax(p)
+    grid_kl : Tensor [B, G, P] fp32 or None, KL(p || sum_k g_k q_k)
+    """
+    cuda = p_logits.is_cuda and _k is not None
+    fn = _k.window_divergence if cuda else window_divergence_reference
+    return fn(p_logits, q_logits, temperature=temperature, grid=grid)

@@ -1,0 +1,149 @@
+"""window_divergence: Triton kernel (CPU interpreter here, CUDA on a GPU) vs the PyTorch reference."""
+import itertools
+
+import pytest
+import torch
+
+from tabed_engine.kernels import window_divergence as _k
+from tabed_engine.ops.window_divergence import window_divergence, window_divergence_reference
+
+DTYPES = [  # (dtype, atol, rtol): same low-precision inputs on both sides, fp32 math
+    (torch.float32, 2e-5, 1e-4),
+    (torch.float16, 2e-5, 1e-4),
+    (torch.bfloat16, 2e-5, 1e-4),
+]
+
+
+def simplex_grid(K, steps):
+    """All weight vectors on the simplex with coordinates in multiples of 1/steps."""
+    pts = [c for c in itertools.product(range(steps + 1), repeat=K) if sum(c) == steps]
+    return torch.tensor(pts, dtype=torch.float32) / steps
+
+
+def _inputs(B, K, P, V, dtype, device, noise=1.0, seed=0):
+    """Permuted views of a [P, B, K+1, V] buffer, like the engine's history buffer.
+
+    Views are the target plus noise, so mixtures' argmaxes sometimes match the target's.
+    """
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(P, B, 1, V, generator=g) * 2.0
+    views = target + noise * torch.randn(P, B, K, V, generator=g)
+    buf = torch.cat([target, views], dim=2).to(dtype).to(device)
+    return buf[:, :, 0].permute(1, 0, 2), buf[:, :, 1:].permute(1, 2, 0, 3)
+
+
+def _check_match(match, ref_match, p_logits, q_logits, grid, temperature):
+    """Exact agreement wherever the reference decision is not a near-tie.
+
+    Exact ties (frequent with bf16 logits) count as clear: both sides take the lowest
+    index, and equal inputs give equal values on both sides.
+    """
+    def clear_gap(x):
+        top2 = x.topk(2, dim=-1).values
+        gap = top2[..., 0] - top2[..., 1]
+        return (gap > 1e-6) | (gap == 0)
+
+    q = torch.softmax(q_logits.float() / temperature, dim=-1)
+    mix = torch.einsum("gk,bkpv->bgpv", grid.float(), q)
+    clear = clear_gap(mix) & clear_gap(p_logits.float())[:, None]
+    assert clear.float().mean() > 0.9
+    assert torch.equal(match[clear], ref_match[clear])
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("B, K, P, V, temperature", [
+    (1, 1, 1, 1000, 1.0), (2, 3, 5, 1000, 0.7), (3, 4, 2, 1000, 1.0),
+    (1, 4, 3, 32064, 1.0), (2, 2, 2, 32064, 0.8), (1, 2, 1, 151936, 1.0),
+])
+def test_divergences_match_reference(B, K, P, V, temperature, dtype, atol, rtol, kernel_device):
+    p_logits, q_logits = _inputs(B, K, P, V, dtype, kernel_device)
+    kl, tv, match, gkl = _k.window_divergence(p_logits, q_logits, temperature=temperature)
+    ref = window_divergence_reference(p_logits, q_logits, temperature=temperature)
+    assert match is None and gkl is None
+    assert kl.shape == (B, K, P) and tv.shape == (B, K, P)
+    torch.testing.assert_close(kl, ref[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(tv, ref[1], atol=atol, rtol=rtol)
+    assert (kl > 0).all() and (tv > 0).all() and (tv < 1).all()
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("B, K, P, V, steps, temperature", [
+    (2, 2, 3, 1000, 10, 1.0),   # G = 11
+    (1, 3, 2, 1000, 5, 0.8),    # G = 21
+    (1, 4, 1, 1000, 10, 1.0),   # G = 286, the engine's K=4 grid
+    (1, 4, 2, 5003, 2, 1.0),    # G = 10
+])
+def test_grid_matches_reference(B, K, P, V, steps, temperature, dtype, atol, rtol, kernel_device):
+    p_logits, q_logits = _inputs(B, K, P, V, dtype, kernel_device, noise=0.6, seed=1)
+    grid = simplex_grid(K, steps).to(kernel_device)
+    kl, tv, match, gkl = _k.window_divergence(p_logits, q_logits, temperature=temperature, grid=grid)
+    ref = window_divergence_reference(p_logits, q_logits, temperature=temperature, grid=grid)
+    G = grid.shape[0]
+    assert match.dtype == torch.bool and match.shape == (B, G, P) and gkl.shape == (B, G, P)
+    torch.testing.assert_close(kl, ref[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(tv, ref[1], atol=atol, rtol=rtol)
+    torch.testing.assert_close(gkl, ref[3], atol=atol, rtol=rtol)
+    _check_match(match, ref[2], p_logits, q_logits, grid, temperature)
+    assert ref[2].any() and not ref[2].all()  # the case discriminates
+
+
+def test_unit_grid_vectors_reproduce_per_view_kl(kernel_device):
+    # g = e_k makes the mixture q_k: grid_kl must equal kl[:, k], an internal cross-check.
+    B, K, P, V = 2, 3, 2, 1000
+    p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.5)
+    grid = torch.eye(K, device=kernel_device)
+    kl, _, match, gkl = _k.window_divergence(p_logits, q_logits, grid=grid)
+    torch.testing.assert_close(gkl, kl, atol=1e-5, rtol=1e-4)
+    want = q_logits.argmax(-1) == p_logits.argmax(-1)[:, None]
+    assert torch.equal(match, want)
+
+
+def test_identical_distributions_give_zero(kernel_device):
+    p_logits, _ = _inputs(1, 1, 3, 1000, torch.float32, kernel_device)
+    q_logits = p_logits[:, None].expand(1, 2, 3, 1000)  # stride 0 over views
+    kl, tv, match, gkl = _k.window_divergence(p_logits, q_logits, grid=simplex_grid(2, 4).to(kernel_device))
+    assert kl.abs().max() < 1e-5 and tv.max() < 1e-5 and gkl.abs().max() < 1e-5
+    assert match.all()
+
+
+def test_neg_inf_logits_are_masked_vocabulary(kernel_device):
+    p_logits, q_logits = _inputs(1, 2, 2, 5000, torch.float32, kernel_device)
+    p_logits, q_logits = p_logits.clone(), q_logits.clone()
+    p_logits[..., :2100] = float("-inf")  # the whole first pass-1 block (2048) is masked
+    kl, tv, _, gkl = _k.window_divergence(p_logits, q_logits, grid=simplex_grid(2, 2).to(kernel_device))
+    ref = window_divergence_reference(p_logits, q_logits, grid=simplex_grid(2, 2).to(kernel_device))
+    torch.testing.assert_close(kl, ref[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(tv, ref[1], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(gkl, ref[3], atol=2e-5, rtol=1e-4)
+
+
+def test_dispatch_cpu_uses_reference():
+    p_logits, q_logits = _inputs(1, 2, 2, 100, torch.float32, "cpu")
+    grid = simplex_grid(2, 2)
+    out = window_divergence(p_logits, q_logits, grid=grid)
+    ref = window_divergence_reference(p_logits, q_logits, grid=grid)
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs_raise(kernel_device):
+    p_logits, q_logits = _inputs(1, 2, 2, 100, torch.float32, kernel_device)
+    with pytest.raises(ValueError):
+        _k.window_divergence(p_logits, q_logits[:, :, :1])
+    with pytest.raises(ValueError):
+        _k.window_divergence(p_logits, q_logits, grid=torch.ones(3, 3, device=kernel_device))
+    with pytest.raises(ValueError):
+        _k.window_divergence(torch.randn(1, 100, 2, device=kernel_device).transpose(1, 2), q_logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, K, P, V", [(1, 4, 6, 32064), (4, 2, 5, 151936)])
+def test_gpu_full_size_bf16(B, K, P, V):
+    p_logits, q_logits = _inputs(B, K, P, V, torch.bfloat16, "cuda", noise=0.6)
+    grid = simplex_grid(K, 10).cuda()
+    out = window_divergence(p_logits, q_logits, grid=grid)
+    ref = window_divergence_reference(p_logits, q_logits, grid=grid)
+    torch.testing.assert_close(out[0], ref[0], atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(out[1], ref[1], atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(out[3], ref[3], atol=5e-5, rtol=1e-4)
+    _check_match(out[2], ref[2], p_logits, q_logits, grid, 1.0)
