@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:  make demo   and   make test
+# Both create .venv, install the CPU torch wheel first (so nothing pulls CUDA torch),
+# then the project (building the C++ extension when a compiler is there).
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-gpu bench clean
+
+$(VENV)/.installed: setup.py
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip setuptools wheel
+	$(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VPY) -m tabed_engine.demo
+
+test: setup
+	$(VPY) -m pytest -q
+
+# On a machine that already has CUDA torch/triton/transformers (no registry needed).
+test-gpu:
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e . && $(PY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info tabed_engine/_C*.so
