@@ -2,6 +2,7 @@
 generate autoregressively or speculatively (TABED chain ensembles or draft trees)."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -10,6 +11,7 @@ import torch
 
 from .config import SamplingParams
 from .loader import LoadedLVLM, load_lvlm, load_processor
+from .graphs import GraphCache
 from .model import KVCache
 from .prompt import Prepared, prepare
 from .sampling import pick_tokens
@@ -66,7 +68,7 @@ class Engine:
                  window: int = 0, gamma: int = 5, tree=None, max_len: Optional[int] = None,
                  escape_token: Optional[int] = None, pool_size: Optional[int] = None,
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
-                 grid_step: float = 0.1, timing: bool = True):
+                 grid_step: float = 0.1, timing: bool = True, cuda_graphs: bool = True):
         from .ensemble import EnsembleConfig
 
         self.target, self.draft, self.processor = target, draft, processor
@@ -96,6 +98,7 @@ class Engine:
             if draft.image_token_id != target.image_token_id:
                 raise ValueError("draft and target use different image token ids")
         self.eos_ids = self._eos_ids()
+        self.graphs = GraphCache() if cuda_graphs and torch.device(device).type == "cuda" else None
         self._target_cache: Optional[KVCache] = None
         self._draft_cache: Optional[KVCache] = None
 
@@ -149,6 +152,13 @@ class Engine:
             c = self._draft_cache = KVCache(self.draft.lm.cfg, rows, self.max_len, self.device, self.dtype)
         c.lengths.zero_()
         return c
+
+    def run_graph(self, key, fn, inputs: dict, kv_len: Optional[int] = None):
+        """fn(**inputs) as a captured CUDA graph (per key) on the GPU; eagerly with a bucketed
+        attention span (`kv_len`) elsewhere."""
+        if self.graphs is not None:
+            return self.graphs.run(key, fn, inputs)
+        return fn(**inputs, kv_len=kv_len)
 
     def kv_bucket(self, needed: int) -> int:
         """Attend over a bucketed cache prefix (fewer bytes than S_max, few distinct shapes)."""
@@ -229,32 +239,47 @@ class Engine:
             x[start:start + n] = feats[i].to(x.dtype)
         return x
 
+    def prefill_target(self, prep: Prepared):
+        """Encode images, prefill the target's cache (1 row) and return
+        (cache, logits of the last prompt position [1, V], pre-projector image features)."""
+        lm, n = self.target.lm, len(prep.ids)
+        sel = None if prep.pixel_values is None else \
+            self.target.vision.select(prep.pixel_values.to(self.device))
+        feats = None if sel is None else self.target.vision.project(sel)
+        cache = self.target_cache(1)
+        x = self.embed(self.target, prep.ids, prep.image_spans, feats)
+        pos = torch.arange(n, device=self.device)[None]
+        logits = lm(cache, pos, embeds=x[None], logits_index=torch.tensor([[n - 1]], device=self.device),
+                    kv_len=self.kv_bucket(n), fresh=True)[:, -1]
+        cache.lengths += n
+        return cache, logits, sel
+
     def _run_ar(self, prep: Prepared, sp: SamplingParams, gen):
         stats = GenerationStats(speculative=False, prompt_tokens=len(prep.ids))
         t0 = time.perf_counter()
-        lm = self.target.lm
-        cache = self.target_cache(1)
-        n = len(prep.ids)
-        x = self.embed(self.target, prep.ids, prep.image_spans, self.encode_images(self.target, prep))
-        pos = torch.arange(n, device=self.device)[None]
-        logits = lm(cache, pos, embeds=x[None], logits_index=torch.tensor([[n - 1]], device=self.device),
-                    kv_len=self.kv_bucket(n))[:, -1]
-        cache.lengths += n
+        cache, logits, _ = self.prefill_target(prep)
         self.sync()
         stats.time_prefill = time.perf_counter() - t0
-        length = n
+        step_fn = functools.partial(decode_step, self.target.lm, cache)
+        length = len(prep.ids)
         for step in range(sp.max_new_tokens):
             tok = pick_tokens(logits, sp, gen)          # [1]
-            t = int(tok[0])
+            t = int(tok[0])                             # the step's one host sync
             stats.new_tokens += 1
             yield [t]
             if (sp.stop_at_eos and t in self.eos_ids) or step == sp.max_new_tokens - 1:
                 break
-            logits = lm(cache, cache.lengths.long()[:, None], input_ids=tok[:, None],
-                        kv_len=self.kv_bucket(length + 1))[:, -1]
-            cache.lengths += 1
+            logits = self.run_graph(("ar", 1), step_fn, {"tok": tok[:, None]}, kv_len=self.kv_bucket(length + 1))
             length += 1
             stats.target_forwards += 1
         self.sync()
         stats.time_total = time.perf_counter() - t0
         return stats
+
+
+def decode_step(lm, cache: KVCache, tok: torch.Tensor, kv_len: Optional[int] = None) -> torch.Tensor:
+    """One autoregressive step: tok [R, 1] at each row's length; advances the lengths.
+    Returns logits [R, V]."""
+    logits = lm(cache, cache.lengths.long()[:, None], input_ids=tok, kv_len=kv_len)[:, -1]
+    cache.lengths += 1
+    return logits

@@ -148,9 +148,26 @@ def load_lvlm(path: str, device, dtype) -> LoadedLVLM:
     from transformers import AutoConfig
 
     raw = read_config(path)
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return _build(path, raw, hf_config, read_state_dict(path), device, dtype)
+
+
+def lvlm_from_hf(model, device=None, dtype=None) -> LoadedLVLM:
+    """Wrap an in-memory `LlavaForConditionalGeneration` (e.g. random weights built on the GPU
+    for a benchmark) through the same key mapping as checkpoints. Shares no storage
+    guarantees: weights are copied when device/dtype differ."""
+    p = next(model.parameters())
+    device = device or p.device
+    dtype = dtype or p.dtype
+    raw = model.config.to_dict()
+    raw.setdefault("architectures", ["LlavaForConditionalGeneration"])
+    return _build("<in-memory>", raw, model.config, dict(model.state_dict()), device, dtype)
+
+
+def _build(path, raw, hf_config, state_dict, device, dtype) -> LoadedLVLM:
     tc = raw.get("text_config") or {}
     lm_cfg = LMConfig.from_text_config({"model_type": "llama", **tc}, raw)
-    lm_sd, vis_sd, proj_sd = split_keys(read_state_dict(path))
+    lm_sd, vis_sd, proj_sd = split_keys(state_dict)
     if "lm_head.weight" not in lm_sd:
         if not lm_cfg.tie_word_embeddings:
             raise ValueError(f"{path!r}: no lm_head weight and tie_word_embeddings is false")
@@ -158,7 +175,7 @@ def load_lvlm(path: str, device, dtype) -> LoadedLVLM:
         del lm_sd["lm_head.weight"]  # tied: the head is the embedding, as in transformers
     with torch.device("meta"):
         lm = LlamaLM(lm_cfg)
-    lm = lm.to_empty(device="cpu")
+    lm = lm.to_empty(device=device).to(dtype)
     if lm_cfg.tie_word_embeddings:
         lm.lm_head.weight = lm.embed_tokens.weight
         own = {k: v for k, v in lm.state_dict().items() if k != "lm_head.weight"}
@@ -169,18 +186,27 @@ def load_lvlm(path: str, device, dtype) -> LoadedLVLM:
         lm.load_state_dict(lm_sd, strict=False)
     else:
         _load_strict(lm, lm_sd, "language-model")
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    vision = VisionEncoder(hf_config, raw.get("vision_feature_layer", -2),
-                           raw.get("vision_feature_select_strategy", "default"))
+    with torch.device("meta"):
+        vision = VisionEncoder(hf_config, raw.get("vision_feature_layer", -2),
+                               raw.get("vision_feature_select_strategy", "default"))
+    vision = vision.to_empty(device=device).to(dtype)
     _load_strict(vision.tower, vis_sd, "vision-tower", strip="vision_model.")
     _load_strict(vision.projector, proj_sd, "projector")
-    lm.to(device=device, dtype=dtype).eval()
-    vision.to(device=device, dtype=dtype).eval()
+    _init_buffers(vision.tower, hf_config)
+    lm.eval()
+    vision.eval()
     image_token = raw.get("image_token_index", raw.get("image_token_id"))
     if image_token is None:
         raise ValueError(f"{path!r}: config has no image_token_index")
     h = hash(tuple((k, tuple(t.shape), float(t.float().sum())) for k, t in sorted(vis_sd.items())))
     return LoadedLVLM(path, lm, vision, int(image_token), raw, h)
+
+
+def _init_buffers(tower: nn.Module, hf_config):
+    """Non-persistent buffers (CLIP's position_ids) are not in checkpoints: rebuild them."""
+    for name, buf in tower.named_buffers():
+        if name.endswith("position_ids"):
+            buf.copy_(torch.arange(buf.shape[-1], device=buf.device).expand_as(buf))
 
 
 def load_processor(path: str):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LMConfig
+from .ops.tree_attention import tree_attention
 
 
 class KVCache:
@@ -82,10 +83,13 @@ class Attention(nn.Module):
         # write the new tokens at each row's own slots: cache[r, :, slots[r, t]] = k[r, t]
         k_cache[ctx.row_index, :, ctx.slots] = k
         v_cache[ctx.row_index, :, ctx.slots] = v
+        if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernel
+            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits)
+            return self.o_proj(out.reshape(R, T, -1))
         S = ctx.kv_len
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_cache[:, :, :S], v_cache[:, :, :S],
-            attn_mask=ctx.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+            q.transpose(1, 2), k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=ctx.mask,
+            is_causal=ctx.mask is None, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))
 
 
@@ -113,17 +117,54 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class ForwardContext:
-    """Per-call metadata shared by all layers (built once per forward, not per layer)."""
+_CHAIN_BITS: dict = {}
 
-    def __init__(self, lengths, T: int, kv_len: int, tree_mask=None):
-        # lengths: [R] int32 committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
+
+def chain_bits(T: int, device) -> torch.Tensor:
+    """Packed causal mask [T] int64: node i sees nodes 0..i (bit j = node j). Cached, so a
+    CUDA-graph capture never copies it from the host."""
+    key = (T, str(device))
+    if key not in _CHAIN_BITS:
+        bits = [(1 << (i + 1)) - 1 for i in range(T)]
+        _CHAIN_BITS[key] = torch.tensor([b - (1 << 64) if b >= 1 << 63 else b for b in bits],
+                                        dtype=torch.int64, device=device)
+    return _CHAIN_BITS[key]
+
+
+def mask_to_bits(tree_mask: torch.Tensor) -> torch.Tensor:
+    """[R, T, T] bool (node i sees node j) -> [R, T] int64 bit masks (T <= 64)."""
+    T = tree_mask.shape[-1]
+    w = torch.ones(T, dtype=torch.int64, device=tree_mask.device) << torch.arange(
+        T, device=tree_mask.device, dtype=torch.int64)
+    return (tree_mask.long() * w).sum(-1)
+
+
+class ForwardContext:
+    """Per-call metadata shared by all layers (built once per forward, not per layer).
+
+    On CUDA, calls of at most 64 new tokens per row (decode, verification, tree nodes)
+    attend through the `tree_attention` kernel, which reads each row's own length on the
+    device (no mask tensor, no length bucket: CUDA-graph friendly). Otherwise SDPA with a
+    dense boolean mask, or plain causal SDPA (FlashAttention) for a fresh single-row prefill.
+    """
+
+    def __init__(self, lengths, T: int, kv_len: int, tree_mask=None, fresh: bool = False):
+        # lengths: [R] committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
         R = lengths.shape[0]
         dev = lengths.device
         ar = torch.arange(T, device=dev)
         self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
         self.slots = lengths.long()[:, None] + ar[None, :]                  # [R, T]
         self.kv_len = kv_len
+        self.tree_bits = self.mask = None
+        if dev.type == "cuda" and T <= 64 and not fresh:
+            self.lengths32 = lengths.int()
+            self.tree_bits = chain_bits(T, dev)[None].expand(R, T) if tree_mask is None \
+                else mask_to_bits(tree_mask)
+            return
+        if fresh and R == 1 and tree_mask is None:
+            self.kv_len = T                                                 # causal, no mask
+            return
         s = torch.arange(kv_len, device=dev)                                # [S]
         rel = s[None, None, :] - lengths.long()[:, None, None]              # [R, 1, S]
         prefix = rel < 0
@@ -154,7 +195,8 @@ class LlamaLM(nn.Module):
 
     def forward(self, cache: KVCache, positions: torch.Tensor, *, input_ids=None, embeds=None,
                 tree_mask: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
-                kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None):
+                kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
+                fresh: bool = False):
         """Run T new tokens per row; returns logits in float32.
 
         positions: [R, T] RoPE positions. input_ids: [R, T] or embeds: [R, T, hidden].
@@ -162,13 +204,14 @@ class LlamaLM(nn.Module):
         logits_index: [R, n] indices into T of the positions whose logits are wanted
         (None = all). kv_len: attend over cache slots [0, kv_len) (default: whole cache).
         lengths: per-row committed prefix (default `cache.lengths`). Does not update lengths.
+        fresh: every row starts at length 0 (a prefill), so a single row can use causal SDPA.
         """
         x = self.embed_tokens(input_ids) if embeds is None else embeds
         R, T = positions.shape
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
-        ctx = ForwardContext(lengths, T, kv_len, tree_mask)
-        cos_t, sin_t = self.rope(int(self.cfg.max_position_embeddings), x.device)
+        ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh)
+        cos_t, sin_t = self.rope(max(self.cfg.max_position_embeddings, cache.max_len), x.device)
         cos = cos_t[positions][:, :, None, :]
         sin = sin_t[positions][:, :, None, :]
         for i, layer in enumerate(self.layers):

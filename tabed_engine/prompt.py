@@ -16,6 +16,7 @@ class Prepared:
     ids: list[int]
     pixel_values: Optional[torch.Tensor]   # [n_images, 3, H, W] or None
     image_spans: list[tuple[int, int]]     # (start, length) of each image's token run
+    images: list = None                    # the PIL images (for a captioner)
 
     @property
     def num_images(self) -> int:
@@ -90,7 +91,7 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
         ids = out + ids[prev:]
         _check_count(len(runs), len(pil))
         pv = _pixels(processor, pil)
-        return Prepared(ids, pv, image_runs(ids, image_token_id))
+        return Prepared(ids, pv, image_runs(ids, image_token_id), pil)
     else:
         raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of "
                         f"token ids; got {type(prompt).__name__}")
@@ -104,7 +105,7 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
     if len(runs) != len(pil) or any(n != tokens_per_image for _, n in runs):
         raise ValueError(f"processor produced image-token runs {[n for _, n in runs]}, expected "
                          f"{len(pil)} runs of {tokens_per_image} (is the processor's patch_size right?)")
-    return Prepared(ids, enc.get("pixel_values") if pil else None, runs)
+    return Prepared(ids, enc.get("pixel_values") if pil else None, runs, pil)
 
 
 def _check_count(n_placeholders: int, n_images: int):

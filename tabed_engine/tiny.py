@@ -50,9 +50,13 @@ def build_tiny_llava(out_dir: str, *, vocab_size: int = 173, hidden: int = 48, l
                      patch_size: int = 6, feature_layer=-2, strategy: str = "default",
                      rope_theta: float = 10000.0, max_positions: int = 2048, seed: int = 0,
                      dtype=None, layout: str = "current", shard_bytes: Optional[int] = None,
-                     vision_seed: Optional[int] = None, init_std: float = 0.2):
+                     vision_seed: Optional[int] = None, init_std: float = 0.2,
+                     perturb: float = 0.0, perturb_seed: int = 1):
     """Save a random `LlavaForConditionalGeneration` with its processor into `out_dir`.
 
+    perturb: relative noise added to the language-model weights after the seeded init, so a
+    checkpoint built with the same seed and a small perturb is a close "draft" of it (same
+    vision tower, mostly the same greedy tokens).
     layout: "current" (what this transformers' save_pretrained writes) or "legacy" (the
     transformers-4.x published key names). shard_bytes: shard the safetensors.
     init_std: weight init scale; larger than HF's 0.02 so random models have decisive,
@@ -60,8 +64,7 @@ def build_tiny_llava(out_dir: str, *, vocab_size: int = 173, hidden: int = 48, l
     Returns the transformers model (float32, eval mode).
     """
     import torch
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(vocab_size)
@@ -89,20 +92,35 @@ def build_tiny_llava(out_dir: str, *, vocab_size: int = 173, hidden: int = 48, l
             for name, p in model.named_parameters():
                 if "vision_tower" in name and p.dim() >= 2:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        if perturb:
+            g = torch.Generator().manual_seed(perturb_seed)
+            for name, p in model.named_parameters():
+                if "vision_tower" not in name and "multi_modal" not in name:
+                    p.add_(torch.randn(p.shape, generator=g) * perturb * p.std().clamp_min(1e-3))
     if tie:
         model.tie_weights()
     model.eval()
     model.generation_config.pad_token_id = 0
     (model.to(dtype) if dtype is not None else model).save_pretrained(out_dir)
     _rewrite_layout(out_dir, layout, shard_bytes)
+    proc = build_processor(tok, image_size, patch_size, strategy)
+    proc.save_pretrained(out_dir)
+    return model
+
+
+def build_processor(tokenizer, image_size: int, patch_size: int, strategy: str = "default"):
+    """A `LlavaProcessor` (CLIP image preprocessing at `image_size`) around `tokenizer`;
+    `tokenizer` may be an int vocabulary size, for a word-level tokenizer of that size."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    if isinstance(tokenizer, int):
+        tokenizer = build_tokenizer(tokenizer)
     image_proc = CLIPImageProcessor(size={"shortest_edge": image_size},
                                     crop_size={"height": image_size, "width": image_size},
                                     do_center_crop=True, do_resize=True)
-    proc = LlavaProcessor(image_processor=image_proc, tokenizer=tok, patch_size=patch_size,
+    return LlavaProcessor(image_processor=image_proc, tokenizer=tokenizer, patch_size=patch_size,
                           vision_feature_select_strategy=strategy, chat_template=CHAT_TEMPLATE,
                           num_additional_image_tokens=1)
-    proc.save_pretrained(out_dir)
-    return model
 
 
 _CURRENT = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",

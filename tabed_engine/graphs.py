@@ -1,0 +1,49 @@
+"""CUDA-graph capture of the engine's fixed-shape steps (draft loop, verification, AR
+decode), one graph per shape key, all sharing one memory pool.
+
+A captured function takes only tensors; inputs are copied into static buffers before each
+replay and the outputs are static tensors overwritten by the next replay. Lengths,
+positions and RNG seed/offset are device tensors, so a replay needs no host sync.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class CapturedFn:
+    def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool):
+        self.inputs = {k: v.clone() for k, v in inputs.items()}
+        # warm up on a side stream (Triton compilation, cuBLAS handles), as capture requires
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(**self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(**self.inputs)
+
+    def __call__(self, inputs: dict[str, torch.Tensor]):
+        for k, v in inputs.items():
+            self.inputs[k].copy_(v, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphCache:
+    """Lazily captured graphs by key; `run(key, fn, inputs)` captures on first use."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict = {}
+
+    def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor]):
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = CapturedFn(fn, inputs, self.pool)
+        return g(inputs)
+
+    def __len__(self):
+        return len(self.graphs)

@@ -1,0 +1,186 @@
+"""One speculative block (chain), repeated: batched multi-view drafting with an adaptive
+ensemble, one target verification of γ+1 tokens, lossless acceptance, history update.
+
+Row bookkeeping: every row's sequence is its prompt (the view's prompt for draft rows)
+followed by the G generated tokens. A row's KV cache holds at least all but its last two
+tokens, so the first draft step of a block always feeds the last two tokens (re-writing
+identical KV for the first is harmless) and later steps feed one; the target verifies
+[last generated token, d_1 .. d_γ]. Rollback after a rejection is just the new lengths.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .ensemble import EnsembleState, confidence_weights
+from .ops.chain_verify import chain_verify
+from .ops.ensemble_mix import ensemble_mix
+from .sampling import pick_tokens, target_probs
+from .views import build_views
+
+
+class _Timer:
+    def __init__(self, eng, stats):
+        self.eng, self.stats, self.t = eng, stats, time.perf_counter()
+
+    def lap(self, field: str):
+        self.eng.sync()
+        now = time.perf_counter()
+        setattr(self.stats, field, getattr(self.stats, field) + now - self.t)
+        self.t = now
+
+
+def prefill_draft(eng, rows):
+    """Prefill all view rows in one ragged batch; returns per-row prompt lengths [R]."""
+    draft, dev = eng.draft, eng.device
+    lens = [len(r.ids) for r in rows]
+    Tm = max(lens)
+    x = torch.zeros(len(rows), Tm, draft.lm.cfg.hidden_size, device=dev, dtype=eng.dtype)
+    for i, r in enumerate(rows):
+        x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.feats)
+    cache = eng.draft_cache(len(rows))
+    pos = torch.arange(Tm, device=dev)[None].expand(len(rows), Tm)
+    draft.lm(cache, pos, embeds=x, logits_index=torch.zeros(len(rows), 1, dtype=torch.long, device=dev),
+             kv_len=eng.kv_bucket(Tm), fresh=True)
+    return cache, torch.tensor(lens, device=dev)
+
+
+def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, gamma: int,
+                greedy: bool, temperature: float, confidence: bool, kv_len=None):
+    """γ draft steps for B requests × K views (rows of one batch), fixed shapes, no host sync
+    (captured as one CUDA graph on the GPU).
+
+    inp2: [B*K, 2] the rows' last two tokens, written at slots lens, lens+1; lens: [B*K];
+    w: [B, K] ensemble weights; seed/offset: [1] int64 RNG state for the mixture samples.
+    Returns drafted [B, γ], per-view logits [γ, B*K, V] and mixtures [γ, B, V] (sampling).
+    """
+    R, dev = B * K, inp2.device
+    logits = draft_lm(cache, lens[:, None] + torch.arange(2, device=dev), input_ids=inp2, lengths=lens,
+                      logits_index=torch.ones(R, 1, dtype=torch.long, device=dev), kv_len=kv_len)[:, -1]
+    lens = lens + 2
+    q_logits, mixtures, tokens = [], [], []
+    for i in range(gamma):
+        step_w = confidence_weights(logits, B, K, temperature) if confidence else w
+        tok, _, mix, _ = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=offset + i * B * logits.shape[-1],
+                                      temperature=temperature, return_mixture=not greedy)
+        q_logits.append(logits)
+        mixtures.append(mix)
+        tokens.append(tok)
+        if i < gamma - 1:
+            logits = draft_lm(cache, lens[:, None], input_ids=tok.repeat_interleave(K)[:, None],
+                              lengths=lens, kv_len=kv_len)[:, -1]
+            lens = lens + 1
+    return (torch.stack(tokens, 1), torch.stack(q_logits),
+            torch.stack(mixtures) if not greedy else torch.empty(0, device=dev))
+
+
+def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
+    """Target logits [B, γ+1, V] for vin [B, γ+1] written at slots tlens.. (one graph)."""
+    pos = tlens.long()[:, None] + torch.arange(vin.shape[1], device=vin.device)
+    return target_lm(cache, pos, input_ids=vin, lengths=tlens, kv_len=kv_len)
+
+
+def run_speculative(eng, prep, sp, gen, caption):
+    """Generator yielding lists of accepted tokens; returns GenerationStats."""
+    from functools import partial
+
+    from .engine import GenerationStats
+
+    stats = GenerationStats(speculative=True, prompt_tokens=len(prep.ids), views=eng.views)
+    timer = _Timer(eng, stats)
+    t_start = timer.t
+    dev, gamma, K, B = eng.device, eng.gamma, len(eng.views), 1
+    V = eng.draft.lm.cfg.vocab_size
+
+    tcache, logits, target_sel = eng.prefill_target(prep)
+    first = pick_tokens(logits, sp, gen)                                   # [B]
+    rows = build_views(eng, prep, target_sel, caption)
+    longest = max(len(r.ids) for r in rows)
+    if longest + sp.max_new_tokens + gamma + 2 > eng.max_len:
+        raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
+                         f"{eng.max_len}")
+    dcache, view_len = prefill_draft(eng, rows)
+    timer.lap("time_prefill")
+
+    state = EnsembleState(eng.ensemble, B, capacity=(sp.max_new_tokens + 1) * gamma, device=dev)
+    greedy = sp.greedy
+    temp = 1.0 if greedy else sp.temperature
+    confidence = eng.ensemble.policy == "confidence" and K > 1
+    draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
+                       temperature=temp, confidence=confidence)
+    verify_fn = partial(verify_forward, eng.target.lm, tcache)
+    draft_key = ("draft", B, K, gamma, greedy, temp, confidence)
+    seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=dev)
+    offset = torch.zeros(1, dtype=torch.long, device=dev)
+    schedule = getattr(eng, "bench_accept_schedule", None)
+
+    out = [int(first[0])]
+    yield list(out)
+    hist = [r.ids[-1] for r in rows]          # per row: the token before the last generated one
+    n_prompt = len(prep.ids)
+    block = 0
+    while not _finished(eng, sp, out):
+        # ---- draft: γ steps, all views as rows of one batch per step
+        w = state.weights()                                                # [B, K]
+        timer.lap("time_ensemble")
+        G = len(out)
+        prev = [out[-2]] * K if G >= 2 else hist
+        inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
+        lens = view_len + (G - 2)                                          # [B*K]
+        drafted, q_logits, mixture = eng.run_graph(
+            draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
+            kv_len=eng.kv_bucket(longest + G + gamma))
+        offset += gamma * B * V
+        timer.lap("time_draft")
+
+        # ---- verify: target forward on [last, d_1..d_γ]
+        tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
+        vin = torch.cat([torch.full((B, 1), out[-1], device=dev, dtype=torch.long), drafted], dim=1)
+        tlogits = eng.run_graph(("verify", B, gamma), verify_fn, dict(vin=vin, tlens=tlens),
+                                kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
+        if greedy:
+            n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True)
+        else:
+            u = torch.rand(B, gamma + 1, generator=gen, device=dev)
+            n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp),
+                                      greedy=False, uniforms=u)
+        if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
+            n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
+            nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
+        stats.target_forwards += 1
+        n = int(n_acc[0])                                                  # the block's one host sync
+        timer.lap("time_verify")
+
+        # ---- history for the adaptive weights: accepted positions + the first rejected one
+        valid = (torch.arange(gamma, device=dev) <= n)[None].expand(B, gamma)
+        state.record(tlogits[:, :gamma], q_logits.view(gamma, B, K, -1).permute(1, 2, 0, 3), valid,
+                     temperature=temp)
+        timer.lap("time_ensemble")
+
+        new = drafted[0, :n].tolist() + [int(nxt[0])]
+        stats.accepted_lengths.append(n)
+        stats.weights.append([round(x, 4) for x in w[0].tolist()])
+        new = _truncate(eng, sp, out, new)
+        out += new
+        block += 1
+        yield new
+    stats.new_tokens = len(out)
+    eng.sync()
+    stats.time_total = time.perf_counter() - t_start
+    return stats
+
+
+def _truncate(eng, sp, out, new):
+    """Cut a block's tokens at EOS (inclusive) and at max_new_tokens, exactly as AR would."""
+    room = sp.max_new_tokens - len(out)
+    new = new[:room]
+    if sp.stop_at_eos:
+        for i, t in enumerate(new):
+            if t in eng.eos_ids:
+                return new[: i + 1]
+    return new
+
+
+def _finished(eng, sp, out) -> bool:
+    return len(out) >= sp.max_new_tokens or (sp.stop_at_eos and out[-1] in eng.eos_ids)

@@ -1,0 +1,200 @@
+"""TABED speculative decoding: lossless greedy and sampling, one batched draft forward per
+step, adaptive weights (float32, CPU, tiny random checkpoints)."""
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from models import model_dir
+from tabed_engine import Engine, SamplingParams
+from tabed_engine.ensemble import POLICIES
+from tabed_engine.tiny import random_image, words
+
+VOCAB = 173
+VIEW_SETS = [("M",), ("T",), ("M", "T"), ("M", "T", "P", "C")]
+
+
+def target_dir():
+    return model_dir("mha")
+
+
+def draft_dir():
+    # same seed as the target + noise on the LM: a close but imperfect draft, same vision tower
+    return model_dir("mha", perturb=0.6)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.float32)
+
+
+def prompt(n_images):
+    return "".join(f"<image>\n{words(i, 2, VOCAB)} " for i in range(n_images)) + words(7, 6, VOCAB), \
+        [random_image(100 + i) for i in range(n_images)]
+
+
+@pytest.fixture(scope="module")
+def ar_reference(engine):
+    out = {}
+    for n in (1, 2):
+        text, imgs = prompt(n)
+        out[n] = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=20),
+                                 speculative=False).token_ids
+    return out
+
+
+def configure(engine, views, policy, gamma):
+    from tabed_engine.ensemble import EnsembleConfig
+
+    engine.views = views
+    engine.gamma = gamma
+    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views))
+
+
+@pytest.mark.parametrize("views,policy,gamma", list(itertools.product(VIEW_SETS, POLICIES, [1, 3, 5])))
+def test_greedy_sd_equals_ar(engine, ar_reference, views, policy, gamma):
+    configure(engine, views, policy, gamma)
+    for n in (1, 2):
+        text, imgs = prompt(n)
+        out = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=20),
+                              caption=["w1 w2 w3", "w4 w5"][:n])
+        assert out.token_ids == ar_reference[n]
+        s = out.stats
+        assert len(s.accepted_lengths) == s.target_forwards == len(s.weights)
+        assert all(0 <= a <= gamma for a in s.accepted_lengths)
+        assert all(abs(sum(w) - 1) < 1e-3 and len(w) == len(views) for w in s.weights)
+
+
+def test_draft_forwards_per_block_is_gamma(engine):
+    """All views run as rows of one batch: γ draft forwards per block for any K."""
+    calls = []
+    lm = engine.draft.lm
+    orig = lm.forward
+    lm.forward = lambda *a, **k: (calls.append(k.get("input_ids", None) is None) or orig(*a, **k))
+    try:
+        for views in (("M",), ("M", "T", "P", "C")):
+            for gamma in (2, 4):
+                configure(engine, views, "w-grid", gamma)
+                calls.clear()
+                text, imgs = prompt(1)
+                out = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=15),
+                                      caption="w1")
+                prefills = sum(calls)  # the batched view prefill passes embeddings
+                assert prefills == 1
+                assert len(calls) - prefills == gamma * out.stats.target_forwards
+    finally:
+        lm.forward = orig
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_draft_equal_to_target_accepts_everything(gamma):
+    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
+                                 views=("M",), gamma=gamma)
+    text, imgs = prompt(1)
+    n = 1 + 4 * (gamma + 1)  # the prefill token + four full blocks
+    out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=n, stop_at_eos=False))
+    assert out.stats.accepted_lengths == [gamma] * 4
+    assert out.stats.block_efficiency == gamma + 1
+
+
+@pytest.mark.parametrize("policy", ["kld", "tvd", "w-grid"])
+@pytest.mark.parametrize("order", [("M", "T"), ("T", "M")])
+def test_adaptive_weights_move_to_matching_view(policy, order):
+    """Draft = target: the M view sees the real image and matches the target exactly; the
+    T view has no image. The weights must move to M within a few blocks."""
+    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
+                                 views=order, policy=policy, gamma=3)
+    text, imgs = prompt(1)
+    out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=25, stop_at_eos=False))
+    w = out.stats.weights
+    m = order.index("M")
+    assert w[0] == [0.5, 0.5]  # first block uniform
+    assert len(w) >= 4
+    assert all(ws[m] >= 0.85 for ws in w[3:]), w
+
+
+def test_c_view_needs_a_caption(engine):
+    configure(engine, ("M", "C"), "kld", 3)
+    text, imgs = prompt(1)
+    with pytest.raises(ValueError, match="caption"):
+        engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=4))
+    assert engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=4), caption="w1").token_ids
+
+
+def test_bad_engine_options():
+    for kw in (dict(views=("X",)), dict(views=()), dict(policy="best"), dict(gamma=0), dict(window=-1),
+               dict(grid_step=0.3)):
+        with pytest.raises(ValueError):
+            Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", **kw)
+
+
+# ---------------------------------------------------------------- sampling is lossless
+def exact_first_tokens(eng, text, imgs, sp, n_tok):
+    """Exact target distribution of the first n_tok tokens (enumerating the top-k support)."""
+    from tabed_engine.prompt import prepare
+    from tabed_engine.sampling import target_probs
+
+    prep = prepare(eng.processor, text, imgs, eng.target.image_token_id, eng.tokens_per_image)
+    feats = eng.target.vision(prep.pixel_values)
+    base = eng.embed(eng.target, prep.ids, prep.image_spans, feats)
+    dist = {(): 1.0}
+    for _ in range(n_tok):
+        nxt = {}
+        for seq, pr in dist.items():
+            x = torch.cat([base, eng.target.lm.embed_tokens(torch.tensor(seq, dtype=torch.long))]) \
+                if seq else base
+            cache = eng.target_cache(1)
+            pos = torch.arange(x.shape[0])[None]
+            logits = eng.target.lm(cache, pos, embeds=x[None])[:, -1]
+            p = target_probs(logits, sp)[0].detach()
+            for t in torch.nonzero(p > 0).flatten().tolist():
+                nxt[seq + (t,)] = pr * float(p[t])
+        dist = nxt
+    return dist
+
+
+def assert_matches(counts: Counter, dist: dict, n: int):
+    """Every outcome's frequency within 4 standard errors of its probability (Bonferroni over
+    ~27 outcomes: < 0.2% false alarms), and a chi-square test. With n = 16000 samples a 2%
+    absolute error on any outcome of probability <= 0.5 is >= 5 standard errors away, so it
+    is caught; the test below checks that on the actual distribution."""
+    worst = 0.0
+    for seq, p in dist.items():
+        se = math.sqrt(max(p * (1 - p), 1e-4) / n)
+        worst = max(worst, abs(counts.get(seq, 0) / n - p) / se)
+    assert set(counts) <= set(dist)
+    chi2 = sum((counts.get(s, 0) - n * p) ** 2 / (n * p) for s, p in dist.items() if n * p >= 5)
+    dof = sum(1 for p in dist.values() if n * 1.0 * p >= 5) - 1
+    # Wilson–Hilferty: chi2 > dof + 4.5 sqrt(2 dof) has probability < 1e-4 under the null
+    assert chi2 < dof + 4.5 * math.sqrt(2 * dof), (chi2, dof)
+    assert worst < 4.0, worst
+    return worst
+
+
+@pytest.mark.parametrize("views,policy", [(("M",), "uniform"), (("M", "T"), "kld")])
+def test_sampling_is_lossless(views, policy):
+    eng = Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cpu",
+                                 dtype=torch.float32, views=views, policy=policy, gamma=2)
+    text, imgs = prompt(1)
+    sp = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
+    dist = exact_first_tokens(eng, text, imgs, sp, 3)
+    n = 16000
+    counts, accepted = Counter(), 0
+    for i in range(n):
+        sp.seed = i
+        out = eng.generate(text, images=imgs, sampling=sp)
+        counts[tuple(out.token_ids)] += 1
+        accepted += sum(out.stats.accepted_lengths)
+    print("accepted per generation", accepted / n)
+    assert accepted > n * 0.15  # drafts really were accepted (not a target-only path)
+    assert_matches(counts, dist, n)
+    # power: the same statistic rejects a distribution with 2% of mass moved between the two
+    # most likely outcomes
+    top = sorted(dist, key=dist.get, reverse=True)[:2]
+    shifted = dict(dist)
+    shifted[top[0]] -= 0.02
+    shifted[top[1]] += 0.02
+    with pytest.raises(AssertionError):
+        assert_matches(counts, shifted, n)
