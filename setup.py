@@ -53,7 +53,7 @@ def _extension_kwargs():
 
     csrc = os.path.join("csrc")
     cpp_sources = [os.path.join(csrc, f) for f in ("bindings.cpp", "verify_tree_cpu.cpp", "compact_kv.cpp")]
-    cu_sources = [os.path.join(csrc, f) for f in ("verify_tree_cuda.cu", "compact_kv.cu")]
+    cu_sources = [os.path.join(csrc, f) for f in ("verify_tree_cuda.cu", "compact_kv_cuda.cu")]
     cuda_home = cpp_extension.CUDA_HOME
     nvcc = shutil.which("nvcc") or (cuda_home and os.path.join(cuda_home, "bin", "nvcc"))
     use_cuda = torch.version.cuda is not None and cuda_home is not None and nvcc and os.path.exists(nvcc)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
+# Usage: benchmarks/gpu_session.sh STAGE...   (stages: env build test kernels e2e)
+# Results go to $OUT (or benchmarks/results/raw when OUT is unset).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results/raw}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+for stage in "$@"; do
+  echo "=== stage $stage $(date -u +%FT%TZ)"
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+      $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+      ;;
+    build)
+      # the image's pip/setuptools cannot do an offline editable install: build in place and
+      # expose kernels/ as tabed_engine.kernels (what setup.py's package_dir does when installed)
+      $PY setup.py -q build_ext --inplace 2>&1 | grep -v -i "warn\|deprecat\|^ *\*\|^$\|!!" | tail -15
+      ln -sfn ../kernels tabed_engine/kernels
+      $PY -c "import tabed_engine.ops._ext as e; print('extension:', e.HAS_EXT, 'cuda kernels:', e.HAS_CUDA_KERNELS)"
+      ;;
+    test)
+      # one process per file: a device fault in one must not poison the CUDA context of the rest
+      for f in tests/test_*.py; do
+        grep -q "gpu" "$f" || continue
+        echo "--- $f"
+        timeout 300 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200 "$f" > "$OUT/gpu_$(basename $f .py).log" 2>&1
+        tail -n 12 "$OUT/gpu_$(basename $f .py).log" | grep -E "passed|failed|error|FAILED|Error" | head -12
+      done
+      ;;
+    kernels)
+      timeout 200 $PY benchmarks/bench_ensemble_ops.py --out "$OUT/ensemble_ops.json" 2>&1 | tail -30
+      timeout 200 $PY benchmarks/bench_tree_attention.py --out "$OUT/tree_attention.json" 2>&1 | tail -40
+      timeout 150 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -25
+      ;;
+    e2e)
+      timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -60
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
