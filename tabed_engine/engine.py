@@ -269,7 +269,9 @@ class Engine:
             yield [t]
             if (sp.stop_at_eos and t in self.eos_ids) or step == sp.max_new_tokens - 1:
                 break
-            logits = self.run_graph(("ar", 1), step_fn, {"tok": tok[:, None]}, kv_len=self.kv_bucket(length + 1))
+            logits = self.run_graph(("ar", 1), step_fn, {"tok": tok[:, None], "lens": cache.lengths},
+                                    kv_len=self.kv_bucket(length + 1))
+            cache.lengths += 1
             length += 1
             stats.target_forwards += 1
         self.sync()
@@ -277,9 +279,9 @@ class Engine:
         return stats
 
 
-def decode_step(lm, cache: KVCache, tok: torch.Tensor, kv_len: Optional[int] = None) -> torch.Tensor:
-    """One autoregressive step: tok [R, 1] at each row's length; advances the lengths.
-    Returns logits [R, V]."""
-    logits = lm(cache, cache.lengths.long()[:, None], input_ids=tok, kv_len=kv_len)[:, -1]
-    cache.lengths += 1
-    return logits
+def decode_step(lm, cache: KVCache, tok: torch.Tensor, lens: torch.Tensor,
+                kv_len: Optional[int] = None) -> torch.Tensor:
+    """One autoregressive step: tok [R, 1] written at slots lens [R]; returns logits [R, V].
+    Idempotent in its inputs (the caller advances the lengths), as a captured graph's
+    warm-up run must be."""
+    return lm(cache, lens.long()[:, None], input_ids=tok, lengths=lens, kv_len=kv_len)[:, -1]

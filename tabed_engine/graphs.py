@@ -1,7 +1,8 @@
 """CUDA-graph capture of the engine's fixed-shape steps (draft loop, verification, AR
 decode), one graph per shape key, all sharing one memory pool.
 
-A captured function takes only tensors; inputs are copied into static buffers before each
+A captured function takes only tensors and must be idempotent in them (its warm-up run
+executes for real before capture): inputs are copied into static buffers before each
 replay and the outputs are static tensors overwritten by the next replay. Lengths,
 positions and RNG seed/offset are device tensors, so a replay needs no host sync.
 """
