@@ -34,6 +34,7 @@ class GenerationStats:
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_ensemble: float = 0.0
+    time_other: float = 0.0           # host bookkeeping between blocks (token lists, stats)
     time_total: float = 0.0
 
     @property
@@ -72,7 +73,8 @@ class Engine:
         from .ensemble import EnsembleConfig
 
         self.target, self.draft, self.processor = target, draft, processor
-        self.device, self.dtype = device, dtype
+        self.device = torch.device(device or target.lm.embed_tokens.weight.device)
+        self.dtype = dtype or target.lm.embed_tokens.weight.dtype
         self.tokenizer = processor.tokenizer
         tcfg = target.lm.cfg
         self.max_len = int(max_len or min(tcfg.max_position_embeddings, 4096))
@@ -140,16 +142,15 @@ class Engine:
 
     # ------------------------------------------------------------------ caches
     def target_cache(self, rows: int) -> KVCache:
-        c = self._target_cache
-        if c is None or c.rows != rows:
-            c = self._target_cache = KVCache(self.target.lm.cfg, rows, self.max_len, self.device, self.dtype)
-        c.lengths.zero_()
-        return c
+        return self._cache("target", self.target, rows)
 
     def draft_cache(self, rows: int) -> KVCache:
-        c = self._draft_cache
-        if c is None or c.rows != rows:
-            c = self._draft_cache = KVCache(self.draft.lm.cfg, rows, self.max_len, self.device, self.dtype)
+        return self._cache("draft", self.draft, rows)
+
+    def _cache(self, which: str, model: LoadedLVLM, rows: int) -> KVCache:
+        c = self._caches.get((which, rows))
+        if c is None:
+            c = self._caches[(which, rows)] = KVCache(model.lm.cfg, rows, self.max_len, self.device, self.dtype)
         c.lengths.zero_()
         return c
 

@@ -175,7 +175,7 @@ def _build(path, raw, hf_config, state_dict, device, dtype) -> LoadedLVLM:
         del lm_sd["lm_head.weight"]  # tied: the head is the embedding, as in transformers
     with torch.device("meta"):
         lm = LlamaLM(lm_cfg)
-    lm = lm.to_empty(device=device).to(dtype)
+    lm = lm.to(dtype).to_empty(device=device)   # cast on meta: no float32 copy of a 7B
     if lm_cfg.tie_word_embeddings:
         lm.lm_head.weight = lm.embed_tokens.weight
         own = {k: v for k, v in lm.state_dict().items() if k != "lm_head.weight"}
@@ -189,7 +189,7 @@ def _build(path, raw, hf_config, state_dict, device, dtype) -> LoadedLVLM:
     with torch.device("meta"):
         vision = VisionEncoder(hf_config, raw.get("vision_feature_layer", -2),
                                raw.get("vision_feature_select_strategy", "default"))
-    vision = vision.to_empty(device=device).to(dtype)
+    vision = vision.to(dtype).to_empty(device=device)
     _load_strict(vision.tower, vis_sd, "vision-tower", strip="vision_model.")
     _load_strict(vision.projector, proj_sd, "projector")
     _init_buffers(vision.tower, hf_config)

@@ -165,6 +165,7 @@ def run_speculative(eng, prep, sp, gen, caption):
         out += new
         block += 1
         yield new
+        timer.lap("time_other")
     stats.new_tokens = len(out)
     eng.sync()
     stats.time_total = time.perf_counter() - t_start
