@@ -100,9 +100,10 @@ class Engine:
             if draft.image_token_id != target.image_token_id:
                 raise ValueError("draft and target use different image token ids")
         self.eos_ids = self._eos_ids()
-        self.graphs = GraphCache() if cuda_graphs and torch.device(device).type == "cuda" else None
-        self._target_cache: Optional[KVCache] = None
-        self._draft_cache: Optional[KVCache] = None
+        # one static cache per (model, rows), kept for the engine's life: captured graphs
+        # hold pointers into them
+        self._caches: dict[tuple[str, int], KVCache] = {}
+        self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ construction
     @classmethod
