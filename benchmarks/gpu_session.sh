@@ -7,6 +7,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/raw}
 mkdir -p "$OUT"
 PY=${PY:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # scripts under benchmarks/ import the in-place build
 for stage in "$@"; do
   echo "=== stage $stage $(date -u +%FT%TZ)"
   case $stage in

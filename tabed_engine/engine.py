@@ -151,7 +151,9 @@ class Engine:
     def _cache(self, which: str, model: LoadedLVLM, rows: int) -> KVCache:
         c = self._caches.get((which, rows))
         if c is None:
-            c = self._caches[(which, rows)] = KVCache(model.lm.cfg, rows, self.max_len, self.device, self.dtype)
+            with torch.inference_mode(False):   # normal tensors: usable in and out of inference mode
+                c = self._caches[(which, rows)] = KVCache(model.lm.cfg, rows, self.max_len, self.device,
+                                                          self.dtype)
         c.lengths.zero_()
         return c
 

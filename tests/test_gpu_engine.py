@@ -21,23 +21,44 @@ def engine():
                                   dtype=torch.float32)
 
 
+def _configure(engine, views, policy="w-grid", gamma=4):
+    from tabed_engine.ensemble import EnsembleConfig
+
+    engine.views, engine.gamma = views, gamma
+    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views))
+
+
+def assert_same_or_fp_tie(engine, text, imgs, a, b, tol=1e-4):
+    """a == b, or they part at a position where the target's top two logits are within `tol`
+    (float32 kernels that sum in a different order may break exact ties differently)."""
+    if a == b:
+        return
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    from tabed_engine.prompt import prepare
+
+    prep = prepare(engine.processor, text, imgs, engine.target.image_token_id, engine.tokens_per_image)
+    prep.ids = prep.ids + a[:i]
+    with torch.inference_mode():
+        _, logits, _ = engine.prefill_target(prep)
+    top = torch.topk(logits[0], 2).values
+    assert float(top[0] - top[1]) < tol, (i, a[i - 2: i + 2], b[i - 2: i + 2], float(top[0] - top[1]))
+
+
 @pytest.mark.parametrize("views", [("M",), ("M", "T"), ("M", "T", "P", "C")])
 @pytest.mark.parametrize("policy", ["uniform", "w-grid", "kld", "confidence"])
 def test_graph_sd_equals_ar_fp32(engine, views, policy):
-    from tabed_engine.ensemble import EnsembleConfig
-
-    engine.views, engine.gamma = views, 4
-    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views))
+    _configure(engine, views, policy)
     for n in (1, 2):
         text, imgs = _prompt(n)
         sp = SamplingParams(max_new_tokens=40)
         ar = engine.generate(text, images=imgs, sampling=sp, speculative=False).token_ids
         sd = engine.generate(text, images=imgs, sampling=sp, caption="w1 w2")
-        assert sd.token_ids == ar
+        assert_same_or_fp_tie(engine, text, imgs, sd.token_ids, ar)
         assert sd.stats.target_forwards < len(ar)  # drafts were accepted
 
 
 def test_graphs_match_eager_and_cpu(engine):
+    _configure(engine, ("M", "T"))
     text, imgs = _prompt(1)
     sp = SamplingParams(max_new_tokens=30)
     eager = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
@@ -45,11 +66,12 @@ def test_graphs_match_eager_and_cpu(engine):
     cpu = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cpu",
                                  dtype=torch.float32)
     a = engine.generate(text, images=imgs, sampling=sp).token_ids
-    assert a == eager.generate(text, images=imgs, sampling=sp).token_ids
-    assert a == cpu.generate(text, images=imgs, sampling=sp).token_ids
+    assert_same_or_fp_tie(engine, text, imgs, a, eager.generate(text, images=imgs, sampling=sp).token_ids)
+    assert_same_or_fp_tie(engine, text, imgs, a, cpu.generate(text, images=imgs, sampling=sp).token_ids)
 
 
 def test_no_memory_growth_over_1000_generations(engine):
+    _configure(engine, ("M", "T"))
     text, imgs = _prompt(1)
     sp = SamplingParams(max_new_tokens=8, temperature=0.8, seed=0)
     for i in range(20):
