@@ -193,8 +193,8 @@ def _build(path, raw, hf_config, state_dict, device, dtype) -> LoadedLVLM:
     _load_strict(vision.tower, vis_sd, "vision-tower", strip="vision_model.")
     _load_strict(vision.projector, proj_sd, "projector")
     _init_buffers(vision.tower, hf_config)
-    lm.eval()
-    vision.eval()
+    lm.eval().requires_grad_(False)
+    vision.eval().requires_grad_(False)
     image_token = raw.get("image_token_index", raw.get("image_token_id"))
     if image_token is None:
         raise ValueError(f"{path!r}: config has no image_token_index")
