@@ -121,4 +121,6 @@ def confidence_weights(logits: torch.Tensor, B: int, K: int, temperature: float)
     has the largest max probability. logits: [B*K, V]."""
     x = logits.float() / temperature
     conf = (x.max(-1).values - torch.logsumexp(x, -1)).view(B, K)
-    return torch.nn.functional.one_hot(conf.argmax(-1), K).float()
+    # scatter, not F.one_hot: one_hot validates its input with a host sync on CUDA, which a
+    # CUDA-graph capture cannot contain
+    return torch.zeros_like(conf).scatter_(1, conf.argmax(-1, keepdim=True), 1.0)
