@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
-# Usage: benchmarks/gpu_session.sh STAGE...   (stages: env build test kernels e2e)
+# Usage: benchmarks/gpu_session.sh STAGE...   (stages: env build test kernels profile e2e)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -35,6 +35,9 @@ for stage in "$@"; do
       timeout 200 $PY benchmarks/bench_ensemble_ops.py --out "$OUT/ensemble_ops.json" 2>&1 | tail -30
       timeout 200 $PY benchmarks/bench_tree_attention.py --out "$OUT/tree_attention.json" 2>&1 | tail -40
       timeout 150 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -25
+      ;;
+    profile)
+      timeout 300 $PY benchmarks/profile_decode.py --out "$OUT" 2>&1 | tail -45
       ;;
     e2e)
       timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -60

@@ -164,10 +164,30 @@ def lvlm_from_hf(model, device=None, dtype=None) -> LoadedLVLM:
     return _build("<in-memory>", raw, model.config, dict(model.state_dict()), device, dtype)
 
 
+def fuse_projections(lm_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Concatenate each layer's q/k/v projections into `qkv_proj` and gate/up into
+    `gate_up_proj` (the decoder's fused layout); other keys pass through."""
+    out = dict(lm_sd)
+    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    layers = sorted({k.split(".")[1] for k in lm_sd if k.startswith("layers.")}, key=int)
+    for i in layers:
+        for fused, parts in groups.items():
+            for kind in ("weight", "bias"):
+                keys = [f"layers.{i}.{p}.{kind}" for p in parts]
+                present = [k in out for k in keys]
+                if all(present):
+                    out[f"layers.{i}.{fused}.{kind}"] = torch.cat([out.pop(k) for k in keys], dim=0)
+                elif any(present):
+                    raise ValueError(f"layer {i}: only some of {keys} are in the checkpoint")
+    return out
+
+
 def _build(path, raw, hf_config, state_dict, device, dtype) -> LoadedLVLM:
     tc = raw.get("text_config") or {}
     lm_cfg = LMConfig.from_text_config({"model_type": "llama", **tc}, raw)
     lm_sd, vis_sd, proj_sd = split_keys(state_dict)
+    lm_sd = fuse_projections(lm_sd)
     if "lm_head.weight" not in lm_sd:
         if not lm_cfg.tie_word_embeddings:
             raise ValueError(f"{path!r}: no lm_head weight and tie_word_embeddings is false")
