@@ -21,7 +21,7 @@ demo: setup
 	$(VPY) -m tabed_engine.demo
 
 test: setup
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n 2
 
 # On a machine that already has CUDA torch/triton/transformers (no registry needed).
 test-gpu:

@@ -84,8 +84,10 @@ setup(
     name="tabed_engine",
     version="0.1.0",
     description="Speculative decoding engine for vision-language models (TABED ensembles, draft trees)",
-    packages=["tabed_engine", "tabed_engine.ops", "tabed_engine.kernels"],
+    packages=["tabed_engine", "tabed_engine.ops", "tabed_engine.kernels", "tabed_engine.world"],
     package_dir={"tabed_engine.kernels": "kernels"},
+    # the bundled demo pair (synthetic world) and its sample image
+    package_data={"tabed_engine": ["assets/demo/*", "assets/demo/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -97,7 +99,7 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest", "scipy", "triton>=3.0"],
+        "test": ["pytest", "pytest-xdist", "scipy", "triton>=3.0"],
         "flash": ["flash-attn"],
     },
     entry_points={"console_scripts": ["tabed-engine=tabed_engine.cli:main"]},
