@@ -26,6 +26,7 @@ from .text import NOUNS, NUMBERS
 
 SCENARIOS = ("S1", "S2", "S3", "S4", "S5")
 TEXT = "text"  # text-only task without any image (training data)
+GRID_READ = "grid"  # dense read-out of every cell (training data that teaches reading images)
 
 
 @dataclass
@@ -226,6 +227,16 @@ def make_example(scenario: str, seed: int) -> Example:
             which = ("first", "second")[kind]
             turn = Turn(2, f"describe the {which} image .", describe(scs[kind]))
         return Example("S5", [turn], scs)
+    if scenario == GRID_READ:
+        # one answer token per cell, in the order of the image tokens: the answer token
+        # for cell k sits at a fixed distance from image token k, an easy attention
+        # pattern through which the LM learns what the features of a cell mean
+        sc = random_scene(rng)
+        cells = {(o.row, o.col): o for o in sc.objects}
+        attr = "color" if rng.random() < 0.5 else "shape"
+        words = [getattr(cells[divmod(k, GRID)], attr) if divmod(k, GRID) in cells else "none"
+                 for k in range(GRID * GRID)]
+        return Example(GRID_READ, [Turn(1, f"list the {attr}s .", " ".join(words))], (sc,))
     if scenario == TEXT:
         turns = [Turn(0, *text_task(rng))]
         if rng.random() < 0.3:

@@ -26,7 +26,7 @@ FUNCTION_WORDS = (
     "USER ASSISTANT image there is are a an the in row column shape shapes word words "
     "what which where how many color colour describe list count from to reverse sort copy "
     "numbers add and plus is it yes no of first second both images total left right "
-    "tell me your answer again say repeat nothing".split()
+    "tell me your answer again say repeat nothing none colors".split()
 )
 PUNCT = (":", ".", ",", "?")
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .proxy import Encoded, encode, format_table, logits_of, measure, answer_accuracy, n_image_tokens
-from .scenarios import SCENARIOS, TEXT, examples, make_example
+from .scenarios import GRID_READ, SCENARIOS, TEXT, examples, make_example
 from .scenes import IMAGE_SIZE, Scene, random_scene, render
 from .text import CHAT_TEMPLATE, IMAGE, build_tokenizer
 
@@ -40,10 +40,12 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 # (scenario, view, weight) of each model's training mixture
 TARGET_MIX = [("S1", "M", 0.18), ("S2", "M", 0.30), ("S3", "M", 0.12), ("S4", "M", 0.12),
-              ("S5", "M", 0.20), (TEXT, "M", 0.08)]
+              ("S5", "M", 0.15), (TEXT, "M", 0.08), (GRID_READ, "M", 0.18)]
 DRAFT_MIX = [("S1", "M", 0.17), ("S2", "M", 0.26), ("S1", "P", 0.04), ("S2", "P", 0.06),
              ("S1", "C", 0.05), ("S2", "C", 0.07), ("S5", "C", 0.05),
-             ("S3", "T", 0.10), ("S4", "T", 0.08), (TEXT, "M", 0.12)]
+             ("S3", "T", 0.10), ("S4", "T", 0.08), (TEXT, "M", 0.12), (GRID_READ, "M", 0.12)]
+
+READ_MIX = [(GRID_READ, "M", 1.0)]
 
 SIZES = {
     "target": dict(text=dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4,
@@ -116,23 +118,35 @@ def loss_of(model, image_processor, batch: list[Encoded], pad_id: int) -> torch.
 
 
 def train_one(kind: str, steps: int, processor, device: str, seed: int, batch_size: int, lr: float,
-              log=print) -> tuple:
+              log=print, vision_lr_mult: float = 1.0, mix=None, arch: str | None = None,
+              read_steps: int | None = None) -> tuple:
+    """Train one model from scratch. The first `read_steps` steps (default 20%) train only
+    the grid read-out: with the full mixture from the start the LM settles on text
+    priors and never reads the image (0% grid accuracy after 1500 steps at lr 1e-3,
+    measured), while on the read-out alone it learns to read within ~200 steps."""
     torch.manual_seed(seed)
     tok, ip = processor.tokenizer, processor.image_processor
-    model = build_model(kind, tok).to(device)
+    model = build_model(arch or kind, tok).to(device)
     n_img = n_image_tokens(model)
-    mix = TARGET_MIX if kind == "target" else DRAFT_MIX
+    mix = mix or (TARGET_MIX if kind == "target" else DRAFT_MIX)
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    vis = [p for n, p in model.named_parameters() if "vision_tower" in n or "multi_modal_projector" in n]
+    ids = {id(p) for p in vis}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    opt = torch.optim.AdamW([{"params": rest}, {"params": vis, "lr": lr * vision_lr_mult}], lr=lr,
+                            betas=(0.9, 0.98), weight_decay=0.01)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
     t0, ema, history = time.time(), None, []
     model.train()
+    read_steps = steps * 20 // 100 if read_steps is None else read_steps
     queue = []
     for step in range(steps):
+        if step == read_steps:
+            queue = []
         if not queue:
-            queue = sample_batches(rng, mix, batch_size, tok, n_img)
+            queue = sample_batches(rng, READ_MIX if step < read_steps else mix, batch_size, tok, n_img)
         batch = queue.pop()
         loss = loss_of(model, ip, batch, tok.pad_token_id)
         opt.zero_grad(set_to_none=True)
@@ -152,8 +166,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--steps", type=int, default=1500, help="target training steps")
-    ap.add_argument("--draft-steps", type=int, default=None, help="draft steps (default: --steps)")
+    ap.add_argument("--steps", type=int, default=3000, help="target training steps")
+    ap.add_argument("--draft-steps", type=int, default=None, help="draft steps (default: 4/3 x --steps)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (3e-3 never learns to read images)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-n", type=int, default=50, help="prompts per scenario for the proxy")
@@ -161,13 +176,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    draft_steps = args.draft_steps or args.steps
+    draft_steps = args.draft_steps or args.steps * 4 // 3
     t_all = time.time()
     processor = build_processor()
     target, t_loss, t_time, t_hist = train_one("target", args.steps, processor, args.device, args.seed,
-                                               args.batch_size, 1e-3)
+                                               args.batch_size, args.lr)
     draft, d_loss, d_time, d_hist = train_one("draft", draft_steps, processor, args.device, args.seed + 1,
-                                              args.batch_size, 2e-3)
+                                              args.batch_size, args.lr)
     os.makedirs(args.out, exist_ok=True)
     for name, m in (("target", target), ("draft", draft)):
         d = os.path.join(args.out, name)
