@@ -24,7 +24,7 @@ for stage in "$@"; do
       ;;
     test)
       # one process per file: a device fault in one must not poison the CUDA context of the rest
-      for f in tests/test_*.py; do
+      for f in ${TEST_FILES:-tests/test_*.py}; do
         grep -q "gpu" "$f" || continue
         echo "--- $f"
         timeout 300 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200 "$f" > "$OUT/gpu_$(basename $f .py).log" 2>&1
