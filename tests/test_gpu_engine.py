@@ -143,3 +143,32 @@ def test_ops_at_engine_shapes(V):
             assert (g == w).float().mean() > 0.99
         else:
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("views", [("M", "T", "P", "C"), ("M", "P"), ("M", "C"), ("M", "T")])
+def test_fresh_engine_views_lossless(graphs, views):
+    """A fresh engine per view set (no reuse of captured graphs across configurations)."""
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
+                                 dtype=torch.float32, views=views, gamma=4, cuda_graphs=graphs)
+    for n in (1, 2):
+        text, imgs = _prompt(n)
+        sp = SamplingParams(max_new_tokens=40)
+        ar = eng.generate(text, images=imgs, sampling=sp, speculative=False).token_ids
+        sd = eng.generate(text, images=imgs, sampling=sp, caption="w1 w2")
+        assert_same_or_fp_tie(eng, text, imgs, sd.token_ids, ar)
+
+
+@pytest.mark.parametrize("V", [173, 1000, 32064])
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_ensemble_mix_greedy_small_vocab(V, K):
+    from tabed_engine.ops.ensemble_mix import ensemble_mix, ensemble_mix_reference
+
+    torch.manual_seed(V + K)
+    logits = torch.randn(K, V, device="cuda") * 3
+    w = torch.softmax(torch.randn(1, K, device="cuda"), -1)
+    tok, prob, _, lse = ensemble_mix(logits, w, greedy=True)
+    rtok, rprob, _, rlse = ensemble_mix_reference(logits, w, greedy=True)
+    torch.cuda.synchronize()
+    assert int(tok) == int(rtok)
+    torch.testing.assert_close(lse, rlse, atol=1e-4, rtol=1e-4)
