@@ -1,17 +1,47 @@
 """Verification of a drafted chain: accepted prefix length and the next (bonus) token.
 
-One program per request.  Greedy: the gamma+1 target rows are read as one [GP, BLOCK]
-tile per step, so all their argmaxes come out of a single sweep over V; at B=1 that is
-one row-latency instead of up to gamma+1 dependent sweeps, and the worst case (all
-accepted) reads the same bytes as an early-exit loop.  Sampling: the gamma acceptance
-tests need only p(x_i) and q(x_i) (gathered as a vector); then two sweeps over one row
-pair at the first rejection: sum of the residual max(p - q, 0), then an inverse-CDF
-search with a running cumulative sum.
+Two layouts, picked from the shapes alone (`_n_vsplit`; the launcher never syncs, so it
+can be captured in a CUDA graph).
+
+One program per request (many requests, `_chain_verify_kernel`).  Greedy: the gamma+1
+target rows are read as one [GP, BLOCK] tile per step, so all their argmaxes come out of
+a single sweep over V; the worst case (all accepted) reads the same bytes as an
+early-exit loop.  Sampling: the gamma acceptance tests need only p(x_i) and q(x_i)
+(gathered as a vector); then two sweeps over one row pair at the first rejection: sum of
+the residual max(p - q, 0), then an inverse-CDF search with a running cumulative sum.
+
+V split (few requests; the engine verifies B = 1): one program streaming V is a chain of
+dependent loads on one SM (~38 us for 6 rows of 32K), so V is cut into S chunks, grid
+(B, S), and a one-program-per-request kernel combines the chunk partials:
+  greedy    `_argmax_partial_kernel`: per (position, chunk) best logit and its index ->
+            `_greedy_accept_kernel`: best per position (lowest index on ties, as
+            torch.argmax), then the accepted prefix and the next token.
+  sampling  `_residual_partial_kernel`: each program redoes the gamma gathers of the
+            acceptance test (a few loads) to know the row pair, then sums the residual
+            and p over its chunk (and its last index with mass) ->
+            `_residual_draw_kernel`: totals, prefix over the chunk sums to find the chunk
+            holding u * total, and an inverse-CDF scan of that chunk only.  Deterministic
+            given the uniforms; only the summation order differs from the one-program
+            kernel and the reference (chunk sums, then in-chunk cumsum), which can move a
+            draw across a CDF boundary when u * total is within rounding of it.
 """
 import torch
 import triton
 import triton.language as tl
 
+# V split.  At B = 1 a program's latency is about one DRAM round trip plus its reductions
+# for any chunk below a few K elements; ~1K elements per row and chunk ([GP, 1024] tile,
+# <= 16 KiB of bf16 for gamma < 8, loads issued together) keeps the per-program fixed
+# cost small next to its work, and the partials to combine few.  Splitting stops at ~128
+# programs (one wave on a 132-SM H100 / H200).  B = 1, V = 32064 gives 32 chunks of 1008;
+# B >= 128 keeps one program per request (S = 1).
+_MIN_CHUNK = 1024
+_TARGET_PROGRAMS = 128
+
+
+def _n_vsplit(B, V):
+    """Requested number of V chunks per request (shapes only, no device query)."""
+    return max(1, min(triton.cdiv(V, _MIN_CHUNK), _TARGET_PROGRAMS // max(B, 1)))
 
 @triton.jit
 def _chain_verify_kernel(
@@ -90,6 +120,169 @@ def _chain_verify_kernel(
     tl.store(next_ptr + b, token.to(tl.int64))
 
 
+@triton.jit
+def _argmax_partial_kernel(
+    p_ptr, part_val_ptr, part_idx_ptr, gamma, V, S, CHUNK, stride_pb, stride_pt,
+    GP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Greedy split pass: best logit and its (lowest) index per position in one chunk."""
+    b = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    js = tl.arange(0, GP)
+    cols = tl.arange(0, BLOCK)
+    rows = p_ptr + b * stride_pb + js.to(tl.int64)[:, None] * stride_pt
+    best = tl.full([GP], float("-inf"), tl.float32)
+    idx = tl.zeros([GP], tl.int32) + start
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        x = tl.load(rows + offs[None, :], mask=(js <= gamma)[:, None] & (offs < end)[None, :],
+                    other=float("-inf")).to(tl.float32)
+        blk_best = tl.max(x, axis=1)
+        take = blk_best > best  # strict: the earlier block wins ties
+        idx = tl.where(take, v0 + tl.argmax(x, axis=1), idx)
+        best = tl.where(take, blk_best, best)
+    out = (b * S + sp) * GP + js
+    tl.store(part_val_ptr + out, best)
+    tl.store(part_idx_ptr + out, idx)
+
+
+@triton.jit
+def _greedy_accept_kernel(
+    draft_ptr, part_val_ptr, part_idx_ptr, num_acc_ptr, next_ptr,
+    gamma, V, S, stride_db, stride_dt, GP: tl.constexpr, SP: tl.constexpr,
+):
+    """Greedy combine: per-position argmax over the chunks, accepted prefix, next token."""
+    b = tl.program_id(0).to(tl.int64)
+    js = tl.arange(0, GP)
+    ss = tl.arange(0, SP)
+    smask = ss < S
+    ptrs = (b * S + ss)[:, None] * GP + js[None, :]  # [SP, GP]
+    val = tl.load(part_val_ptr + ptrs, mask=smask[:, None], other=float("-inf"))
+    pidx = tl.load(part_idx_ptr + ptrs, mask=smask[:, None], other=V)
+    top = tl.max(val, axis=0)
+    idx = tl.min(tl.where(val == top[None, :], pidx, V), axis=0)  # ties: lowest index
+    draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=js < gamma, other=-1)
+    # Position gamma has no draft token: it always "misses" and yields the bonus.
+    miss = (draft != idx.to(tl.int64)) | (js >= gamma)
+    n_acc = tl.min(tl.where(miss, js, GP), axis=0)
+    token = tl.sum(tl.where(js == n_acc, idx, 0), axis=0)
+    tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
+    tl.store(next_ptr + b, token.to(tl.int64))
+
+
+@triton.jit
+def _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma,
+                  stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
+                  stride_ub, stride_ut, GP: tl.constexpr):
+    """Accepted prefix length: token i passes when u_i * q(x_i) < p(x_i)."""
+    js = tl.arange(0, GP)
+    dmask = js < gamma
+    draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=dmask, other=-1)
+    x_safe = tl.where(dmask, draft, 0)
+    px = tl.load(p_ptr + b * stride_pb + js * stride_pt + x_safe, mask=dmask, other=0.0)
+    qx = tl.load(q_ptr + b * stride_qb + js * stride_qt + x_safe, mask=dmask, other=0.0)
+    u = tl.load(u_ptr + b * stride_ub + js * stride_ut, mask=dmask, other=0.0)
+    rejected = dmask & ~(u * qx < px)
+    return tl.min(tl.where(rejected, js, gamma), axis=0)
+
+
+@triton.jit
+def _residual_partial_kernel(
+    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr, part_idx_ptr,
+    gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
+    stride_ub, stride_ut, GP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Sampling split pass: chunk sums of max(p - q, 0) and of p, and their last index with
+    mass, for the row pair at the first rejection (p_gamma alone when all pass)."""
+    b = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
+                          stride_qb, stride_qt, stride_pb, stride_pt, stride_ub, stride_ut, GP)
+    p_row = p_ptr + b * stride_pb + n_acc * stride_pt
+    q_row = q_ptr + b * stride_qb + n_acc * stride_qt
+    q_len = tl.where(n_acc < gamma, V, 0)  # no q row for the bonus (q = 0)
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    cols = tl.arange(0, BLOCK)
+    tot_r = 0.0
+    tot_p = 0.0
+    last_r = -1
+    last_p = -1
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < end
+        pv = tl.load(p_row + offs, mask=vmask, other=0.0)
+        qv = tl.load(q_row + offs, mask=vmask & (offs < q_len), other=0.0)
+        r = tl.maximum(pv - qv, 0.0)
+        tot_r += tl.sum(r, axis=0)
+        tot_p += tl.sum(pv, axis=0)
+        last_r = tl.maximum(last_r, tl.max(tl.where(r > 0, offs, -1), axis=0))
+        last_p = tl.maximum(last_p, tl.max(tl.where(pv > 0, offs, -1), axis=0))
+    out = (b * S + sp) * 2
+    tl.store(part_ptr + out, tot_r)
+    tl.store(part_ptr + out + 1, tot_p)
+    tl.store(part_idx_ptr + out, last_r)
+    tl.store(part_idx_ptr + out + 1, last_p)
+
+
+@triton.jit
+def _residual_draw_kernel(
+    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr, part_idx_ptr, num_acc_ptr, next_ptr,
+    gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
+    stride_ub, stride_ut, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Sampling combine: totals, the chunk holding u * total, inverse-CDF scan of it."""
+    b = tl.program_id(0).to(tl.int64)
+    n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
+                          stride_qb, stride_qt, stride_pb, stride_pt, stride_ub, stride_ut, GP)
+    ss = tl.arange(0, SP)
+    smask = ss < S
+    part = part_ptr + (b * S + ss) * 2
+    sum_r = tl.load(part, mask=smask, other=0.0)
+    sum_p = tl.load(part + 1, mask=smask, other=0.0)
+    last_r = tl.load(part_idx_ptr + (b * S + ss) * 2, mask=smask, other=-1)
+    last_p = tl.load(part_idx_ptr + (b * S + ss) * 2 + 1, mask=smask, other=-1)
+    tot_r = tl.sum(sum_r, axis=0)
+    # Sum r == 0 means p_i <= q_i everywhere, i.e. p_i == q_i (both sum to 1): then a
+    # rejection has probability 0 and only rounding gets here; p_i is then the exact
+    # conditional distribution, so sampling it cannot bias the output.
+    use_p = tot_r <= 0.0
+    sums = tl.where(use_p, sum_p, sum_r)
+    lasts = tl.where(use_p, last_p, last_r)
+    target = tl.load(u_ptr + b * stride_ub + gamma * stride_ut) * tl.sum(sums, axis=0)
+    # First chunk whose cumulative mass exceeds u * total; its exclusive prefix.
+    cs = tl.cumsum(sums, axis=0)
+    hit = tl.min(tl.where(smask & (cs > target), ss, S), axis=0)
+    run = tl.sum(tl.where(ss < hit, sums, 0.0), axis=0)
+    p_row = p_ptr + b * stride_pb + n_acc * stride_pt
+    q_row = q_ptr + b * stride_qb + n_acc * stride_qt
+    q_len = tl.where((n_acc < gamma) & ~use_p, V, 0)
+    start = hit * CHUNK  # hit == S (no chunk): start >= V, the scan is empty
+    end = tl.minimum(start + CHUNK, V)
+    cols = tl.arange(0, BLOCK)
+    token = -1
+    last_in = -1
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < end
+        pv = tl.load(p_row + offs, mask=vmask, other=0.0)
+        qv = tl.load(q_row + offs, mask=vmask & (offs < q_len), other=0.0)
+        r = tl.maximum(pv - qv, 0.0)
+        cs_v = run + tl.cumsum(r, axis=0)
+        first = tl.min(tl.where(vmask & (cs_v > target), offs, V), axis=0)
+        token = tl.where((token < 0) & (first < V), first, token)
+        last_in = tl.maximum(last_in, tl.max(tl.where(r > 0, offs, -1), axis=0))
+        run += tl.sum(r, axis=0)
+    # Rounding can leave the in-chunk sum just short of u * total (take the chunk's last
+    # token with mass), or every prefix short of it (take the row's last token with mass):
+    # what an exact sum would have hit.
+    last_all = tl.maximum(tl.max(lasts, axis=0), 0)
+    token = tl.where(token < 0, tl.where(hit < S, last_in, last_all), token)
+    tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
+    tl.store(next_ptr + b, token.to(tl.int64))
+
 def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     """Triton launcher; see `tabed_engine.ops.chain_verify.chain_verify` for the contract."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.int64:
@@ -120,16 +313,48 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     num_acc = torch.empty(B, dtype=torch.int64, device=dev)
     next_token = torch.empty(B, dtype=torch.int64, device=dev)
     GP = triton.next_power_of_2(gamma + 1)
-    if greedy:  # [GP, BLOCK] tile of 8K elements
-        BLOCK = max(16, min(triton.next_power_of_2(V), 8192 // GP))
-    else:
-        BLOCK = max(16, min(triton.next_power_of_2(V), 4096))
-    if B > 0:
+    if B == 0:
+        return num_acc, next_token
+    strides = (draft_tokens.stride(0), draft_tokens.stride(1), q_probs.stride(0), q_probs.stride(1),
+               p.stride(0), p.stride(1), uniforms.stride(0), uniforms.stride(1))
+    # [GP, BLOCK] tiles of 8K elements when greedy; one row pair of 4K when sampling.
+    block_max = 8192 // GP if greedy else 4096
+    S = _n_vsplit(B, V)
+    if S > 1:
+        chunk = triton.cdiv(triton.cdiv(V, S), 16) * 16  # 16-aligned chunk starts
+        S = triton.cdiv(V, chunk)                        # every chunk non-empty
+    if S == 1:
+        BLOCK = max(16, min(triton.next_power_of_2(V), block_max))
         _chain_verify_kernel[(B,)](
-            draft_tokens, q_probs, p, uniforms, num_acc, next_token,
-            gamma, V, draft_tokens.stride(0), draft_tokens.stride(1),
-            q_probs.stride(0), q_probs.stride(1), p.stride(0), p.stride(1),
-            uniforms.stride(0), uniforms.stride(1),
+            draft_tokens, q_probs, p, uniforms, num_acc, next_token, gamma, V, *strides,
             GP=GP, BLOCK=BLOCK, GREEDY=bool(greedy), num_warps=8,
+        )
+        return num_acc, next_token
+
+    BLOCK = max(16, min(triton.next_power_of_2(chunk), block_max))
+    SP = triton.next_power_of_2(S)
+    if greedy:
+        part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
+        part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
+        _argmax_partial_kernel[(B, S)](
+            p, part_val, part_idx, gamma, V, S, chunk, p.stride(0), p.stride(1),
+            GP=GP, BLOCK=BLOCK, num_warps=8 if GP * BLOCK >= 4096 else 4,
+        )
+        _greedy_accept_kernel[(B,)](
+            draft_tokens, part_val, part_idx, num_acc, next_token, gamma, V, S,
+            draft_tokens.stride(0), draft_tokens.stride(1), GP=GP, SP=SP,
+            num_warps=1 if SP * GP <= 256 else 4,
+        )
+    else:
+        part = torch.empty(B * S * 2, dtype=torch.float32, device=dev)
+        part_idx = torch.empty(B * S * 2, dtype=torch.int32, device=dev)
+        num_warps = 8 if BLOCK >= 2048 else 4
+        _residual_partial_kernel[(B, S)](
+            draft_tokens, q_probs, p, uniforms, part, part_idx, gamma, V, S, chunk, *strides,
+            GP=GP, BLOCK=BLOCK, num_warps=num_warps,
+        )
+        _residual_draw_kernel[(B,)](
+            draft_tokens, q_probs, p, uniforms, part, part_idx, num_acc, next_token,
+            gamma, V, S, chunk, *strides, GP=GP, SP=SP, BLOCK=BLOCK, num_warps=num_warps,
         )
     return num_acc, next_token

@@ -1,18 +1,51 @@
 """Fused ensemble mixing of the K draft views: softmax per view, mix, pick a token.
 
-One program per request reads its K logit rows as one [KP, BLOCK] tile per step, so
-the K rows' loads are in flight together.  Pass 1 is an online softmax (running max and
-sum per row).  The mixture q = sum_k w_k softmax_k needs every view's final normaliser
-before any q_v is known, so for K > 1 a second pass over V forms q block by block and
-keeps a running argmax (the rows were just read, so pass 2 mostly hits L2).  With a
-single view and no mixture to write, pass 2 is skipped: argmax_v q_v / E_v equals
-argmax_v (x_v - log E_v), which needs no normaliser.
+Two layouts, picked from the shapes alone (`_n_vsplit`), so the launcher never syncs and
+can be captured in a CUDA graph:
+
+* Many requests (B >= ~128): one program per request (`_ensemble_mix_kernel`).  It reads
+  its K logit rows as one [KP, BLOCK] tile per step, so the K rows' loads are in flight
+  together.  Pass 1 is an online softmax (running max and sum per row).  The mixture
+  q = sum_k w_k softmax_k needs every view's final normaliser before any q_v is known,
+  so for K > 1 a second pass over V forms q block by block and keeps a running argmax
+  (the rows were just read, so pass 2 mostly hits L2).  With a single view and no
+  mixture to write, pass 2 is skipped: argmax_v q_v / E_v equals
+  argmax_v (x_v - log E_v), which needs no normaliser.
+
+* Few requests (the speculative draft step runs B = 1): one program per request streams
+  V on a single SM, a chain of dependent loads that costs ~10 us per view at V = 32K.
+  Instead V is split into S chunks, grid (B, S), and the passes exchange small partials:
+    1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp; with one view (KP == 1)
+       also the chunk's pick (best x - log E_v, or best x when greedy).
+    2. `_mix_chunk_kernel`: every program folds the S partials of its rows into the
+       normalisers (S * K floats), then forms q over its chunk: writes the mixture row
+       and its chunk's best (q or q / E_v, index, q).  With one view the pick is already
+       known, so program (b, 0) finishes it and the others only write the mixture.
+    3. `_mix_pick_kernel` (K > 1): the S chunk bests -> token, token_prob.
+  Chunk bests combine by value, then lowest index, so ties resolve like torch.argmax
+  and the result does not depend on the split.  The Philox counter of element (b, v)
+  stays offset + b * V + v, so a draw is the same whatever the layout.
 """
 import torch
 import triton
 import triton.language as tl
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# V split.  At B = 1 each program's latency is about one DRAM round trip plus its exp
+# work, whatever its chunk size below a few K elements; ~1K elements per chunk and row
+# (K <= 4 rows: <= 8 KiB of bf16, a few 16-byte loads per thread, issued together) is
+# enough work to hide the fixed per-program cost without making the partials large.
+# Splitting stops at ~128 programs (one wave on a 132-SM H100 / H200): more splits add
+# partials to fold, not bandwidth.  So B = 1, V = 32064 gives 32 chunks of 1008; B = 16,
+# V = 151936 gives 8 chunks; B >= 128 keeps one program per request (S = 1).
+_MIN_CHUNK = 1024
+_TARGET_PROGRAMS = 128
+
+
+def _n_vsplit(B, V):
+    """Requested number of V chunks per request (shapes only, no device query)."""
+    return max(1, min(triton.cdiv(V, _MIN_CHUNK), _TARGET_PROGRAMS // max(B, 1)))
 
 
 @triton.jit
@@ -95,6 +128,160 @@ def _ensemble_mix_kernel(
     tl.store(token_prob_ptr + b, best_q)
 
 
+@triton.jit
+def _mix_partial_kernel(
+    logits_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
+    K, V, S, CHUNK, stride_logits, inv_temperature,
+    KP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr, PICK: tl.constexpr,
+):
+    """Split pass 1: per (row, chunk) max and sum-exp; with PICK (one view) the chunk's pick.
+
+    part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best x].
+    """
+    b = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    cols = tl.arange(0, BLOCK)
+    rows_ptr = logits_ptr + (b * K + ks).to(tl.int64)[:, None] * stride_logits
+    if PICK and not GREEDY:
+        seed = tl.load(seed_ptr)
+        rng_base = tl.load(offset_ptr) + b * V  # counter of (b, v): offset + b * V + v
+    m = tl.full([KP], float("-inf"), tl.float32)
+    s = tl.zeros([KP], tl.float32)
+    best = float("-inf")
+    best_idx = start  # distinct per chunk, so a chunk's entry is found by its index
+    best_x = 0.0
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < end
+        x = tl.load(rows_ptr + offs[None, :], mask=kmask[:, None] & vmask[None, :],
+                    other=float("-inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+        m = m_new
+        if PICK:
+            xv = tl.sum(x, axis=0)  # KP == 1: the row itself
+            score = xv
+            if not GREEDY:
+                u = tl.rand(seed, rng_base + offs)
+                score = xv - tl.log(-tl.log(u))  # log q_v - log E_v + const
+            score = tl.where(vmask, score, float("-inf"))
+            blk_best = tl.max(score, axis=0)
+            blk_idx = tl.argmax(score, axis=0)
+            blk_x = tl.sum(tl.where(cols == blk_idx, xv, 0.0), axis=0)
+            take = blk_best > best  # strict: the earlier block wins ties
+            best_x = tl.where(take, blk_x, best_x)
+            best_idx = tl.where(take, v0 + blk_idx, best_idx)
+            best = tl.where(take, blk_best, best)
+    row = part_ptr + (b * S + sp) * (2 * KP + 2)
+    tl.store(row + ks, m, mask=kmask)
+    tl.store(row + KP + ks, s, mask=kmask)
+    if PICK:
+        tl.store(row + 2 * KP, best)
+        tl.store(row + 2 * KP + 1, best_x)
+        tl.store(part_idx_ptr + b * S + sp, best_idx)
+
+
+@triton.jit
+def _mix_chunk_kernel(
+    logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
+    token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
+    K, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, inv_temperature,
+    KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
+    WRITE_MIX: tl.constexpr, PICKED: tl.constexpr,
+):
+    """Split pass 2: fold the S partials into lse, then q over this program's chunk."""
+    b = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    ss = tl.arange(0, SP)
+    smask = ss < S
+    W: tl.constexpr = 2 * KP + 2
+    prow = part_ptr + (b * S + ss) * W  # [SP]
+    pmask = smask[:, None] & kmask[None, :]
+    pm = tl.load(prow[:, None] + ks[None, :], mask=pmask, other=float("-inf"))
+    ps = tl.load(prow[:, None] + KP + ks[None, :], mask=pmask, other=0.0)
+    m = tl.max(pm, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.sum(ps * tl.exp(pm - m_safe[None, :]), axis=0)
+    lse = tl.where(kmask, m + tl.log(tl.where(kmask, tot, 1.0)), 0.0)
+    if sp == 0:
+        tl.store(lse_ptr + b * K + ks, lse, mask=kmask)
+    w = tl.load(weights_ptr + b * stride_wb + ks * stride_wk, mask=kmask, other=0.0)
+
+    if PICKED:  # one view: pass 1 found the pick, program (b, 0) finishes it
+        if sp == 0:
+            bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"))
+            bx = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0)
+            bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V)
+            top = tl.max(bv, axis=0)
+            tok = tl.min(tl.where(bv == top, bi, V), axis=0)  # ties: lowest index
+            x_tok = tl.sum(tl.where(smask & (bi == tok), bx, 0.0), axis=0)
+            q_tok = tl.exp(x_tok - tl.sum(lse, axis=0)) * tl.sum(w, axis=0)
+            tl.store(token_ptr + b, tok.to(tl.int64))
+            tl.store(token_prob_ptr + b, q_tok)
+
+    if WRITE_MIX or not PICKED:
+        start = sp * CHUNK
+        end = tl.minimum(start + CHUNK, V)
+        cols = tl.arange(0, BLOCK)
+        rows_ptr = logits_ptr + (b * K + ks).to(tl.int64)[:, None] * stride_logits
+        if not PICKED and not GREEDY:
+            seed = tl.load(seed_ptr)
+            rng_base = tl.load(offset_ptr) + b * V
+        best = float("-inf")
+        best_idx = start
+        best_q = 0.0
+        for v0 in range(start, end, BLOCK):
+            offs = v0 + cols
+            vmask = offs < end
+            x = tl.load(rows_ptr + offs[None, :], mask=kmask[:, None] & vmask[None, :],
+                        other=float("-inf")).to(tl.float32) * inv_temperature
+            q = tl.sum(tl.exp(x - lse[:, None]) * w[:, None], axis=0)  # [BLOCK]
+            if WRITE_MIX:
+                tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
+            if not PICKED:
+                score = q
+                if not GREEDY:
+                    u = tl.rand(seed, rng_base + offs)
+                    score = q / -tl.log(u)  # q_v / E_v, E_v ~ Exp(1)
+                score = tl.where(vmask, score, float("-inf"))
+                blk_best = tl.max(score, axis=0)
+                blk_idx = tl.argmax(score, axis=0)
+                blk_q = tl.sum(tl.where(cols == blk_idx, q, 0.0), axis=0)
+                take = blk_best > best
+                best_q = tl.where(take, blk_q, best_q)
+                best_idx = tl.where(take, v0 + blk_idx, best_idx)
+                best = tl.where(take, blk_best, best)
+        if not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
+            row = part_ptr + (b * S + sp) * W
+            tl.store(row + 2 * KP, best)
+            tl.store(row + 2 * KP + 1, best_q)
+            tl.store(part_idx_ptr + b * S + sp, best_idx)
+
+
+@triton.jit
+def _mix_pick_kernel(part_ptr, part_idx_ptr, token_ptr, token_prob_ptr, V, S,
+                     KP: tl.constexpr, SP: tl.constexpr):
+    """Split pass 3 (K > 1): the chunk bests -> token (lowest index on ties), q(token)."""
+    b = tl.program_id(0).to(tl.int64)
+    ss = tl.arange(0, SP)
+    smask = ss < S
+    prow = part_ptr + (b * S + ss) * (2 * KP + 2)
+    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"))
+    bq = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0)
+    bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V)
+    top = tl.max(bv, axis=0)
+    tok = tl.min(tl.where(bv == top, bi, V), axis=0)
+    tl.store(token_ptr + b, tok.to(tl.int64))
+    tl.store(token_prob_ptr + b, tl.sum(tl.where(smask & (bi == tok), bq, 0.0), axis=0))
+
+
 def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature=1.0,
                  return_mixture=False, mixture_out=None):
     """Triton launcher; see `tabed_engine.ops.ensemble_mix.ensemble_mix` for the contract.
@@ -136,17 +323,52 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
                 or mixture.stride(1) != 1 or mixture.device != dev):
             raise ValueError("mixture_out must be float32 [B, V] with unit last stride")
     KP = triton.next_power_of_2(K)
-    # ~8K elements per step (16 KiB of bf16 in flight per program); 8 warps keep the
-    # per-thread tile at 32 fp32 values, so nothing spills.
-    BLOCK = max(16, min(triton.next_power_of_2(V), 8192 // KP))
-    num_warps = 8 if KP * BLOCK >= 4096 else 4
     write_mix = mixture is not None
-    _ensemble_mix_kernel[(B,)](
-        logits, weights, seed if not greedy else token, offset if not greedy else token,
-        token, token_prob, mixture if write_mix else token_prob, lse,
-        K, V, logits.stride(0), weights.stride(0), weights.stride(1),
-        mixture.stride(0) if write_mix else 0, 1.0 / float(temperature),
-        KP=KP, BLOCK=BLOCK, GREEDY=bool(greedy), WRITE_MIX=write_mix,
-        ONE_PASS=(KP == 1 and not write_mix), num_warps=num_warps,
+    greedy = bool(greedy)
+    inv_t = 1.0 / float(temperature)
+    seed_arg = seed if not greedy else token      # unused pointers when greedy
+    offset_arg = offset if not greedy else token
+    mix_arg = mixture if write_mix else token_prob
+    stride_mix = mixture.stride(0) if write_mix else 0
+    S = _n_vsplit(B, V)
+    if S > 1:
+        chunk = triton.cdiv(triton.cdiv(V, S), 16) * 16  # 16-aligned chunk starts
+        S = triton.cdiv(V, chunk)                        # every chunk non-empty
+    if S == 1:
+        # ~8K elements per step (16 KiB of bf16 in flight per program); 8 warps keep the
+        # per-thread tile at 32 fp32 values, so nothing spills.
+        BLOCK = max(16, min(triton.next_power_of_2(V), 8192 // KP))
+        num_warps = 8 if KP * BLOCK >= 4096 else 4
+        _ensemble_mix_kernel[(B,)](
+            logits, weights, seed_arg, offset_arg,
+            token, token_prob, mix_arg, lse,
+            K, V, logits.stride(0), weights.stride(0), weights.stride(1),
+            stride_mix, inv_t,
+            KP=KP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix,
+            ONE_PASS=(KP == 1 and not write_mix), num_warps=num_warps,
+        )
+        return token, token_prob, mixture, lse
+
+    BLOCK = max(16, min(triton.next_power_of_2(chunk), 8192 // KP))
+    num_warps = 8 if KP * BLOCK >= 4096 else 4
+    SP = triton.next_power_of_2(S)
+    picked = KP == 1  # one view: argmax q_v / E_v = argmax x_v - log E_v, no normaliser
+    part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)
+    part_idx = torch.empty(B * S, dtype=torch.int32, device=dev)
+    _mix_partial_kernel[(B, S)](
+        logits, seed_arg, offset_arg, part, part_idx,
+        K, V, S, chunk, logits.stride(0), inv_t,
+        KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, num_warps=num_warps,
     )
+    _mix_chunk_kernel[(B, S if (write_mix or not picked) else 1)](
+        logits, weights, seed_arg, offset_arg, part, part_idx,
+        token, token_prob, mix_arg, lse,
+        K, V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
+        stride_mix, inv_t,
+        KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
+        num_warps=num_warps,
+    )
+    if not picked:
+        _mix_pick_kernel[(B,)](part, part_idx, token, token_prob, V, S, KP=KP, SP=SP,
+                               num_warps=1 if SP <= 32 else 4)
     return token, token_prob, mixture, lse

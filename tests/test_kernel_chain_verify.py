@@ -214,3 +214,75 @@ def test_gpu_sampling_is_lossless():
     draft, q, p, u = _scenario(200_000, seed=5)
     n_acc, nxt = chain_verify(draft.cuda(), q.cuda(), p.cuda(), greedy=False, uniforms=u.cuda())
     _check_lossless(draft, n_acc.cpu(), nxt.cpu())
+
+
+# ---- V split (few requests): forced chunk counts on small and odd vocabularies.
+
+def test_split_count_from_shapes():
+    assert _k._n_vsplit(1, 32064) == 32      # the engine's verify: 32 chunks of ~1K
+    assert _k._n_vsplit(64, 32064) == 2
+    assert _k._n_vsplit(256, 32064) == 1     # enough requests: one program each
+    assert _k._n_vsplit(1, 173) == 1
+
+
+@pytest.mark.parametrize("n_split", [2, 5, 24])
+@pytest.mark.parametrize("B, gamma, V, dtype", [
+    (1, 5, 173, torch.bfloat16), (3, 0, 173, torch.float32), (5, 6, 1000, torch.float16),
+    (2, 3, 1000, torch.bfloat16),
+])
+def test_split_greedy_matches_reference(B, gamma, V, dtype, n_split, kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: n_split)
+    draft, logits, want, target = _greedy_case(B, gamma, V, dtype, kernel_device, seed=n_split)
+    n_acc, nxt = _k.chain_verify(draft, None, logits, greedy=True)
+    assert torch.equal(n_acc.cpu(), want)
+    assert torch.equal(nxt.cpu(), target.gather(1, want[:, None]).squeeze(1))
+
+
+def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: 7)  # V = 173: chunks of 32
+    logits = torch.zeros(1, 3, 173)
+    logits[0, 0, [150, 64, 40]] = 5.0                        # across chunks -> 40
+    logits[0, 1, [33, 63, 32]] = 5.0                         # one chunk -> 32
+    logits[0, 2, [172, 96, 95]] = 5.0                        # a chunk boundary (95 | 96) -> 95
+    draft = torch.tensor([[40, 32]])
+    n_acc, nxt = _k.chain_verify(draft.to(kernel_device), None, logits.to(kernel_device), greedy=True)
+    assert n_acc.item() == 2 and nxt.item() == 95
+
+
+@pytest.mark.parametrize("n_split", [3, 24])
+@pytest.mark.parametrize("B, gamma, V, sharp", [(8, 4, 173, 2.0), (6, 2, 1000, 2.0),
+                                                (4, 0, 1000, 2.0), (8, 3, 173, 6.0)])
+def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: n_split)
+    draft, q, p, u = _sampling_case(B, gamma, V, kernel_device, seed=n_split, sharp=sharp)
+    q_wide = torch.zeros(B, gamma, V + 5, device=kernel_device)
+    q_wide[..., :V] = q
+    out = _k.chain_verify(draft, q_wide[..., :V], p, greedy=False, uniforms=u)
+    ref = chain_verify_reference(draft, q, p, greedy=False, uniforms=u)
+    assert _agree(out, ref) == 0
+
+
+def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatch):
+    """The 6-token scenario spread over V = 173 (one token per chunk of 32), extreme
+    uniforms included: chunk prefix + in-chunk scan must pick what the reference picks."""
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: 6)
+    draft, q6, p6, u = _scenario(60, seed=6)
+    u[:4, -1] = torch.tensor([0.0, 1.0 - 2 ** -24, 0.5, 0.25])
+    spots = torch.arange(6) * 32 + 5
+    N, gamma = draft.shape
+    p = torch.zeros(N, gamma + 1, 173)
+    q = torch.zeros(N, gamma, 173)
+    p[..., spots], q[..., spots] = p6, q6
+    draft = spots[draft]
+    dev = kernel_device
+    out = _k.chain_verify(draft.to(dev), q.to(dev), p.to(dev), greedy=False, uniforms=u.to(dev))
+    ref = chain_verify_reference(draft, q, p, greedy=False, uniforms=u)
+    assert _agree(out, ref) == 0
+    assert (torch.bincount(ref[0], minlength=3) >= 3).all()  # all three branches
+    # The zero-residual fallback to p, split: p_0 == q_0 -> inverse CDF of p_0.
+    p1 = torch.zeros(1, 2, 173)
+    p1[0, 0, spots[:4]] = torch.tensor([0.2, 0.3, 0.3, 0.2])
+    p1[0, 1, 7] = 1.0
+    out = _k.chain_verify(torch.tensor([[9]]).to(dev), p1[:, :1].clone().to(dev), p1.to(dev),
+                          greedy=False, uniforms=torch.tensor([[0.1, 0.5]]).to(dev))
+    assert out[0].item() == 0 and out[1].item() == spots[2].item()

@@ -208,3 +208,73 @@ def test_gpu_sampling_many_draws_and_graph_capture():
     offset += 100 * V
     graph.replay()
     assert not torch.equal(first, tok)
+
+
+# ---- V split (few requests): forced chunk counts on small and odd vocabularies.
+
+def test_split_count_from_shapes():
+    assert _k._n_vsplit(1, 32064) == 32      # the engine's draft step: 32 chunks
+    assert _k._n_vsplit(1, 151936) == 128
+    assert _k._n_vsplit(16, 151936) == 8
+    assert _k._n_vsplit(128, 32064) == 1     # enough requests: one program each
+    assert _k._n_vsplit(1, 173) == 1
+
+
+@pytest.mark.parametrize("n_split", [2, 7, 24])
+@pytest.mark.parametrize("B, K, V, temperature, return_mixture, dtype", [
+    (1, 1, 173, 1.0, False, torch.float32), (2, 1, 1000, 0.7, True, torch.bfloat16),
+    (3, 3, 173, 1.3, True, torch.float16), (1, 4, 1000, 1.0, False, torch.bfloat16),
+    (2, 2, 1000, 0.9, True, torch.float32),
+])
+def test_split_greedy_matches_reference(B, K, V, temperature, return_mixture, dtype, n_split,
+                                        kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: n_split)
+    logits, w = _inputs(B, K, V, dtype, kernel_device, seed=n_split)
+    ref = ensemble_mix_reference(logits, w, greedy=True, temperature=temperature, return_mixture=True)
+    out_mix = torch.full((B, 3, V), float("nan"), device=kernel_device)[:, 2] if return_mixture else None
+    token, token_prob, mixture, lse = _k.ensemble_mix(
+        logits, w, greedy=True, temperature=temperature, mixture_out=out_mix)
+    assert not torch.isnan(token_prob).any()
+    torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
+    _check_token(token, token_prob, ref[2], 1e-6)
+    top2 = ref[2].topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-5
+    assert torch.equal(token[clear], ref[0][clear])
+    if return_mixture:
+        torch.testing.assert_close(mixture, ref[2], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_split_ties_pick_lowest_index(K, kernel_device, monkeypatch):
+    # V = 173 in 7 chunks of 32: ties at a chunk boundary (31 | 32), inside a chunk, later.
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: 7)
+    logits = torch.full((K, 173), -5.0)
+    for v in (160, 40, 32, 31):
+        logits[:, v] = 3.0
+    w = torch.full((1, K), 1.0 / K)
+    token, *_ = _k.ensemble_mix(logits.to(kernel_device), w.to(kernel_device), greedy=True)
+    assert token.item() == 31
+
+
+@pytest.mark.parametrize("K, V, return_mixture", [(1, 173, False), (1, 1000, True), (3, 173, True),
+                                                  (2, 1000, False)])
+def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device, monkeypatch):
+    """Same Philox counters (offset + b*V + v) whatever the split: the same tokens."""
+    B = 6
+    logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K)
+    seed = torch.tensor([77], device=kernel_device)
+    offset = torch.tensor([12345], device=kernel_device)
+    outs = []
+    for n_split in (1, 5):
+        monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, n=n_split: n)
+        outs.append(_k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset,
+                                    temperature=0.9, return_mixture=return_mixture))
+    (t1, p1, m1, l1), (t5, p5, m5, l5) = outs
+    assert torch.equal(t1, t5)
+    torch.testing.assert_close(p5, p1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(l5, l1, atol=1e-5, rtol=1e-5)
+    ref = ensemble_mix_reference(logits, w, greedy=True, temperature=0.9, return_mixture=True)
+    torch.testing.assert_close(p5, ref[2].gather(1, t5[:, None]).squeeze(1), atol=1e-6, rtol=1e-5)
+    if return_mixture:
+        torch.testing.assert_close(m5, ref[2], atol=1e-6, rtol=1e-5)
+    assert len(set(t5.tolist())) > 1
