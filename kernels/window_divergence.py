@@ -1,109 +1,265 @@
 """Divergences between the target distribution and each draft view over a window.
 
-One program per (request, position, chunk of grid weight vectors).  Pass 1: online
-logsumexp of the target row and the K view rows (and the target argmax).  Pass 2 needs
-those normalisers: per V block it forms p and each q_k, accumulates KL(p||q_k) and
-TV(p, q_k) and, with a weight grid, the G_BLOCK mixtures sum_k g_k q_k of its chunk
-(running argmax and KL per mixture), so G x P x V is never stored.  Splitting G over
-programs keeps enough programs in flight when B * P is small (B=1, P=6: 6 programs
-without the split, 108 with G=286); each chunk repeats pass 1, which then hits L2.
+The engine calls this once per speculative block at B=1, P=gamma (5-6), K in {2, 4},
+V=32064: B*P is tiny, so the vocabulary itself is split over programs.  Two launches:
+
+1. `_wd_stats_kernel`, grid (B*P, NS1): per V split, the running max and sum-exp of the
+   target row and of the K view rows (logits / temperature), and the target's first
+   argmax.  It also zeroes the per-(row, grid chunk) arrival counters used by launch 2.
+2. `_wd_div_kernel`, grid (B*P, NS2, n_chunks): every program merges the NS1 partial
+   normalisers of its row (a few hundred bytes from L2), then over its V split computes
+   (chunk 0) the partial KL(p||q_k) and sum |p - q_k|, and, with a weight grid, for the
+   G_BLOCK weight vectors of its chunk the mixtures sum_k g_k q_k: partial (max, first
+   argmax) and partial KL(p||mixture), so G x P x V is never stored.  Partials go to a
+   workspace; the last program of each (row, chunk) to arrive (atomic counter, the
+   "last block" pattern) reduces the NS2 partials in split order and writes the outputs.
+
+Everything accumulates in fp32; argmax ties resolve to the lowest index (torch.argmax);
+split counts depend on shapes only (no host sync: the launcher runs in graph capture);
+the partial sums are reduced in a fixed order, so results are deterministic.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of the reductions
+_PROGRAMS_PER_SM = 8     # launch about this many programs per SM (when the shape allows)
+_INTERPRETER_PROGRAMS = 16  # CPU interpreter: programs run one after another
+_LN2 = tl.constexpr(0.6931471805599453)
+_LOG2E = tl.constexpr(1.4426950408889634)
+# The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
+# that fp32 softmax keeps (q >= 2^-149); the shift is exact in log2 and cancels in argmax.
+_MIX_SHIFT = tl.constexpr(24.0)
+_BIG_IDX = tl.constexpr(2147483647)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _target_programs(device):
+    """Programs a launch should have for the device to be filled (host query, no sync)."""
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _PROGRAMS_PER_SM * _num_sms(index)
+
+
+def _split(V, unit, rows, target):
+    """(chunk length, number of chunks) of V: `rows * chunks` near `target` programs,
+    chunks a multiple of `unit` elements and at most _MAX_SPLITS of them."""
+    n_units = triton.cdiv(V, unit)
+    per = max(1, (n_units * rows) // max(target, 1), triton.cdiv(n_units, _MAX_SPLITS))
+    chunk = per * unit
+    return chunk, triton.cdiv(V, chunk)
 
 
 @triton.jit
-def _window_divergence_kernel(
-    p_ptr, q_ptr, grid_ptr, kl_ptr, tv_ptr, match_ptr, gkl_ptr,
-    P, V, G, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
-    stride_gg, stride_gk, inv_temperature,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
-    G_BLOCK: tl.constexpr, HAS_GRID: tl.constexpr,
+def _log2(x, FAST: tl.constexpr):
+    if FAST:  # one MUFU op; tl.math.log2 is a libdevice polynomial
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.math.log2(x)
+
+
+@triton.jit
+def _exp2(x, FAST: tl.constexpr):
+    if FAST:  # one MUFU op, without the subnormal fix-up of tl.exp
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.math.exp2(x)
+
+
+@triton.jit
+def _wd_stats_kernel(
+    p_ptr, q_ptr, m_ptr, s_ptr, idx_ptr, cnt_ptr,
+    P, V, CH, NS, NCNT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, inv_t,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    b = pid // P
-    pos = pid % P
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row.to(tl.int64) // P
+    pos = row.to(tl.int64) % P
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    p_row = p_ptr + b * stride_pb + pos * stride_pp
+    q_rows = q_ptr + b * stride_qb + pos * stride_qp + ks.to(tl.int64)[:, None] * stride_qk
+    v_start = split * CH
+    v_end = tl.minimum(v_start + CH, V)
+    cols = tl.arange(0, BLOCK)
+    # Raw (unscaled) maxima: the target argmax is taken on the logits, as torch.argmax.
+    mp = float("-inf")
+    sp = 0.0
+    p_idx = v_start
+    mq = tl.full([KP], float("-inf"), tl.float32)
+    sq = tl.zeros([KP], tl.float32)
+    for v0 in range(v_start, v_end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < v_end
+        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        xq = tl.load(q_rows + offs[None, :], mask=kmask[:, None] & vmask[None, :],
+                     other=float("-inf")).to(tl.float32)
+        blk_max = tl.max(xp, axis=0)
+        p_idx = tl.where(blk_max > mp, v0 + tl.argmax(xp, axis=0), p_idx)  # earlier wins ties
+        mp_new = tl.maximum(mp, blk_max)
+        ref = tl.where(mp_new == float("-inf"), 0.0, mp_new * inv_t)  # rows may hold -inf
+        sp = sp * tl.exp(mp * inv_t - ref) + tl.sum(tl.exp(xp * inv_t - ref), axis=0)
+        mp = mp_new
+        mq_new = tl.maximum(mq, tl.max(xq, axis=1))
+        refq = tl.where(mq_new == float("-inf"), 0.0, mq_new * inv_t)
+        sq = sq * tl.exp(mq * inv_t - refq) + tl.sum(tl.exp(xq * inv_t - refq[:, None]), axis=1)
+        mq = mq_new
+    # stats layout [rows, K + 1, NS]: entry 0 is the target, 1 + k view k
+    base = row.to(tl.int64) * (K + 1) * NS + split
+    tl.store(m_ptr + base, mp)
+    tl.store(s_ptr + base, sp)
+    tl.store(m_ptr + base + (1 + ks) * NS, mq, mask=kmask)
+    tl.store(s_ptr + base + (1 + ks) * NS, sq, mask=kmask)
+    tl.store(idx_ptr + row.to(tl.int64) * NS + split, p_idx)
+    for c in range(split, NCNT, NS):  # arrival counters of launch 2 (graph replays reuse none)
+        tl.store(cnt_ptr + row.to(tl.int64) * NCNT + c, 0)
+
+
+@triton.jit
+def _wd_div_kernel(
+    p_ptr, q_ptr, grid_ptr, m_ptr, s_ptr, idx_ptr, cnt_ptr,
+    vpart_ptr, gbest_ptr, gidx_ptr, gklp_ptr,
+    kl_ptr, tv_ptr, match_ptr, gkl_ptr,
+    P, V, G, NS1, CH, NS2, NCH,
+    stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, stride_gg, stride_gk, inv_t,
+    K: tl.constexpr, KP: tl.constexpr, NS1P: tl.constexpr, NS2P: tl.constexpr,
+    BLOCKV: tl.constexpr, G_BLOCK: tl.constexpr, BLOCKG: tl.constexpr,
+    HAS_GRID: tl.constexpr, FAST_MATH: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    chunk = tl.program_id(2)
+    row64 = row.to(tl.int64)
+    b = row64 // P
+    pos = row64 % P
     ks = tl.arange(0, KP)
     kmask = ks < K
     p_row = p_ptr + b * stride_pb + pos * stride_pp
     q_row = q_ptr + b * stride_qb + pos * stride_qp
+    v_start = split * CH
+    v_end = tl.minimum(v_start + CH, V)
 
-    # Pass 1: normalisers of p and of every q_k; argmax of p for the grid.
-    cols = tl.arange(0, BLOCK1)
-    mp = float("-inf")
-    sp = 0.0
-    mq = tl.full([KP], float("-inf"), tl.float32)
-    sq = tl.zeros([KP], tl.float32)
-    p_idx = 0
-    for v0 in range(0, V, BLOCK1):
-        offs = v0 + cols
-        vmask = offs < V
-        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_temperature
-        xq = tl.load(q_row + ks.to(tl.int64)[:, None] * stride_qk + offs[None, :],
-                     mask=kmask[:, None] & vmask[None, :],
-                     other=float("-inf")).to(tl.float32) * inv_temperature
-        blk_max = tl.max(xp, axis=0)
-        p_idx = tl.where(blk_max > mp, v0 + tl.argmax(xp, axis=0), p_idx)
-        mp_new = tl.maximum(mp, blk_max)
-        mp_safe = tl.where(mp_new == float("-inf"), 0.0, mp_new)  # rows may hold -inf
-        sp = sp * tl.exp(mp - mp_safe) + tl.sum(tl.exp(xp - mp_safe), axis=0)
-        mp = mp_new
-        mq_new = tl.maximum(mq, tl.max(xq, axis=1))
-        mq_safe = tl.where(mq_new == float("-inf"), 0.0, mq_new)
-        sq = sq * tl.exp(mq - mq_safe) + tl.sum(tl.exp(xq - mq_safe[:, None]), axis=1)
-        mq = mq_new
-    lse_p = mp + tl.log(sp)
-    lse_q = tl.where(kmask, mq + tl.log(tl.where(kmask, sq, 1.0)), 0.0)
+    # Merge the NS1 partial normalisers of this row.
+    ss = tl.arange(0, NS1P)
+    smask = ss < NS1
+    stat = row64 * (K + 1) * NS1
+    m_p = tl.load(m_ptr + stat + ss, mask=smask, other=float("-inf")) * inv_t
+    s_p = tl.load(s_ptr + stat + ss, mask=smask, other=0.0)
+    top = tl.max(m_p, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    lse_p = top + tl.log(tl.sum(s_p * tl.exp(m_p - top), axis=0))
+    qoff = stat + (1 + ks[:, None]) * NS1 + ss[None, :]
+    qmask = kmask[:, None] & smask[None, :]
+    m_q = tl.load(m_ptr + qoff, mask=qmask, other=float("-inf")) * inv_t
+    s_q = tl.load(s_ptr + qoff, mask=qmask, other=0.0)
+    top_q = tl.max(m_q, axis=1)
+    top_q = tl.where(top_q == float("-inf"), 0.0, top_q)
+    lse_q = top_q + tl.log(tl.sum(s_q * tl.exp(m_q - top_q[:, None]), axis=1))
+    lse_q = tl.where(kmask, lse_q, 0.0)
 
-    # Pass 2: divergences per view and per grid mixture.
-    cols = tl.arange(0, BLOCK2)
-    kl = tl.zeros([KP], tl.float32)
-    tv = tl.zeros([KP], tl.float32)
-    gs = chunk * G_BLOCK + tl.arange(0, G_BLOCK)
-    gmask = gs < G
-    g_best = tl.full([G_BLOCK], -1.0, tl.float32)
-    g_idx = tl.zeros([G_BLOCK], tl.int32)
-    g_kl = tl.zeros([G_BLOCK], tl.float32)
-    for v0 in range(0, V, BLOCK2):
-        offs = v0 + cols
-        vmask = offs < V
-        logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_temperature - lse_p
-        pv = tl.exp(logp)
-        mix = tl.zeros([G_BLOCK, BLOCK2], tl.float32)
-        for k in tl.static_range(K):
-            lse_k = tl.sum(tl.where(ks == k, lse_q, 0.0), axis=0)
-            logq = tl.load(q_row + k * stride_qk + offs, mask=vmask,
-                           other=float("-inf")).to(tl.float32) * inv_temperature - lse_k
+    # Per-view partial KL and TV over this split (first grid chunk only).
+    vpart = vpart_ptr + (row64 * NS2 + split) * 2 * KP
+    if chunk == 0:
+        cols = tl.arange(0, BLOCKV)
+        kl_acc = tl.zeros([KP, BLOCKV], tl.float32)
+        tv_acc = tl.zeros([KP, BLOCKV], tl.float32)
+        for v0 in range(v_start, v_end, BLOCKV):
+            offs = v0 + cols
+            vmask = offs < v_end
+            logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_t - lse_p
+            pv = tl.exp(logp)
+            logq = tl.load(q_row + ks.to(tl.int64)[:, None] * stride_qk + offs[None, :],
+                           mask=kmask[:, None] & vmask[None, :],
+                           other=float("-inf")).to(tl.float32) * inv_t - lse_q[:, None]
             qv = tl.exp(logq)
-            kl_k = tl.sum(tl.where(pv > 0, pv * (logp - logq), 0.0), axis=0)
-            tv_k = tl.sum(tl.abs(pv - qv), axis=0)
-            kl += tl.where(ks == k, kl_k, 0.0)
-            tv += tl.where(ks == k, tv_k, 0.0)
-            if HAS_GRID:
-                g_k = tl.load(grid_ptr + gs * stride_gg + k * stride_gk, mask=gmask, other=0.0)
-                mix += g_k[:, None] * qv[None, :]
-        if HAS_GRID:
-            score = tl.where(vmask[None, :], mix, -1.0)
-            blk_best = tl.max(score, axis=1)
-            blk_idx = tl.argmax(score, axis=1)
-            take = blk_best > g_best  # strict: the earlier block wins ties
-            g_idx = tl.where(take, v0 + blk_idx, g_idx)
-            g_best = tl.where(take, blk_best, g_best)
             p2 = pv[None, :]
-            g_kl += tl.sum(tl.where(p2 > 0, p2 * (logp[None, :] - tl.log(tl.where(p2 > 0, mix, 1.0))), 0.0), axis=1)
+            kl_acc += tl.where(p2 > 0, p2 * (logp[None, :] - logq), 0.0)
+            tv_acc += tl.abs(p2 - qv)
+        tl.store(vpart + ks, tl.sum(kl_acc, axis=1))
+        tl.store(vpart + KP + ks, tl.sum(tv_acc, axis=1))
 
-    out = (b * K + ks) * P + pos
-    n_views = tl.where(chunk == 0, K, 0)  # the first grid chunk writes kl and tv
-    tl.store(kl_ptr + out, kl, mask=ks < n_views)
-    tl.store(tv_ptr + out, 0.5 * tv, mask=ks < n_views)
+    # Grid mixtures of this chunk: elementwise running (max, first index, KL) over the split.
     if HAS_GRID:
-        gout = (b * G + gs) * P + pos
-        tl.store(match_ptr + gout, (g_idx == p_idx).to(tl.int8), mask=gmask)
-        tl.store(gkl_ptr + gout, g_kl, mask=gmask)
+        gs = chunk * G_BLOCK + tl.arange(0, G_BLOCK)
+        gmask = gs < G
+        gw = ()  # weight columns, hoisted out of the V loop
+        lq = ()  # log2 normalisers of the views, less the shift
+        for k in tl.static_range(K):
+            gw = gw + (tl.load(grid_ptr + gs * stride_gg + k * stride_gk, mask=gmask, other=0.0),)
+            lq = lq + (tl.sum(tl.where(ks == k, lse_q, 0.0), axis=0) * _LOG2E - _MIX_SHIFT,)
+        scale2 = inv_t * _LOG2E
+        cols = tl.arange(0, BLOCKG)
+        best = tl.full([G_BLOCK, BLOCKG], float("-inf"), tl.float32)
+        bidx = tl.zeros([G_BLOCK, BLOCKG], tl.int32)
+        g_kl = tl.zeros([G_BLOCK, BLOCKG], tl.float32)
+        for v0 in range(v_start, v_end, BLOCKG):
+            offs = v0 + cols
+            vmask = offs < v_end
+            logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_t - lse_p
+            pv = tl.exp(logp)
+            ppos = pv > 0
+            # p * (log p - log mix) = p * (c - ln2 * log2(mix * 2^shift)), c = 0 where p = 0
+            c = tl.where(ppos, logp + _MIX_SHIFT * _LN2, 0.0)
+            # -inf outside the split: never an argmax; the first FMA absorbs it
+            mix = tl.where(vmask, 0.0, float("-inf"))[None, :]
+            for k in tl.static_range(K):
+                xq = tl.load(q_row + k * stride_qk + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+                qv = _exp2(xq * scale2 - lq[k], FAST_MATH)  # q_k * 2^shift
+                mix = mix + gw[k][:, None] * qv[None, :]
+            take = mix > best  # strict: the earlier position wins ties
+            best = tl.where(take, mix, best)
+            bidx = tl.where(take, offs[None, :], bidx)
+            lmix = _log2(tl.where(ppos[None, :], mix, 1.0), FAST_MATH)
+            g_kl += pv[None, :] * (c[None, :] - _LN2 * lmix)
+        blk_best = tl.max(best, axis=1)
+        blk_idx = tl.min(tl.where(best == blk_best[:, None], bidx, _BIG_IDX), axis=1)
+        gl = tl.arange(0, G_BLOCK)
+        gpart = ((row64 * NCH + chunk) * NS2 + split) * G_BLOCK + gl
+        tl.store(gbest_ptr + gpart, blk_best)
+        tl.store(gidx_ptr + gpart, blk_idx)
+        tl.store(gklp_ptr + gpart, tl.sum(g_kl, axis=1))
+
+    # Last program of (row, chunk) to arrive reduces the NS2 partials in split order.
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    arrived = tl.atomic_add(cnt_ptr + row64 * NCH + chunk, 1, sem="acq_rel", scope="gpu")
+    if arrived == NS2 - 1:
+        sp_ = tl.arange(0, NS2P)
+        spmask = sp_ < NS2
+        if chunk == 0:
+            voff = (row64 * NS2 + sp_[:, None]) * 2 * KP + ks[None, :]
+            vm = spmask[:, None] & kmask[None, :]
+            kl = tl.sum(tl.load(vpart_ptr + voff, mask=vm, other=0.0, cache_modifier=".cg"), axis=0)
+            tv = tl.sum(tl.load(vpart_ptr + voff + KP, mask=vm, other=0.0, cache_modifier=".cg"), axis=0)
+            out = (b * K + ks) * P + pos
+            tl.store(kl_ptr + out, kl, mask=kmask)
+            tl.store(tv_ptr + out, 0.5 * tv, mask=kmask)
+        if HAS_GRID:
+            # target argmax: first split holding the maximum, its first index
+            pm = tl.load(m_ptr + stat + ss, mask=smask, other=float("-inf"))
+            pi = tl.load(idx_ptr + row64 * NS1 + ss, mask=smask, other=_BIG_IDX)
+            p_arg = tl.min(tl.where(smask & (pm == tl.max(pm, axis=0)), pi, _BIG_IDX), axis=0)
+            gl = tl.arange(0, G_BLOCK)
+            goff = ((row64 * NCH + chunk) * NS2 + sp_[:, None]) * G_BLOCK + gl[None, :]
+            gm = spmask[:, None] & (gs < G)[None, :]
+            vbest = tl.load(gbest_ptr + goff, mask=gm, other=float("-inf"), cache_modifier=".cg")
+            vidx = tl.load(gidx_ptr + goff, mask=gm, other=_BIG_IDX, cache_modifier=".cg")
+            vkl = tl.load(gklp_ptr + goff, mask=gm, other=0.0, cache_modifier=".cg")
+            top_g = tl.max(vbest, axis=0)
+            arg_g = tl.min(tl.where(spmask[:, None] & (vbest == top_g[None, :]), vidx, _BIG_IDX), axis=0)
+            gout = (b * G + gs) * P + pos
+            tl.store(match_ptr + gout, (arg_g == p_arg).to(tl.int8), mask=gs < G)
+            tl.store(gkl_ptr + gout, tl.sum(vkl, axis=0), mask=gs < G)
 
 
 def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
@@ -133,28 +289,69 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
         G = grid.shape[0]
         match = torch.empty(B, G, P, dtype=torch.uint8, device=dev)
         gkl = torch.empty(B, G, P, dtype=torch.float32, device=dev)
-        G_BLOCK = min(16, triton.next_power_of_2(max(G, 1)))
-        n_chunks = triton.cdiv(G, G_BLOCK)
-        # [G_BLOCK, BLOCK2] mixture tile of 4K fp32 values: 16 per thread at 8 warps.
-        BLOCK2 = max(16, min(triton.next_power_of_2(V), 4096 // G_BLOCK))
     else:
-        G, G_BLOCK, n_chunks = 0, 1, 1
+        G = 0
         match = gkl = None
-        BLOCK2 = max(16, min(triton.next_power_of_2(V), 2048))
+    R = B * P
+    has_grid = grid is not None and G > 0
+    if R == 0 or K == 0 or V == 0:  # degenerate shapes: nothing to launch
+        return kl, tv, (match.view(torch.bool) if match is not None else None), gkl
+    target = _target_programs(dev)
     KP = triton.next_power_of_2(K)
-    # Pass 1 streams K+1 rows: ~4K elements per step in flight.
-    BLOCK1 = max(16, min(triton.next_power_of_2(V), 4096 // KP))
-    if B * P * n_chunks > 0:
-        _window_divergence_kernel[(B * P, n_chunks)](
-            p_logits, q_logits, grid if grid is not None else kl,
-            kl, tv, match if match is not None else kl, gkl if gkl is not None else kl,
-            P, V, G, p_logits.stride(0), p_logits.stride(1),
-            q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
-            grid.stride(0) if grid is not None else 0, grid.stride(1) if grid is not None else 0,
-            1.0 / float(temperature),
-            K=K, KP=KP, BLOCK1=BLOCK1, BLOCK2=BLOCK2, G_BLOCK=G_BLOCK,
-            HAS_GRID=grid is not None, num_warps=8,
-        )
+    # [KP, BLOCKV] tiles of the K views plus a BLOCKV target row: ~2-4K elements per step.
+    BLOCKV = max(16, min(triton.next_power_of_2(V), 2048 // KP))
+
+    # Launch 1: normalisers per V split.
+    ch1, ns1 = _split(V, BLOCKV, R, target)
+    if has_grid:
+        # Each thread holds one V column of a [G_BLOCK, BLOCKG] tile for all G_BLOCK weight
+        # vectors: the per-column work (K exps, loads) is shared by G_BLOCK mixtures.
+        # Registers per thread ~ G_BLOCK * (K + 3): 16 rows up to K = 4 (168 at K = 4).
+        G_BLOCK = min(16, triton.next_power_of_2(G), 1 << (max(1, 96 // (K + 2)).bit_length() - 1))
+        BLOCKG = 2048 // G_BLOCK
+        n_chunks = triton.cdiv(G, G_BLOCK)
+        ch2, ns2 = _split(V, BLOCKG, R * n_chunks, target)
+    else:
+        G_BLOCK, BLOCKG, n_chunks = 1, 16, 1
+        ch2, ns2 = _split(V, BLOCKV, R, target)
+    BLOCKV2 = max(16, min(BLOCKV, triton.next_power_of_2(ch2)))
+
+    # One workspace: stats (m, s, idx), counters, per-view and grid partials.
+    n_stat = R * (K + 1) * ns1
+    sizes = [n_stat, n_stat, R * ns1, R * n_chunks, R * ns2 * 2 * KP]
+    if has_grid:
+        sizes += [R * n_chunks * ns2 * G_BLOCK] * 3
+    ws = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
+    parts, o = [], 0
+    for n in sizes:
+        parts.append(ws[o:o + n])
+        o += n
+    m_ws, s_ws, idx_ws, cnt_ws, vpart = parts[:5]
+    idx_ws, cnt_ws = idx_ws.view(torch.int32), cnt_ws.view(torch.int32)
+    if has_grid:
+        gbest, gidx, gklp = parts[5], parts[6].view(torch.int32), parts[7]
+    else:
+        gbest = gklp = vpart
+        gidx = idx_ws
+    inv_t = 1.0 / float(temperature)
+    _wd_stats_kernel[(R, ns1)](
+        p_logits, q_logits, m_ws, s_ws, idx_ws, cnt_ws,
+        P, V, ch1, ns1, n_chunks, p_logits.stride(0), p_logits.stride(1),
+        q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), inv_t,
+        K=K, KP=KP, BLOCK=BLOCKV, num_warps=4,
+    )
+    _wd_div_kernel[(R, ns2, n_chunks)](
+        p_logits, q_logits, grid if has_grid else kl, m_ws, s_ws, idx_ws, cnt_ws,
+        vpart, gbest, gidx, gklp,
+        kl, tv, match if has_grid else kl, gkl if has_grid else kl,
+        P, V, G, ns1, ch2, ns2, n_chunks,
+        p_logits.stride(0), p_logits.stride(1),
+        q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
+        grid.stride(0) if has_grid else 0, grid.stride(1) if has_grid else 0, inv_t,
+        K=K, KP=KP, NS1P=triton.next_power_of_2(ns1), NS2P=triton.next_power_of_2(ns2),
+        BLOCKV=BLOCKV2, G_BLOCK=G_BLOCK, BLOCKG=BLOCKG,
+        HAS_GRID=has_grid, FAST_MATH=dev.type == "cuda", num_warps=4,
+    )
     if match is not None:
         match = match.view(torch.bool)
     return kl, tv, match, gkl

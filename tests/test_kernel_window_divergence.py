@@ -87,6 +87,80 @@ def test_grid_matches_reference(B, K, P, V, steps, temperature, dtype, atol, rto
     assert ref[2].any() and not ref[2].all()  # the case discriminates
 
 
+def _engine_inputs(B, K, P, V, dtype, device, noise=0.6, seed=2):
+    """The engine's layout: views in a [P, B*K, V] buffer seen as [B, K, P, V], the
+    target a [P, B, V] buffer seen as [B, P, V]."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(P, B, V, generator=g) * 2.0
+    views = target[:, :, None] + noise * torch.randn(P, B, K, V, generator=g)
+    q_buf = views.reshape(P, B * K, V).to(dtype).to(device)
+    p_buf = target.to(dtype).to(device)
+    return p_buf.permute(1, 0, 2), q_buf.view(P, B, K, V).permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("many_splits", [False, True])
+@pytest.mark.parametrize("B, K, P, V, steps, dtype", [
+    (1, 2, 5, 173, 10, torch.float32),    # V below one block: a single, partial split
+    (2, 4, 3, 173, 2, torch.bfloat16),
+    (1, 2, 5, 1000, 10, torch.bfloat16),  # the engine's K=2 grid, G = 11
+    (1, 4, 2, 1000, 3, torch.float16),    # G = 20: two grid chunks, the second partial
+])
+def test_small_vocab_engine_layout(B, K, P, V, steps, dtype, many_splits, kernel_device, monkeypatch):
+    if many_splits:  # the GPU's split counts (one block per split) on the interpreter too
+        monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+    p_logits, q_logits = _engine_inputs(B, K, P, V, dtype, kernel_device)
+    assert not q_logits.is_contiguous() and q_logits.stride(2) == B * K * V
+    grid = simplex_grid(K, steps).to(kernel_device)
+    for gr in (None, grid):
+        kl, tv, match, gkl = _k.window_divergence(p_logits, q_logits, temperature=0.9, grid=gr)
+        ref = window_divergence_reference(p_logits, q_logits, temperature=0.9, grid=gr)
+        torch.testing.assert_close(kl, ref[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(tv, ref[1], atol=2e-5, rtol=1e-4)
+        if gr is None:
+            assert match is None and gkl is None
+        else:
+            torch.testing.assert_close(gkl, ref[3], atol=2e-5, rtol=1e-4)
+            _check_match(match, ref[2], p_logits, q_logits, grid, 0.9)
+
+
+def test_split_cap_and_repeat_calls(kernel_device, monkeypatch):
+    # At most _MAX_SPLITS splits, so each split runs several blocks.  A second call (as a
+    # graph replay, counters re-zeroed by the first launch) agrees bitwise.
+    monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+    monkeypatch.setattr(_k, "_MAX_SPLITS", 3)
+    p_logits, q_logits = _engine_inputs(1, 2, 2, 5000, torch.bfloat16, kernel_device)
+    grid = simplex_grid(2, 2).to(kernel_device)
+    out1 = _k.window_divergence(p_logits, q_logits, grid=grid)
+    out2 = _k.window_divergence(p_logits, q_logits, grid=grid)
+    ref = window_divergence_reference(p_logits, q_logits, grid=grid)
+    for a, b in zip(out1, out2):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(out1[0], ref[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out1[1], ref[1], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out1[3], ref[3], atol=2e-5, rtol=1e-4)
+    _check_match(out1[2], ref[2], p_logits, q_logits, grid, 1.0)
+
+
+@pytest.mark.parametrize("many_splits", [False, True])
+def test_exact_ties_take_the_lowest_index(kernel_device, monkeypatch, many_splits):
+    # Equal maxima far apart (in different splits when split): both argmaxes are the first.
+    if many_splits:
+        monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+    V = 3000
+    p_logits = torch.zeros(1, 2, V)
+    q_logits = torch.zeros(1, 2, 2, V)
+    p_logits[0, 0, [700, 2900]] = 5.0     # target ties: argmax 700
+    p_logits[0, 1, [100, 2800]] = 5.0     # target ties: argmax 100
+    q_logits[0, :, 0, [700, 2900]] = 4.0  # mixture ties at 700 / 2900: 700, a match
+    q_logits[0, :, 1, [300, 2800]] = 4.0  # mixture ties at 300 / 2800: 300, no match
+    p_logits, q_logits = p_logits.to(kernel_device), q_logits.to(kernel_device)
+    grid = simplex_grid(2, 4).to(kernel_device)
+    _, _, match, _ = _k.window_divergence(p_logits, q_logits, grid=grid)
+    ref = window_divergence_reference(p_logits, q_logits, grid=grid)
+    assert torch.equal(match, ref[2])
+    assert match[0, :, 0].all() and not match[0, :, 1].any()
+
+
 def test_unit_grid_vectors_reproduce_per_view_kl(kernel_device):
     # g = e_k makes the mixture q_k: grid_kl must equal kl[:, k], an internal cross-check.
     B, K, P, V = 2, 3, 2, 1000
