@@ -27,14 +27,17 @@ for stage in "$@"; do
       for f in ${TEST_FILES:-tests/test_*.py}; do
         grep -q "gpu" "$f" || continue
         echo "--- $f"
-        timeout 300 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200 "$f" > "$OUT/gpu_$(basename $f .py).log" 2>&1
-        tail -n 12 "$OUT/gpu_$(basename $f .py).log" | grep -E "passed|failed|error|FAILED|Error" | head -12
+        timeout 300 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200 "$f" > "$OUT/last.log" 2>&1
+        tail -n 14 "$OUT/last.log" | grep -E "passed|failed|error|FAILED|Error" | head -14
+        { echo "=== $f"; cat "$OUT/last.log"; } >> "$OUT/gpu_tests.log"
+        rm -f "$OUT/last.log"
       done
       ;;
     kernels)
-      timeout 200 $PY benchmarks/bench_ensemble_ops.py --out "$OUT/ensemble_ops.json" 2>&1 | tail -30
-      timeout 200 $PY benchmarks/bench_tree_attention.py --out "$OUT/tree_attention.json" 2>&1 | tail -40
-      timeout 150 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -25
+      timeout 200 $PY benchmarks/bench_ensemble_ops.py --out "$OUT/ensemble_ops.json" 2>&1 | tail -28
+      timeout 240 $PY benchmarks/bench_tree_attention.py --rows 1 8 --prefix 600 2000 --nodes 1 8 32 64 \
+        --out "$OUT/tree_attention.json" 2>&1 | tail -25
+      timeout 120 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -12
       ;;
     profile)
       timeout 300 $PY benchmarks/profile_decode.py --out "$OUT" 2>&1 | tail -45
