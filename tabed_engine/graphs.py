@@ -20,11 +20,20 @@ class CapturedFn:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(**self.inputs)
+            warm = fn(**self.inputs)
         torch.cuda.current_stream().wait_stream(side)
+        # Outputs live OUTSIDE the shared pool: a graph captured later may be handed memory
+        # that was internal to an earlier one, so an output inside the pool would be
+        # overwritten when the earlier graph replays (seen: drafted tokens clobbered by the
+        # verification graph). Intermediates are dead between replays and can share.
+        single = isinstance(warm, torch.Tensor)
+        self.outputs = [torch.empty_like(t) for t in ((warm,) if single else warm)]
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn(**self.inputs)
+            res = fn(**self.inputs)
+            for buf, t in zip(self.outputs, (res,) if single else res):
+                buf.copy_(t)
+        self.outputs = self.outputs[0] if single else tuple(self.outputs)
 
     def __call__(self, inputs: dict[str, torch.Tensor]):
         for k, v in inputs.items():
