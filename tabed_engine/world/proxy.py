@@ -205,7 +205,7 @@ def measure(target, draft, tokenizer, image_processor, by_scenario: dict[str, li
             probs[name] = [sum(probs[p][i] for p in parts) / len(parts) for i in range(len(exs))]
         positions[sc] = sum(map(len, conts))
         for v in names:
-            ms = [(p.argmax(-1) == torch.tensor(c)).numpy() for p, c in zip(probs[v], conts)]
+            ms = [(p.argmax(-1).cpu() == torch.tensor(c)).numpy() for p, c in zip(probs[v], conts)]
             match[v][sc] = float(np.concatenate(ms).mean())
             beff[v][sc] = float(np.mean([block_efficiency(m, gamma) for m in ms]))
     return {"match": match, "block_eff": beff, "positions": positions}
