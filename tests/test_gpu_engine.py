@@ -108,19 +108,23 @@ def test_llava_7b_shaped_bf16_smoke():
     out = eng.generate(text, images=[img], sampling=SamplingParams(max_new_tokens=16, stop_at_eos=False),
                        speculative=False)
     assert len(out.token_ids) == 16
-    # our prefill logits against transformers' on the same weights
+    # our bf16 prefill logits against transformers' on the same weights: our error w.r.t. a
+    # float32 transformers run must be at most ~2x the error of transformers' own bf16 run
+    # (deep random bf16 nets drift by a few percent whoever computes them)
     enc = proc(text=text, images=[img], return_tensors="pt").to("cuda")
-    with torch.no_grad():
-        ref = hf(**enc).logits[0, -1].float()
     from tabed_engine.prompt import prepare
 
     prep = prepare(proc, text, [img], 4, 576)
     with torch.inference_mode():
         _, ours, _ = eng.prefill_target(prep)
-    rel = (ours[0] - ref).norm() / ref.norm()
-    assert rel < 3e-2, rel
-    assert out.token_ids[0] in torch.topk(ref, 5).indices.tolist()
-
+        ref16 = hf(**enc).logits[0, -1].float()
+        del eng
+        hf = hf.float()
+        ref32 = hf(**{k: (v.float() if v.is_floating_point() else v) for k, v in enc.items()}).logits[0, -1]
+    err_ours = ((ours[0] - ref32).norm() / ref32.norm()).item()
+    err_hf = ((ref16 - ref32).norm() / ref32.norm()).item()
+    assert err_ours <= 2 * err_hf + 1e-3, (err_ours, err_hf)
+    assert out.token_ids[0] in torch.topk(ref32, 5).indices.tolist()
 
 @pytest.mark.parametrize("V", [173, 1000])
 def test_ops_at_engine_shapes(V):
