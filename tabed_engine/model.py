@@ -117,9 +117,15 @@ class Attention(nn.Module):
         if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernel
             out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits)
             return self.o_proj(out.reshape(R, T, -1))
-        S = ctx.kv_len
+        if ctx.mask is None:
+            # fresh single-row prefill: attend over the new keys themselves (contiguous, so
+            # SDPA takes its FlashAttention kernel with fp32 softmax; strided cache slices
+            # sent it to a path that lost ~3x more accuracy in bf16)
+            keys, values = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        else:
+            keys, values = k_cache[:, :, :ctx.kv_len], v_cache[:, :, :ctx.kv_len]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=ctx.mask,
+            q.transpose(1, 2).contiguous(), keys, values, attn_mask=ctx.mask,
             is_causal=ctx.mask is None, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))
 

@@ -100,27 +100,28 @@ def test_llava_7b_shaped_bf16_smoke():
                       vision_feature_select_strategy="default", image_seq_length=576)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = LlavaForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+        hf = LlavaForConditionalGeneration(cfg).eval()   # float32 first: the reference
     proc = build_processor(32064, 336, 14, "default")
-    eng = Engine(lvlm_from_hf(hf), proc, device=torch.device("cuda"), dtype=torch.bfloat16, max_len=2048)
     img = random_image(1, 336)
     text = "<image>\n " + words(5, 40, 32064)
+    enc = proc(text=text, images=[img], return_tensors="pt").to("cuda")
+    with torch.inference_mode():
+        ref32 = hf(**enc).logits[0, -1]
+    # (build the reference before casting: `.to(bfloat16)` also rounds transformers' RoPE
+    # inv_freq buffer, which `.float()` cannot undo)
+    hf = hf.to(torch.bfloat16)
+    eng = Engine(lvlm_from_hf(hf), proc, device=torch.device("cuda"), dtype=torch.bfloat16, max_len=2048)
     out = eng.generate(text, images=[img], sampling=SamplingParams(max_new_tokens=16, stop_at_eos=False),
                        speculative=False)
     assert len(out.token_ids) == 16
-    # our bf16 prefill logits against transformers' on the same weights: our error w.r.t. a
-    # float32 transformers run must be at most ~2x the error of transformers' own bf16 run
-    # (deep random bf16 nets drift by a few percent whoever computes them)
-    enc = proc(text=text, images=[img], return_tensors="pt").to("cuda")
+    # our bf16 prefill logits: error w.r.t. the float32 reference at most ~2x that of
+    # transformers' own bf16 run on the same weights
     from tabed_engine.prompt import prepare
 
     prep = prepare(proc, text, [img], 4, 576)
     with torch.inference_mode():
         _, ours, _ = eng.prefill_target(prep)
         ref16 = hf(**enc).logits[0, -1].float()
-        del eng
-        hf = hf.float()
-        ref32 = hf(**{k: (v.float() if v.is_floating_point() else v) for k, v in enc.items()}).logits[0, -1]
     err_ours = ((ours[0] - ref32).norm() / ref32.norm()).item()
     err_hf = ((ref16 - ref32).norm() / ref32.norm()).item()
     assert err_ours <= 2 * err_hf + 1e-3, (err_ours, err_hf)
