@@ -132,3 +132,41 @@ def test_loader_errors(tmp_path):
     # vocabulary mismatch between draft and target
     with pytest.raises(ValueError, match="vocabulary"):
         Engine.from_pretrained(src, model_dir("gqa_headdim"), device="cpu")
+
+
+def test_legacy_config_style_loads_identically(tmp_path, engines):
+    """transformers-4.x style config: `rope_theta` in text_config, no `rope_parameters`,
+    no `head_dim`; same weights must give the same tokens."""
+    src = model_dir("gqa_tied_full")
+    dst = tmp_path / "legacy_cfg"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    tc = cfg["text_config"]
+    theta = (tc.pop("rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    tc["rope_theta"] = theta
+    tc.pop("head_dim", None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    eng = Engine.from_pretrained(str(dst), device="cpu", dtype=torch.float32)
+    assert eng.target.lm.cfg.head_dim == tc["hidden_size"] // tc["num_attention_heads"]
+    sp = SamplingParams(max_new_tokens=12)
+    text, img = "<image>\n w3 w4 w5", [random_image(3)]
+    assert eng.generate(text, images=img, sampling=sp, speculative=False).token_ids == \
+        engines["gqa_tied_full"].generate(text, images=img, sampling=sp, speculative=False).token_ids
+
+
+def test_cli_generate_json(tmp_path, capsys):
+    from tabed_engine.cli import build_parser, main
+
+    img = tmp_path / "img.png"
+    random_image(4).save(img)
+    rc = main(["generate", "--target", model_dir("mha"), "--draft", model_dir("mha", perturb=0.6),
+               "--image", str(img), "--prompt", "w1 w2 w3", "--max-new-tokens", "6", "--json",
+               "--device", "cpu"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 6 and out["stats"]["speculative"]
+    # bad input: a clear error and exit code 2, no traceback
+    rc = main(["generate", "--target", model_dir("mha"), "--prompt", "<image> w1", "--device", "cpu"])
+    assert rc == 2 and "placeholder" in capsys.readouterr().err
+    help_text = build_parser().format_help()
+    assert "generate" in help_text

@@ -198,3 +198,15 @@ def test_sampling_is_lossless(views, policy):
     shifted[top[1]] += 0.02
     with pytest.raises(AssertionError):
         assert_matches(counts, shifted, n)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_history_window(window):
+    """A short history window still moves the weights to the matching view and stays lossless."""
+    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
+                                 views=("T", "M"), policy="kld", gamma=3, window=window)
+    text, imgs = prompt(1)
+    sp = SamplingParams(max_new_tokens=25, stop_at_eos=False)
+    out = eng.generate(text, images=imgs, sampling=sp)
+    assert out.token_ids == eng.generate(text, images=imgs, sampling=sp, speculative=False).token_ids
+    assert all(w[1] >= 0.85 for w in out.stats.weights[3:]), out.stats.weights
