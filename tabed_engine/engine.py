@@ -81,7 +81,11 @@ class Engine:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.gamma = gamma
-        self.tree = tree
+        if tree is not None:
+            # the tree kernels exist (tree_attention, verify_tree, compact_kv) but the decoding
+            # loop only drafts chains: refuse rather than silently decode something else
+            raise ValueError("draft trees (tree=...) are not supported by the engine yet; use chains")
+        self.tree = None
         self.timing = timing
         views = tuple(views)
         if not views or any(v not in VIEW_NAMES for v in views) or len(set(views)) != len(views):
