@@ -2,6 +2,7 @@
 generate autoregressively or speculatively (TABED chain ensembles or draft trees)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class Engine:
         # one static cache per (model, rows), kept for the engine's life: captured graphs
         # hold pointers into them
         self._caches: dict[tuple[str, int], KVCache] = {}
+        self._ens_states: dict = {}
         self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ construction
@@ -160,6 +162,20 @@ class Engine:
                                                           self.dtype)
         c.lengths.zero_()
         return c
+
+    def ensemble_state(self, batch: int, positions: int):
+        """The (reset) ensemble history for `batch` requests and at least `positions` recorded
+        positions; kept per capacity (a power of two) so captured graphs stay valid."""
+        from .ensemble import EnsembleState
+
+        cap = 1 << max(6, (positions - 1).bit_length())
+        key = (batch, cap, dataclasses.astuple(self.ensemble))
+        st = self._ens_states.get(key)
+        if st is None:
+            with torch.inference_mode(False):
+                st = self._ens_states[key] = EnsembleState(self.ensemble, batch, cap, self.device)
+        st.reset()
+        return st
 
     def run_graph(self, key, fn, inputs: dict, kv_len: Optional[int] = None):
         """fn(**inputs) as a captured CUDA graph (per key) on the GPU; eagerly with a bucketed

@@ -49,48 +49,54 @@ class EnsembleConfig:
 
 
 class EnsembleState:
-    """Per-generation history for B requests × K views, with capacity for `capacity`
-    recorded positions per request."""
+    """History for B requests × K views with room for `capacity` recorded positions per
+    request. The write cursor is a device tensor and every method has fixed shapes, so one
+    block's history update plus the next weights (`step`) is captured as a CUDA graph; the
+    engine keeps one state per shape and `reset`s it per generation."""
 
     def __init__(self, cfg: EnsembleConfig, batch: int, capacity: int, device):
         self.cfg = cfg
         K = cfg.num_views
-        self.K, self.B = K, batch
+        self.K, self.B, self.capacity = K, batch, capacity
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.div = torch.zeros(batch, K, capacity, device=device)          # KL or TV per view
         self.grid = cfg.grid(device) if cfg.policy == "w-grid" and K > 1 else None
         G = 0 if self.grid is None else self.grid.shape[0]
         self.match = torch.zeros(batch, G, capacity, device=device)       # mixture argmax == target's
         self.gkl = torch.zeros(batch, G, capacity, device=device)          # KL(p || mixture)
-        self.cursor = 0
-        self._uniform = torch.full((batch, K), 1.0 / K, device=device)
+        self.cursor = torch.zeros(1, dtype=torch.long, device=device)      # next free slot
+        self.uniform = torch.full((batch, K), 1.0 / K, device=device)
 
     @property
     def adaptive(self) -> bool:
         return self.cfg.policy in ("kld", "tvd", "w-grid") and self.K > 1
 
-    def record(self, p_logits, q_logits, valid, temperature: float = 1.0):
-        """Append one block. p_logits [B, P, V] target, q_logits [B, K, P, V] views,
-        valid [B, P] bool (accepted positions plus the first rejected one)."""
-        if not self.adaptive:
-            return
+    def reset(self):
+        self.valid.zero_()
+        self.cursor.zero_()
+
+    def step(self, p_logits, q_logits, n_acc, cursor, temperature: float = 1.0):
+        """Record one block at slots cursor.. and return (next weights [B, K], new cursor).
+
+        p_logits [B, P, V] target, q_logits [B, K, P, V] views, n_acc [B] accepted drafts:
+        positions 0..n_acc (the accepted ones plus the first rejected) are recorded.
+        Idempotent in its inputs (rewrites the same slots), as graph warm-up requires."""
         from .ops.window_divergence import window_divergence
 
-        P = valid.shape[1]
-        if self.cursor + P > self.valid.shape[1]:
-            raise RuntimeError("ensemble history capacity exceeded")
+        P = p_logits.shape[1]
+        idx = cursor + torch.arange(P, device=cursor.device)                  # [P]
+        valid = torch.arange(P, device=n_acc.device)[None] <= n_acc[:, None]  # [B, P]
         kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid)
-        sl = slice(self.cursor, self.cursor + P)
-        self.valid[:, sl] = valid
-        self.div[:, :, sl] = kl if self.cfg.policy in ("kld", "w-grid") else tv
+        self.valid.index_copy_(1, idx, valid)
+        self.div.index_copy_(2, idx, kl if self.cfg.policy in ("kld", "w-grid") else tv)
         if self.grid is not None:
-            self.match[:, :, sl] = gm.float()
-            self.gkl[:, :, sl] = gkl
-        self.cursor += P
+            self.match.index_copy_(2, idx, gm.float())
+            self.gkl.index_copy_(2, idx, gkl)
+        return self.weights(), cursor + P
 
     def _in_window(self) -> torch.Tensor:
         """[B, capacity] mask of the last `window` valid positions (all when window = 0)."""
-        v = self.valid[:, : self.cursor]
+        v = self.valid
         if self.cfg.window == 0:
             return v
         from_end = v.flip(-1).cumsum(-1).flip(-1)     # valid positions at or after each slot
@@ -98,22 +104,30 @@ class EnsembleState:
 
     def weights(self) -> torch.Tensor:
         """Weights [B, K] for the next block (uniform before any history)."""
-        if not self.adaptive or self.cursor == 0:
-            return self._uniform
-        w_mask = self._in_window().float()                    # [B, H]
-        any_pos = w_mask.sum(-1, keepdim=True) > 0             # [B, 1]
+        if not self.adaptive:
+            return self.uniform
+        m = self._in_window()[:, None]                                     # [B, 1, H]
+        any_pos = m.flatten(1).any(-1, keepdim=True)                        # [B, 1]
         if self.cfg.policy == "w-grid":
-            H = self.cursor
-            match = (self.match[:, :, :H] * w_mask[:, None]).sum(-1)     # [B, G]
-            kl = (self.gkl[:, :, :H] * w_mask[:, None]).sum(-1)          # [B, G]
+            match = torch.where(m, self.match, 0.0).sum(-1)                 # [B, G]
+            kl = torch.where(m, self.gkl, 0.0).sum(-1)                      # [B, G]
             best = match.max(-1, keepdim=True).values
             kl = kl.masked_fill(match < best, float("inf"))
             w = self.grid[kl.argmin(-1)]                                   # [B, K]
         else:
-            d = (self.div[:, :, : self.cursor] * w_mask[:, None]).sum(-1)  # [B, K]
+            d = torch.where(m, self.div, 0.0).sum(-1)                      # [B, K]
             t = self.cfg.temperature or 1.0
             w = torch.softmax(-torch.log(d.clamp_min(1e-12)) / t, dim=-1)
-        return torch.where(any_pos, w, self._uniform)
+        return torch.where(any_pos, w, self.uniform)
+
+
+def history_step(state: EnsembleState, tlogits, q_logits, n_acc, cursor, *, temperature: float,
+                 kv_len=None):
+    """Graph-capturable history update: tlogits [B, γ+1, V] from verification, q_logits
+    [γ, B*K, V] from the draft loop. Returns (weights for the next block, new cursor)."""
+    gamma, BK, V = q_logits.shape
+    q = q_logits.view(gamma, state.B, state.K, V).permute(1, 2, 0, 3)
+    return state.step(tlogits[:, :gamma], q, n_acc, cursor, temperature)
 
 
 def confidence_weights(logits: torch.Tensor, B: int, K: int, temperature: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .ensemble import EnsembleState, confidence_weights
+from .ensemble import confidence_weights, history_step
 from .ops.chain_verify import chain_verify
 from .ops.ensemble_mix import ensemble_mix
 from .sampling import pick_tokens, target_probs
@@ -103,7 +103,10 @@ def run_speculative(eng, prep, sp, gen, caption):
     dcache, view_len = prefill_draft(eng, rows)
     timer.lap("time_prefill")
 
-    state = EnsembleState(eng.ensemble, B, capacity=(sp.max_new_tokens + 1) * gamma, device=dev)
+    state = eng.ensemble_state(B, gamma * (sp.max_new_tokens + 1))
+    hist_fn = partial(history_step, state, temperature=1.0 if sp.greedy else sp.temperature)
+    hist_key = ("hist", B, K, gamma, state.capacity, hist_fn.keywords["temperature"], id(state))
+    w = state.uniform                                                      # first block: uniform
     greedy = sp.greedy
     temp = 1.0 if greedy else sp.temperature
     confidence = eng.ensemble.policy == "confidence" and K > 1
@@ -122,8 +125,6 @@ def run_speculative(eng, prep, sp, gen, caption):
     block = 0
     while not _finished(eng, sp, out):
         # ---- draft: γ steps, all views as rows of one batch per step
-        w = state.weights()                                                # [B, K]
-        timer.lap("time_ensemble")
         G = len(out)
         prev = [out[-2]] * K if G >= 2 else hist
         inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
@@ -152,15 +153,17 @@ def run_speculative(eng, prep, sp, gen, caption):
         n = int(n_acc[0])                                                  # the block's one host sync
         timer.lap("time_verify")
 
-        # ---- history for the adaptive weights: accepted positions + the first rejected one
-        valid = (torch.arange(gamma, device=dev) <= n)[None].expand(B, gamma)
-        state.record(tlogits[:, :gamma], q_logits.view(gamma, B, K, -1).permute(1, 2, 0, 3), valid,
-                     temperature=temp)
+        # ---- history: divergences at the accepted positions + the first rejected one, and
+        # the next block's weights (one graph on the GPU; no host sync)
+        stats.weights.append([round(x, 4) for x in w[0].tolist()])   # read before w is replaced
+        if state.adaptive:
+            w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
+                                                                   n_acc=n_acc, cursor=state.cursor))
+            state.cursor.copy_(new_cursor)
         timer.lap("time_ensemble")
 
         new = drafted[0, :n].tolist() + [int(nxt[0])]
         stats.accepted_lengths.append(n)
-        stats.weights.append([round(x, 4) for x in w[0].tolist()])
         new = _truncate(eng, sp, out, new)
         out += new
         block += 1
