@@ -204,6 +204,11 @@ def markdown(rep: dict) -> str:
     for n in names:
         vals = [res[sc][n]["block_efficiency"] for sc in scs]
         L.append(f"| {n} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {np.mean(vals):.2f} |")
+    L += ["", "For reference (not used by the checks): the mean over prompts of each prompt's own block "
+          "efficiency, which weights short answers (S2-S4) as much as long ones:", "",
+          "| config | " + " | ".join(scs) + " |", "|---|" + "---|" * len(scs)]
+    for n in names:
+        L.append(f"| {n} | " + " | ".join(f"{res[sc][n]['mean_per_prompt_block_efficiency']:.2f}" for sc in scs) + " |")
     L += ["", "## Mean accepted draft tokens per block", "",
           "| config | " + " | ".join(scs) + " |", "|---|" + "---|" * len(scs)]
     for n in names:
