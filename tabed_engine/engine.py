@@ -109,6 +109,9 @@ class Engine:
         # hold pointers into them
         self._caches: dict[tuple[str, int], KVCache] = {}
         self._ens_states: dict = {}
+        # benchmark only: f(block_index) -> accepted drafts, overriding verification (NOT
+        # lossless); lets benchmarks run a fixed acceptance schedule with everything else real
+        self.bench_accept_schedule: Optional[Callable[[int], int]] = None
         self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ construction

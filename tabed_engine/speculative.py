@@ -103,12 +103,12 @@ def run_speculative(eng, prep, sp, gen, caption):
     dcache, view_len = prefill_draft(eng, rows)
     timer.lap("time_prefill")
 
-    state = eng.ensemble_state(B, gamma * (sp.max_new_tokens + 1))
-    hist_fn = partial(history_step, state, temperature=1.0 if sp.greedy else sp.temperature)
-    hist_key = ("hist", B, K, gamma, state.capacity, hist_fn.keywords["temperature"], id(state))
-    w = state.uniform                                                      # first block: uniform
     greedy = sp.greedy
-    temp = 1.0 if greedy else sp.temperature
+    temp = 1.0 if greedy else sp.temperature   # draft softmax and divergence temperature
+    state = eng.ensemble_state(B, gamma * (sp.max_new_tokens + 1))
+    hist_fn = partial(history_step, state, temperature=temp)
+    hist_key = ("hist", B, K, gamma, state.capacity, temp, id(state))
+    w = state.uniform                                                      # first block: uniform
     confidence = eng.ensemble.policy == "confidence" and K > 1
     draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
                        temperature=temp, confidence=confidence)
@@ -116,17 +116,17 @@ def run_speculative(eng, prep, sp, gen, caption):
     draft_key = ("draft", B, K, gamma, greedy, temp, confidence)
     seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=dev)
     offset = torch.zeros(1, dtype=torch.long, device=dev)
-    schedule = getattr(eng, "bench_accept_schedule", None)
+    schedule = eng.bench_accept_schedule
 
     out = [int(first[0])]
     yield list(out)
-    hist = [r.ids[-1] for r in rows]          # per row: the token before the last generated one
+    prompt_tail = [r.ids[-1] for r in rows]   # per row: the token before the first generated one
     n_prompt = len(prep.ids)
     block = 0
     while not _finished(eng, sp, out):
         # ---- draft: γ steps, all views as rows of one batch per step
         G = len(out)
-        prev = [out[-2]] * K if G >= 2 else hist
+        prev = [out[-2]] * K if G >= 2 else prompt_tail
         inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
         lens = view_len + (G - 2)                                          # [B*K]
         drafted, q_logits, mixture = eng.run_graph(
