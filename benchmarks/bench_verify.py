@@ -17,51 +17,28 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth_gbs, event_ms, median_ms  # noqa: E402
 from tabed_engine.ops import _ext
 from tabed_engine.ops.compact_kv import compact_kv_reference
 from tabed_engine.ops.verify_tree import verify_tree_reference
 
 
 def bench(fn, device, reps):
-    """Median milliseconds of fn()."""
+    """Median milliseconds of fn(): triton.testing.do_bench on CUDA when importable, else the
+    shared CUDA-event / wall-clock helpers."""
     if device.type == "cuda":
         try:
             import triton.testing
 
             return float(triton.testing.do_bench(fn, warmup=25, rep=max(reps, 50), return_mode="median"))
         except ImportError:
-            pass
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device, reps, nbytes):
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src), device, reps)
-    return 2 * nbytes / ms / 1e6  # read + write, GB/s
+            return event_ms(fn, reps)
+    return median_ms(fn, device, reps)
 
 
 def tree_inputs(B, N, V, device, g):
@@ -103,7 +80,7 @@ def run(args):
     else:
         Bs, Ns, V, L, H, S, D = [1, 4], [8, 16, 32, 64], 32064, 32, 32, 2048, 128
     g = torch.Generator().manual_seed(0)
-    results = {"copy_GBps": copy_bandwidth(device, args.reps, (1 << 20) if args.smoke else (1 << 30)),
+    results = {"copy_GBps": copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (1 << 30), args.reps),
                "verify_tree": [], "compact_kv": []}
     have_op = _ext.use_ext(device)
     compiled_verify = torch.compile(verify_tree_reference, dynamic=False) if args.compile else None
