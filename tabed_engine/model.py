@@ -199,8 +199,7 @@ class ForwardContext:
                 else mask_to_bits(tree_mask)
             return
         if fresh and R == 1 and tree_mask is None:
-            self.kv_len = T                                                 # causal, no mask
-            return
+            return                                  # causal SDPA over the new keys, no mask
         s = torch.arange(kv_len, device=dev)                                # [S]
         rel = s[None, None, :] - lengths.long()[:, None, None]              # [R, 1, S]
         prefix = rel < 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional, Sequence
+from typing import Optional
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "\n", "user:", "assistant:", "image:"]
 CHAT_TEMPLATE = (
@@ -205,7 +205,3 @@ def words(seed: int, n: int, vocab_size: int) -> str:
 
     rng = random.Random(seed)
     return " ".join(f"w{rng.randrange(vocab_size - len(SPECIALS))}" for _ in range(n))
-
-
-def image_count(tokens: Sequence[int], image_token_id: int) -> int:
-    return sum(1 for t in tokens if t == image_token_id)
