@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LMConfig
+from .ops.rope_kv_write import rope_kv_write, rope_reference
 from .ops.tree_attention import tree_attention
 
 
@@ -86,12 +87,9 @@ def rope_tables(cfg: LMConfig, max_pos: int, device) -> tuple[torch.Tensor, torc
     return emb.cos(), emb.sin()
 
 
-@fused_on_cuda
-def apply_rope(x, cos, sin):
-    # x: [R, T, H, D]; cos/sin: [R, T, 1, D]
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+# x: [R, T, H, D]; cos/sin: [R, T, 1, D]. x * cos + rotate_half(x) * sin in float32; the
+# math lives with the fused kernel's reference so the two cannot drift apart.
+apply_rope = fused_on_cuda(rope_reference)
 
 
 class Attention(nn.Module):
@@ -108,15 +106,19 @@ class Attention(nn.Module):
         # x: [R, T, hidden]; k_cache/v_cache: [R, kv, S, hd] (this layer)
         R, T, _ = x.shape
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).view(R, T, -1, cfg.head_dim).split(
+        qkv = self.qkv_proj(x)                                  # [R, T, (h + 2 kv) * hd]
+        if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernels
+            # one launch rotates q and k and writes k, v at cache slots lengths[r] + t
+            q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.lengths32,
+                              cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
+            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits)
+            return self.o_proj(out.reshape(R, T, -1))
+        q, k, v = qkv.view(R, T, -1, cfg.head_dim).split(
             [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # write the new tokens at each row's own slots: cache[r, :, slots[r, t]] = k[r, t]
         k_cache[ctx.row_index, :, ctx.slots] = k
         v_cache[ctx.row_index, :, ctx.slots] = v
-        if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernel
-            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits)
-            return self.o_proj(out.reshape(R, T, -1))
         if ctx.mask is None:
             # fresh single-row prefill: attend over the new keys themselves (contiguous, so
             # SDPA takes its FlashAttention kernel with fp32 softmax; strided cache slices
@@ -179,8 +181,9 @@ class ForwardContext:
     """Per-call metadata shared by all layers (built once per forward, not per layer).
 
     On CUDA, calls of at most 64 new tokens per row (decode, verification, tree nodes)
-    attend through the `tree_attention` kernel, which reads each row's own length on the
-    device (no mask tensor, no length bucket: CUDA-graph friendly). Otherwise SDPA with a
+    write their K/V through the `rope_kv_write` kernel and attend through `tree_attention`;
+    both read each row's own length on the device (no slot index, no mask tensor, no length
+    bucket: CUDA-graph friendly). Otherwise SDPA with a
     dense boolean mask, or plain causal SDPA (FlashAttention) for a fresh single-row prefill.
     """
 
@@ -188,16 +191,16 @@ class ForwardContext:
         # lengths: [R] committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
         R = lengths.shape[0]
         dev = lengths.device
-        ar = torch.arange(T, device=dev)
-        self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
-        self.slots = lengths.long()[:, None] + ar[None, :]                  # [R, T]
         self.kv_len = kv_len
         self.tree_bits = self.mask = None
         if dev.type == "cuda" and T <= 64 and not fresh:
-            self.lengths32 = lengths.int()
+            self.lengths32 = lengths.int()  # rope_kv_write derives the cache slots from it
             self.tree_bits = chain_bits(T, dev)[None].expand(R, T) if tree_mask is None \
                 else mask_to_bits(tree_mask)
             return
+        ar = torch.arange(T, device=dev)
+        self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
+        self.slots = lengths.long()[:, None] + ar[None, :]                  # [R, T]
         if fresh and R == 1 and tree_mask is None:
             return                                  # causal SDPA over the new keys, no mask
         s = torch.arange(kv_len, device=dev)                                # [S]

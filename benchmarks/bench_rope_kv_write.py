@@ -1,0 +1,175 @@
+"""Benchmark: fused RoPE + KV-cache write (one Triton launch) vs the unfused decode path.
+
+    python benchmarks/bench_rope_kv_write.py [--out benchmarks/results/rope_kv_write.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_rope_kv_write.py --smoke   # CPU, tiny, no claims
+
+Shape: one layer of LLaVA-1.5-7B decode, R = 1 row, T in {1, 6} new tokens, H = Hkv = 32,
+D = 128, cache S = 2048, bf16. Columns (per call, medians):
+  fused     tabed_engine.kernels.rope_kv_write
+  eager     split, rotate q and k eagerly, two index_put writes (slots precomputed per
+            forward, as the model does)
+  model     what Attention.forward ran before the fused kernel: the torch.compile'd
+            apply_rope twice, then the two eager index_put writes
+  compiled  torch.compile of the whole eager path (static shapes)
+Two timings of each: `stream`, CUDA events around `--inner` back-to-back calls (includes
+the host's launch cost when that is the bottleneck), and `graph`, the same calls captured
+in one CUDA graph and replayed (the way the decode step runs them: launch gaps only).
+GB/s counts the bytes the op must move (qkv and cos/sin read, q, k, v written) over the
+graph time, next to a device-to-device copy of 256 MiB measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
+from tabed_engine.kernels import rope_kv_write as _k  # noqa: E402
+from tabed_engine.model import apply_rope, rope_tables  # noqa: E402
+from tabed_engine.ops.rope_kv_write import rope_reference  # noqa: E402
+
+
+def unfused(rope, qkv, cos, sin, k_cache, v_cache, rows, slots, H, KV):
+    # qkv: [R, T, (H + 2 KV) D]; cos/sin: [R, T, 1, D]; rows [R, 1], slots [R, T]
+    R, T, _ = qkv.shape
+    q, k, v = qkv.view(R, T, -1, k_cache.shape[-1]).split([H, KV, KV], dim=2)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    k_cache[rows, :, slots] = k
+    v_cache[rows, :, slots] = v
+    return q
+
+
+def eager_path(*args):
+    return unfused(rope_reference, *args)
+
+
+def model_path(*args):
+    return unfused(apply_rope, *args)
+
+
+def make_inputs(R, T, H, KV, D, S, length, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    cfg = argparse.Namespace(head_dim=D, rope_theta=10000.0, rope_scaling_factor=1.0)
+    cos_t, sin_t = rope_tables(cfg, S, device)
+    lengths = torch.full((R,), length, dtype=torch.int32, device=device)
+    slots = lengths.long()[:, None] + torch.arange(T, device=device)               # [R, T]
+    cos, sin = cos_t[slots][:, :, None], sin_t[slots][:, :, None]                   # [R, T, 1, D]
+    qkv = torch.randn(R, T, (H + 2 * KV) * D, generator=g).to(device=device, dtype=dtype)
+    cache = torch.zeros(2, R, KV, S, D, device=device, dtype=dtype)
+    return qkv, cos, sin, cache[0], cache[1], lengths, torch.arange(R, device=device)[:, None], slots
+
+
+def graph_ms(fn, inner, reps):
+    """CUDA: milliseconds per fn() when `inner` calls are replayed from one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return event_ms(graph.replay, reps) / inner
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rope_kv_write[_smoke].json)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 6])
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--inner", type=int, default=50, help="calls per timed CUDA-event window / graph")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-compile", action="store_true", help="skip the two torch.compile columns")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
+        device, H, D, S, args.kv_heads, args.tokens, args.no_compile = "cpu", 4, 16, 64, 2, [1, 3], True
+        args.reps = 3
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU (or --smoke on CPU)")
+        device, H, D, S = "cuda", 32, 128, 2048
+    KV, R, dtype = args.kv_heads, args.rows, torch.bfloat16
+    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        "rope_kv_write_smoke.json" if args.smoke else "rope_kv_write.json")
+    compiled = None
+    if not args.no_compile:
+        for name in ("cache_size_limit", "recompile_limit"):  # one static graph per T
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
+        compiled = torch.compile(eager_path, dynamic=False, fullgraph=True)
+
+    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
+    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'R':>2} {'T':>2} | {'stream us: fused':>16} {'eager':>7} {'model':>7} {'compiled':>8} "
+          f"| {'graph us: fused':>15} {'eager':>7} {'model':>7} {'compiled':>8} | {'GB/s':>5} {'%copy':>5}")
+    rows = []
+    for T in args.tokens:
+        qkv, cos, sin, k_cache, v_cache, lengths, row_index, slots = make_inputs(
+            R, T, H, KV, D, S, S - 48, dtype, device)
+        q_out = torch.empty(R, T, H, D, device=device, dtype=dtype)
+        cos3, sin3 = cos[:, :, 0], sin[:, :, 0]
+        path_args = (qkv, cos, sin, k_cache, v_cache, row_index, slots, H, KV)
+        fns = {
+            "fused": lambda: _k.rope_kv_write(qkv, cos3, sin3, k_cache, v_cache, lengths, H, KV, out=q_out),
+            "eager": lambda: eager_path(*path_args),
+        }
+        if not args.smoke:
+            fns["model"] = lambda: model_path(*path_args)
+        if compiled is not None:
+            fns["compiled"] = lambda: compiled(*path_args)
+
+        # correctness at this shape: fused vs eager, q and the written cache slots
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        q_ref = eager_path(qkv, cos, sin, ref_k, ref_v, row_index, slots, H, KV)
+        fns["fused"]()
+        err = max((q_out.float() - q_ref.float()).abs().max().item(),
+                  (k_cache.float() - ref_k.float()).abs().max().item(),
+                  (v_cache.float() - ref_v.float()).abs().max().item())
+
+        stream, graph = {}, {}
+        for name, fn in fns.items():
+            for _ in range(5):  # warm-up: compile, autotune caches, allocator
+                fn()
+            if device == "cuda":
+                stream[name] = event_ms(fn, args.reps, args.inner) * 1e3
+                graph[name] = graph_ms(fn, args.inner, args.reps) * 1e3
+            else:
+                stream[name] = median_ms(fn, device, args.reps) * 1e3
+        elt = qkv.element_size()
+        nbytes = qkv.numel() * elt + 2 * cos3.numel() * 4 + R * T * (H + 2 * KV) * D * elt
+        base = graph.get("fused", stream["fused"])
+        gbs = nbytes / (base * 1e-6) / 1e9
+        row = dict(R=R, T=T, H=H, Hkv=KV, D=D, S=S, dtype=str(dtype), bytes=nbytes, stream_us=stream,
+                   graph_us=graph, fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err)
+        rows.append(row)
+        col = lambda d, k, w: f"{d[k]:>{w}.2f}" if k in d else f"{'-':>{w}}"  # noqa: E731
+        print(f"{R:>2} {T:>2} | {col(stream, 'fused', 16)} {col(stream, 'eager', 7)} {col(stream, 'model', 7)} "
+              f"{col(stream, 'compiled', 8)} | {col(graph, 'fused', 15)} {col(graph, 'eager', 7)} "
+              f"{col(graph, 'model', 7)} {col(graph, 'compiled', 8)} | {gbs:>5.0f} {100 * gbs / copy_gbs:>5.1f}"
+              f"   max err {err:.2g}")
+
+    result = dict(op="rope_kv_write", smoke=args.smoke, provenance=provenance(device), copy_gbs=copy_gbs,
+                  timer="CUDA events, median over reps of (inner calls)/inner; graph = same calls "
+                        "replayed from one CUDA graph" if device == "cuda" else "wall clock (interpreter)",
+                  inner=args.inner, reps=args.reps, rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out_path} ({time.perf_counter() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

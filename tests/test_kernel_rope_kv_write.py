@@ -1,0 +1,241 @@
+"""rope_kv_write: Triton kernel (interpreter on CPU) against the PyTorch reference.
+
+The kernel must reproduce the reference bit for bit: same fp32 products and sum, no FMA
+contraction. One exception on the CPU: the Triton interpreter casts fp32 -> bf16 by
+truncation where the GPU rounds to nearest even, so there a bf16 value may be the truncated
+neighbour of the reference's (never anything else); on CUDA every dtype must be exact.
+
+The cache is layer 1 of a NaN-filled [L, 2, R, S, Hkv, D] buffer viewed [.., Hkv, S, D]
+(non-trivial strides) and the q output is NaN-filled, so unwritten outputs and writes to
+the wrong slot, row, head or layer are caught: after the call, every element of the buffer
+outside the T new slots of each row must still be NaN.
+"""
+import types
+
+import pytest
+import torch
+
+from tabed_engine.kernels import rope_kv_write as _k
+from tabed_engine.model import rope_tables
+from tabed_engine.ops.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_reference
+
+
+def make_case(R, T, H, KV, D, dtype, device, *, seed=0, S=None, lengths=None, strided_qkv=False):
+    gen = torch.Generator().manual_seed(seed)
+    S = S or 37 + T  # not a multiple of anything
+    if lengths is None:
+        lengths = torch.randint(0, S - T + 1, (R,), generator=gen)
+        lengths[0] = 0
+        if R > 1:
+            lengths[1] = S - T  # the new tokens end on the last slot
+    lengths = torch.as_tensor(lengths, dtype=torch.int32)
+    # RoPE positions differ from cache slots (a text-only view's positions are shifted)
+    positions = lengths.long()[:, None] + torch.arange(T) + torch.randint(0, 300, (R, 1), generator=gen)
+    cfg = types.SimpleNamespace(head_dim=D, rope_theta=10000.0, rope_scaling_factor=1.0)
+    cos_t, sin_t = rope_tables(cfg, int(positions.max()) + 1, "cpu")
+    cos, sin = cos_t[positions][:, :, None, :], sin_t[positions][:, :, None, :]  # [R, T, 1, D]
+    width = (H + 2 * KV) * D
+    qkv = (torch.randn(R, T + 2 * strided_qkv, width, generator=gen) * 3).to(device=device, dtype=dtype)
+    if strided_qkv:  # a [R, T, width] slice of a longer buffer: strides (T + 2) width, width, 1
+        qkv = qkv[:, 1:T + 1]
+    buf = torch.full((2, 2, R, S, KV, D), float("nan"))
+    return dict(qkv=qkv, cos=cos.to(device), sin=sin.to(device),
+                buf=buf.to(device=device, dtype=dtype), lengths=lengths.to(device), H=H, KV=KV)
+
+
+def caches(buf):
+    view = buf.transpose(-3, -2)  # [L, 2, R, KV, S, D]
+    return view[1, 0], view[1, 1]
+
+
+def take_new(cache, lengths, T):
+    """The T new slots of each row: cache[r, :, lengths[r] + t] -> [R, T, KV, D]."""
+    R = cache.shape[0]
+    rows = torch.arange(R, device=cache.device)[:, None]
+    slots = lengths.long()[:, None] + torch.arange(T, device=cache.device)
+    return cache[rows, :, slots]
+
+
+def assert_rope_equal(out, ref, x, cos, sin, what):
+    """out == ref exactly, except that off CUDA a bf16 value may be the truncation of the
+    fp32 result where the reference rounded it to nearest even."""
+    assert not out.isnan().any(), f"{what}: NaN left (unwritten)"
+    if torch.equal(out, ref):
+        return
+    assert out.dtype == torch.bfloat16 and not out.is_cuda, \
+        f"{what}: {(out != ref).sum().item()} of {out.numel()} elements differ from the reference"
+    ref32 = rope_reference(x.float(), cos, sin) if x is not None else ref.float()
+    trunc = (ref32.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    bad = (out != ref) & (out != trunc)
+    assert not bad.any(), f"{what}: {bad.sum().item()} elements neither rounded nor truncated fp32 results"
+
+
+def run_and_check(case, call):
+    """Run `call(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out)` against the reference."""
+    qkv, cos, sin, buf, lengths, H, KV = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths", "H", "KV"))
+    R, T, _ = qkv.shape
+    D = buf.shape[-1]
+    ref_buf = buf.clone()
+    q_ref = rope_kv_write_reference(qkv, cos, sin, *caches(ref_buf), lengths, H, KV)
+
+    k_cache, v_cache = caches(buf)
+    out = torch.full((R, T, H, D), float("nan"), device=qkv.device, dtype=qkv.dtype)
+    assert call(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out) is out
+
+    x = qkv.reshape(R, T, H + 2 * KV, D)
+    c4, s4 = cos.reshape(R, T, 1, D), sin.reshape(R, T, 1, D)
+    assert_rope_equal(out, q_ref, x[:, :, :H], c4, s4, "q")
+    k_ref, v_ref = caches(ref_buf)
+    assert_rope_equal(take_new(k_cache, lengths, T), take_new(k_ref, lengths, T), x[:, :, H:H + KV], c4, s4, "k")
+    assert torch.equal(take_new(v_cache, lengths, T), x[:, :, H + KV:]), "v not copied exactly"
+    # nothing outside the new slots was touched (other layer, other slots, other rows)
+    for cache in (k_cache, v_cache):
+        rows = torch.arange(R, device=qkv.device)[:, None]
+        cache[rows, :, lengths.long()[:, None] + torch.arange(T, device=qkv.device)] = float("nan")
+    assert buf.isnan().all(), "wrote outside the new tokens' cache slots"
+    return out
+
+
+def launcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out):
+    R, T, _ = qkv.shape
+    D = k_cache.shape[-1]
+    return _k.rope_kv_write(qkv, cos.reshape(R, T, D), sin.reshape(R, T, D), k_cache, v_cache, lengths,
+                            H, KV, out=out)
+
+
+def dispatcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out):
+    return rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out=out)
+
+
+HEADS = [(4, 4), (8, 2), (6, 1), (3, 3)]
+CASES = [
+    (R, T, H, KV, D, dtype)
+    for i, ((H, KV), dtype) in enumerate(
+        (hh, dt) for hh in HEADS for dt in (torch.bfloat16, torch.float16, torch.float32))
+    for R, T, D in [((1, 3, 5, 2, 4)[i % 5], (1, 9, 6, 2, 5, 7)[i % 6], (12, 10, 16, 64, 14, 128)[i % 6])]
+]
+
+
+@pytest.mark.parametrize("R,T,H,KV,D,dtype", CASES)
+def test_kernel_matches_reference(R, T, H, KV, D, dtype, kernel_device):
+    case = make_case(R, T, H, KV, D, dtype, kernel_device, seed=R * 100 + T * 10 + D)
+    run_and_check(case, launcher)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_strided_qkv_and_ragged_rows(dtype, kernel_device):
+    # qkv with a row stride past its width; lengths 0, S - T (last slot) and in between
+    case = make_case(5, 4, 8, 4, 24, dtype, kernel_device, seed=7, strided_qkv=True, S=50,
+                     lengths=[0, 46, 3, 17, 29])
+    assert not case["qkv"].is_contiguous()
+    run_and_check(case, launcher)
+
+
+def test_kernel_full_cache_drops_overflow(kernel_device):
+    # lengths[r] + t >= S: those writes are dropped, not spilled into the next row/head
+    case = make_case(3, 5, 4, 2, 16, torch.float32, kernel_device, S=20, lengths=[18, 0, 16])
+    qkv, cos, sin, buf, lengths = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths"))
+    k_cache, v_cache = caches(buf)
+    out = torch.full((3, 5, 4, 16), float("nan"), device=kernel_device)
+    _k.rope_kv_write(qkv, cos[:, :, 0], sin[:, :, 0], k_cache, v_cache, lengths, 4, 2, out=out)
+    assert not out.isnan().any()
+    written = ~k_cache.isnan().all(-1)  # [R, KV, S]
+    expect = torch.zeros(3, 2, 20, dtype=torch.bool)
+    expect[0, :, 18:] = expect[1, :, :5] = expect[2, :, 16:] = True
+    assert torch.equal(written.cpu(), expect)
+    assert torch.equal(~v_cache.isnan().all(-1), written)
+    assert buf[0].isnan().all()
+
+
+def test_dispatch_on_cpu_is_reference():
+    case = make_case(2, 3, 4, 2, 12, torch.float32, "cpu", seed=3)
+    q = run_and_check(case, dispatcher)
+    qkv = case["qkv"]
+    # default output: a fresh contiguous [R, T, H, D]
+    fresh = rope_kv_write(qkv, case["cos"], case["sin"], *caches(case["buf"].clone()), case["lengths"], 4, 2)
+    assert fresh.is_contiguous() and torch.equal(fresh, q)
+
+
+def test_rope_reference_matches_transformers_and_float64():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    case = make_case(3, 7, 4, 4, 128, torch.float32, "cpu", seed=11)
+    x = case["qkv"].view(3, 7, 12, 128)[:, :, :4]
+    cos, sin = case["cos"], case["sin"]
+    hf, _ = apply_rotary_pos_emb(x, x, cos[:, :, 0], sin[:, :, 0], unsqueeze_dim=2)
+    assert torch.equal(rope_reference(x, cos, sin), hf)  # HF's own fp32 formula, bit for bit
+    # rotation of each (d, d + D/2) pair by its angle, in float64
+    x1, x2 = x.double().chunk(2, -1)
+    c, s = cos.double()[..., :64], sin.double()[..., :64]
+    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    torch.testing.assert_close(rope_reference(x, cos, sin).double(), rotated, atol=1e-5, rtol=1e-6)
+    # low precision: rotated in fp32, rounded once
+    xb = x.bfloat16()
+    assert torch.equal(rope_reference(xb, cos, sin), rope_reference(xb.float(), cos, sin).bfloat16())
+
+
+def test_launcher_rejects_bad_input():
+    case = make_case(2, 3, 4, 2, 16, torch.float32, "cpu")
+    qkv, buf, lengths = case["qkv"], case["buf"], case["lengths"]
+    cos, sin = case["cos"][:, :, 0], case["sin"][:, :, 0]
+    k, v = caches(buf)
+    with pytest.raises(ValueError, match="int32"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths.long(), 4, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 3, 2)
+    with pytest.raises(ValueError, match="does not match"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 2, 2)
+    with pytest.raises(TypeError, match="float32"):
+        _k.rope_kv_write(qkv, cos.half(), sin, k, v, lengths, 4, 2)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        _k.rope_kv_write(qkv, cos, sin, k.half(), v, lengths, 4, 2)
+    with pytest.raises(ValueError, match="cos/sin"):
+        _k.rope_kv_write(qkv, cos[:, :2], sin, k, v, lengths, 4, 2)
+    with pytest.raises(ValueError, match="contiguous last"):
+        _k.rope_kv_write(qkv, cos, sin, k.transpose(2, 3).contiguous().transpose(2, 3), v, lengths, 4, 2)
+    odd = make_case(1, 2, 2, 2, 9, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="odd"):
+        _k.rope_kv_write(odd["qkv"], odd["cos"][:, :, 0], odd["sin"][:, :, 0], *caches(odd["buf"]),
+                         odd["lengths"], 2, 2)
+
+
+# ---- GPU only: the LLaVA-1.5-7B decode shape, exact in every dtype ---------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,KV,lengths", [(1, 32, 32, [1999]), (6, 32, 32, [2041]), (6, 32, 32, [0]),
+                                            (6, 32, 8, [777])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_gpu_decode_shape(T, H, KV, lengths, dtype):
+    case = make_case(1, T, H, KV, 128, dtype, "cuda", S=2047, lengths=lengths, seed=T)
+    run_and_check(case, dispatcher)
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_rows_and_odd_head_dim():
+    run_and_check(make_case(5, 9, 32, 8, 128, torch.bfloat16, "cuda", S=2047, seed=5), dispatcher)
+    run_and_check(make_case(3, 4, 6, 2, 80, torch.float16, "cuda", seed=6), dispatcher)
+    # an odd head dim goes to the reference explicitly (no rotate-half pairs for the kernel)
+    run_and_check(make_case(2, 3, 4, 4, 9, torch.float32, "cuda", seed=8), dispatcher)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_reads_lengths_on_device():
+    case = make_case(2, 6, 32, 32, 128, torch.bfloat16, "cuda", S=2048, lengths=[100, 5], seed=9)
+    qkv, cos, sin, buf, lengths = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths"))
+    k_cache, v_cache = caches(buf)
+    out = torch.empty(2, 6, 32, 128, device="cuda", dtype=torch.bfloat16)
+    rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, 32, 32, out=out)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, 32, 32, out=out)
+    buf.fill_(float("nan"))
+    out.fill_(float("nan"))
+    new_case = make_case(2, 6, 32, 32, 128, torch.bfloat16, "cuda", S=2048, lengths=[2042, 0], seed=10)
+    for name in ("qkv", "cos", "sin", "lengths"):
+        case[name].copy_(new_case[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_buf = new_case["buf"]
+    q_ref = rope_kv_write_reference(qkv, cos, sin, *caches(ref_buf), lengths, 32, 32)
+    assert torch.equal(out, q_ref)
+    assert torch.equal(buf.nan_to_num(7.0), ref_buf.nan_to_num(7.0))
