@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
-# Usage: benchmarks/gpu_session.sh STAGE...   (stages: env build test kernels profile e2e)
+# Usage: benchmarks/gpu_session.sh STAGE...   (stages: env build test kernels profile e2e e2e-demo)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -44,6 +44,10 @@ for stage in "$@"; do
       ;;
     e2e)
       timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -60
+      ;;
+    e2e-demo)
+      # bundled trained pair, real acceptance (no override), S1-S5 x 10 prompts
+      timeout 300 $PY benchmarks/e2e.py --preset demo-pair --out "$OUT" 2>&1 | tail -45
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,0 +1,64 @@
+"""benchmarks/e2e.py --preset demo-pair on the CPU with one prompt per scenario and a small
+token budget: every field is written, SD is lossless against AR with real acceptance, and
+transformers' greedy tokens equal the engine's in float32."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DEMO = os.path.join(ROOT, "tabed_engine", "assets", "demo")
+SCENARIOS = ("S1", "S2", "S3", "S4", "S5")
+
+
+def _load_e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "benchmarks", "e2e.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod     # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    if not all(os.path.isfile(os.path.join(DEMO, d, "config.json")) for d in ("target", "draft")):
+        pytest.skip("no bundled demo pair")
+    out = tmp_path_factory.mktemp("e2e_demo")
+    _load_e2e().main(["--preset", "demo-pair", "--device", "cpu", "--out", str(out), "--prompts", "1",
+                      "--max-new", "8", "--repeats", "1"])
+    with open(out / "e2e_demo-pair.json") as f:
+        rep = json.load(f)
+    with open(out / "e2e_demo-pair.md") as f:
+        return rep, f.read()
+
+
+def test_fields_and_lossless(report):
+    rep, md = report
+    assert rep["preset"] == "demo-pair" and rep["setup"]["acceptance_override"] is None
+    assert rep["provenance"]["torch"] and rep["provenance"]["command"]
+    configs = set(rep["setup"]["sd_configs"])
+    assert configs == {"w-grid[M+T]", "M"}
+    for sc in (*SCENARIOS, "all"):
+        r = rep[sc]
+        assert "error" not in r, (sc, r)
+        ar = r["engine_ar"]
+        assert ar["new_tokens"] >= 1 and ar["t_full_ms"] > ar["t_one_ms"] > 0
+        assert set(r["sd"]) == configs
+        for name, sd in r["sd"].items():
+            assert sd["mismatches_vs_engine_ar"] == 0, (sc, name)
+            assert sd["new_tokens"] == ar["new_tokens"]     # identical tokens, so identical counts
+            assert sd["speedup_e2e"] > 0
+            if sd["target_forwards"]:
+                # real acceptance: tokens per verify forward between 1 and gamma + 1
+                assert 1.0 <= sd["tau"] <= rep["setup"]["gamma"] + 1
+                assert sd["tau"] == pytest.approx(sd["decode_tokens"] / sd["target_forwards"])
+        if sc != "all":
+            assert r["max_new_tokens"] <= 8 and r["n_prompts"] == 1
+        # same target weights in float32: transformers' greedy tokens equal the engine's
+        assert r["hf_eager"]["agrees_with_engine_ar"] == r["n_prompts"], sc
+    # the drafts are trained: over S1-S5 each SD config accepts drafts (tau well above 1)
+    assert all(sd["tau"] > 1.5 for sd in rep["all"]["sd"].values())
+    assert rep["targets"]["sd_tokens_identical_to_engine_ar (mismatches)"]["pass"] is True
+    assert "decode ms/token" in md and "| all |" in md and "SD w-grid[M+T]" in md
