@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LMConfig
+from .ops.add_rms_norm import add_rms_norm, rms_norm_reference
 from .ops.rope_kv_write import rope_kv_write, rope_reference
 from .ops.tree_attention import tree_attention
 
@@ -54,11 +55,7 @@ def fused_on_cuda(fn):
     return wrapper
 
 
-@fused_on_cuda
-def rms_norm(x, weight, eps: float):
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+rms_norm = fused_on_cuda(rms_norm_reference)
 
 
 @fused_on_cuda
@@ -75,6 +72,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x, delta):
+        """(x + delta, norm(x + delta)); delta None: (x, norm(x)). One kernel on CUDA."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_tables(cfg: LMConfig, max_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,9 +151,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx):
+        # x + attn(norm(x)), then + mlp(norm(.)), with each residual add deferred into the
+        # RMSNorm that follows it (one kernel on CUDA instead of an add and a norm): x is the
+        # residual stream [R, T, hidden] still missing `delta`, the previous layer's MLP output
+        # (None before the first layer), and the layer returns (x, its MLP output) the same way.
+        x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, k_cache, v_cache, ctx))
+        return x, self.mlp(h)
 
 
 _CHAIN_BITS: dict = {}
@@ -252,8 +258,10 @@ class LlamaLM(nn.Module):
         cos_t, sin_t = self.rope(max(self.cfg.max_position_embeddings, cache.max_len), x.device)
         cos = cos_t[positions][:, :, None, :]
         sin = sin_t[positions][:, :, None, :]
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], ctx)
+            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], ctx)
+        x = x + delta
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.norm(x)).float()

@@ -1,0 +1,128 @@
+"""Benchmark: residual add fused into RMSNorm (one Triton launch) vs the unfused decode path.
+
+    python benchmarks/bench_add_rms_norm.py [--out benchmarks/results/add_rms_norm.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_add_rms_norm.py --smoke   # CPU, tiny, no claims
+
+Shape: LLaVA-1.5-7B hidden 4096, rows R * T in {1, 6} (decode, chain verification), bf16.
+Columns (per call, medians):
+  fused     tabed_engine.kernels.add_rms_norm
+  eager     x + delta, then the eager RMSNorm reference
+  model     what DecoderLayer ran before: the eager add, then the torch.compile'd rms_norm
+  compiled  torch.compile of add + norm (static shapes)
+`stream` and `graph` timings as in bench_rope_kv_write.py. GB/s counts x, delta and weight
+read, the sum and the output written, over the graph time, next to a 256 MiB
+device-to-device copy measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
+from bench_rope_kv_write import graph_ms  # noqa: E402
+from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
+from tabed_engine.model import rms_norm  # noqa: E402
+from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
+
+EPS = 1e-5
+
+
+def model_path(x, delta, weight):
+    s = x + delta
+    return s, rms_norm(s, weight, EPS)
+
+
+def eager_path(x, delta, weight):
+    return add_rms_norm_reference(x, delta, weight, EPS)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/add_rms_norm[_smoke].json)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inner", type=int, default=50, help="calls per timed CUDA-event window / graph")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-compile", action="store_true", help="skip the two torch.compile columns")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
+        device, args.hidden, args.rows, args.no_compile, args.reps = "cpu", 96, [1, 3], True, 3
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU (or --smoke on CPU)")
+        device = "cuda"
+    N, dtype = args.hidden, torch.bfloat16
+    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        "add_rms_norm_smoke.json" if args.smoke else "add_rms_norm.json")
+    compiled = None
+    if not args.no_compile:
+        for name in ("cache_size_limit", "recompile_limit"):  # one static graph per row count
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
+        compiled = torch.compile(eager_path, dynamic=False, fullgraph=True)
+
+    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
+    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'rows':>4} | {'stream us: fused':>16} {'eager':>7} {'model':>7} {'compiled':>8} "
+          f"| {'graph us: fused':>15} {'eager':>7} {'model':>7} {'compiled':>8} | {'GB/s':>5} {'%copy':>5}")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for M in args.rows:
+        x, delta = (torch.randn(1, M, N, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+        weight = (1 + 0.1 * torch.randn(N, generator=g)).to(device=device, dtype=dtype)
+        s_out, out = torch.empty_like(x), torch.empty_like(x)
+        fns = {"fused": lambda: _k.add_rms_norm(x, delta, weight, EPS, out=out, sum_out=s_out),
+               "eager": lambda: eager_path(x, delta, weight)}
+        if not args.smoke:
+            fns["model"] = lambda: model_path(x, delta, weight)
+        if compiled is not None:
+            fns["compiled"] = lambda: compiled(x, delta, weight)
+
+        fns["fused"]()
+        s_ref, out_ref = eager_path(x, delta, weight)
+        err = max((s_out.float() - s_ref.float()).abs().max().item(),
+                  (out.float() - out_ref.float()).abs().max().item())
+
+        stream, graph = {}, {}
+        for name, fn in fns.items():
+            for _ in range(5):  # warm-up: compile, caches, allocator
+                fn()
+            if device == "cuda":
+                stream[name] = event_ms(fn, args.reps, args.inner) * 1e3
+                graph[name] = graph_ms(fn, args.inner, args.reps) * 1e3
+            else:
+                stream[name] = median_ms(fn, device, args.reps) * 1e3
+        nbytes = (4 * M * N + N) * x.element_size()
+        base = graph.get("fused", stream["fused"])
+        gbs = nbytes / (base * 1e-6) / 1e9
+        rows.append(dict(rows=M, hidden=N, dtype=str(dtype), bytes=nbytes, stream_us=stream, graph_us=graph,
+                         fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err))
+        col = lambda d, k, w: f"{d[k]:>{w}.2f}" if k in d else f"{'-':>{w}}"  # noqa: E731
+        print(f"{M:>4} | {col(stream, 'fused', 16)} {col(stream, 'eager', 7)} {col(stream, 'model', 7)} "
+              f"{col(stream, 'compiled', 8)} | {col(graph, 'fused', 15)} {col(graph, 'eager', 7)} "
+              f"{col(graph, 'model', 7)} {col(graph, 'compiled', 8)} | {gbs:>5.0f} {100 * gbs / copy_gbs:>5.1f}"
+              f"   max err {err:.2g}")
+
+    result = dict(op="add_rms_norm", smoke=args.smoke, provenance=provenance(device), copy_gbs=copy_gbs,
+                  timer="CUDA events, median over reps of (inner calls)/inner; graph = same calls "
+                        "replayed from one CUDA graph" if device == "cuda" else "wall clock (interpreter)",
+                  inner=args.inner, reps=args.reps, rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out_path} ({time.perf_counter() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
