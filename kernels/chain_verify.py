@@ -29,19 +29,94 @@ import torch
 import triton
 import triton.language as tl
 
-# V split.  At B = 1 a program's latency is about one DRAM round trip plus its reductions
-# for any chunk below a few K elements; ~1K elements per row and chunk ([GP, 1024] tile,
-# <= 16 KiB of bf16 for gamma < 8, loads issued together) keeps the per-program fixed
-# cost small next to its work, and the partials to combine few.  Splitting stops at ~128
-# programs (one wave on a 132-SM H100 / H200).  B = 1, V = 32064 gives 32 chunks of 1008;
-# B >= 128 keeps one program per request (S = 1).
-_MIN_CHUNK = 1024
-_TARGET_PROGRAMS = 128
+from ._common import chunking, fold_row_argmax, load_rows, n_vsplit as _n_vsplit
+
+@triton.jit
+def _rows_argmax(p_ptr, b, gamma, start, end, stride_pb, stride_pt,
+                 GP: tl.constexpr, BLOCK: tl.constexpr):
+    """Max and its (lowest) index of the gamma + 1 rows of request b over [start, end),
+    read as [GP, BLOCK] tiles so all rows' loads are in flight together."""
+    js = tl.arange(0, GP)
+    cols = tl.arange(0, BLOCK)
+    rows = p_ptr + b * stride_pb + js.to(tl.int64) * stride_pt
+    best = tl.full([GP], float("-inf"), tl.float32)
+    idx = tl.zeros([GP], tl.int32) + start
+    for v0 in range(start, end, BLOCK):
+        x = load_rows(rows, v0 + cols, js <= gamma, v0 + cols < end, 1.0)
+        best, idx = fold_row_argmax(x, v0, best, idx)
+    return best, idx
 
 
-def _n_vsplit(B, V):
-    """Requested number of V chunks per request (shapes only, no device query)."""
-    return max(1, min(triton.cdiv(V, _MIN_CHUNK), _TARGET_PROGRAMS // max(B, 1)))
+@triton.jit
+def _accept_prefix(draft, idx, js, gamma, GP: tl.constexpr):
+    """Greedy: accepted prefix length and next token from the per-position argmax idx.
+    Position gamma has no draft token: it always "misses" and yields the bonus."""
+    miss = (draft != idx.to(tl.int64)) | (js >= gamma)
+    n_acc = tl.min(tl.where(miss, js, GP), axis=0)
+    return n_acc, tl.sum(tl.where(js == n_acc, idx, 0), axis=0)
+
+
+@triton.jit
+def _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma,
+                  stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
+                  stride_ub, stride_ut, GP: tl.constexpr):
+    """Accepted prefix length: token i passes when u_i * q(x_i) < p(x_i)."""
+    js = tl.arange(0, GP)
+    dmask = js < gamma
+    draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=dmask, other=-1)
+    x_safe = tl.where(dmask, draft, 0)
+    px = tl.load(p_ptr + b * stride_pb + js * stride_pt + x_safe, mask=dmask, other=0.0)
+    qx = tl.load(q_ptr + b * stride_qb + js * stride_qt + x_safe, mask=dmask, other=0.0)
+    u = tl.load(u_ptr + b * stride_ub + js * stride_ut, mask=dmask, other=0.0)
+    rejected = dmask & ~(u * qx < px)
+    return tl.min(tl.where(rejected, js, gamma), axis=0)
+
+
+@triton.jit
+def _residual(p_row, q_row, offs, vmask, q_len):
+    """p and the residual max(p - q, 0) at offs; q reads as 0 from q_len on (no q row)."""
+    pv = tl.load(p_row + offs, mask=vmask, other=0.0)
+    qv = tl.load(q_row + offs, mask=vmask & (offs < q_len), other=0.0)
+    return pv, tl.maximum(pv - qv, 0.0)
+
+
+@triton.jit
+def _residual_sums(p_row, q_row, start, end, q_len, BLOCK: tl.constexpr):
+    """Over [start, end): sums of the residual and of p, and the last index where each
+    has mass (-1 if none)."""
+    cols = tl.arange(0, BLOCK)
+    tot_r = 0.0
+    tot_p = 0.0
+    last_r = -1
+    last_p = -1
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        pv, r = _residual(p_row, q_row, offs, offs < end, q_len)
+        tot_r += tl.sum(r, axis=0)
+        tot_p += tl.sum(pv, axis=0)
+        last_r = tl.maximum(last_r, tl.max(tl.where(r > 0, offs, -1), axis=0))
+        last_p = tl.maximum(last_p, tl.max(tl.where(pv > 0, offs, -1), axis=0))
+    return tot_r, tot_p, last_r, last_p
+
+
+@triton.jit
+def _residual_search(p_row, q_row, start, end, q_len, run, target, V, BLOCK: tl.constexpr):
+    """Inverse CDF over [start, end) with `run` mass before start: the first v whose
+    cumulative residual exceeds target (-1 if none), and the last v with mass (-1 if none)."""
+    cols = tl.arange(0, BLOCK)
+    token = -1
+    last = -1
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < end
+        _, r = _residual(p_row, q_row, offs, vmask, q_len)
+        cs = run + tl.cumsum(r, axis=0)
+        first = tl.min(tl.where(vmask & (cs > target), offs, V), axis=0)
+        token = tl.where((token < 0) & (first < V), first, token)
+        last = tl.maximum(last, tl.max(tl.where(r > 0, offs, -1), axis=0))
+        run += tl.sum(r, axis=0)
+    return token, last
+
 
 @triton.jit
 def _chain_verify_kernel(
@@ -52,70 +127,29 @@ def _chain_verify_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     js = tl.arange(0, GP)
-    dmask = js < gamma
-    cols = tl.arange(0, BLOCK)
-    draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=dmask, other=-1)
     if GREEDY:
-        rows = p_ptr + b * stride_pb + js.to(tl.int64)[:, None] * stride_pt
-        best = tl.full([GP], float("-inf"), tl.float32)
-        idx = tl.zeros([GP], tl.int32)
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + cols
-            x = tl.load(rows + offs[None, :], mask=(js <= gamma)[:, None] & (offs < V)[None, :],
-                        other=float("-inf")).to(tl.float32)
-            blk_best = tl.max(x, axis=1)
-            take = blk_best > best  # strict: the earlier block wins ties
-            idx = tl.where(take, v0 + tl.argmax(x, axis=1), idx)
-            best = tl.where(take, blk_best, best)
-        # Position gamma has no draft token: it always "misses" and yields the bonus.
-        miss = (draft != idx.to(tl.int64)) | (js >= gamma)
-        n_acc = tl.min(tl.where(miss, js, GP), axis=0)
-        token = tl.sum(tl.where(js == n_acc, idx, 0), axis=0)
+        draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=js < gamma, other=-1)
+        _, idx = _rows_argmax(p_ptr, b, gamma, 0, V, stride_pb, stride_pt, GP, BLOCK)
+        n_acc, token = _accept_prefix(draft, idx, js, gamma, GP)
     else:
-        x_safe = tl.where(dmask, draft, 0)
-        px = tl.load(p_ptr + b * stride_pb + js * stride_pt + x_safe, mask=dmask, other=0.0)
-        qx = tl.load(q_ptr + b * stride_qb + js * stride_qt + x_safe, mask=dmask, other=0.0)
-        u = tl.load(u_ptr + b * stride_ub + js * stride_ut, mask=dmask, other=0.0)
-        rejected = dmask & ~(u * qx < px)  # accept with probability min(1, p/q)
-        n_acc = tl.min(tl.where(rejected, js, gamma), axis=0)
-        residual = n_acc < gamma  # else: all accepted, bonus token from p_gamma
+        n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
+                              stride_qb, stride_qt, stride_pb, stride_pt, stride_ub, stride_ut, GP)
         p_row = p_ptr + b * stride_pb + n_acc * stride_pt
         q_row = q_ptr + b * stride_qb + n_acc * stride_qt
         # Sweep 1: mass of the residual, and of p for the fallback.
-        q_len = tl.where(residual, V, 0)  # no q row for the bonus (q = 0)
-        tot_r = 0.0
-        tot_p = 0.0
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + cols
-            vmask = offs < V
-            pv = tl.load(p_row + offs, mask=vmask, other=0.0)
-            qv = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
-            tot_r += tl.sum(tl.maximum(pv - qv, 0.0), axis=0)
-            tot_p += tl.sum(pv, axis=0)
+        q_len = tl.where(n_acc < gamma, V, 0)  # all accepted: bonus token from p_gamma, q = 0
+        tot_r, tot_p, _, _ = _residual_sums(p_row, q_row, 0, V, q_len, BLOCK)
         # Sum r == 0 means p_i <= q_i everywhere, i.e. p_i == q_i (both sum to 1): then a
         # rejection has probability 0 and only rounding gets here; p_i is then the exact
         # conditional distribution, so sampling it cannot bias the output.
         use_p = tot_r <= 0.0
         target = tl.load(u_ptr + b * stride_ub + gamma * stride_ut) * tl.where(use_p, tot_p, tot_r)
         # Sweep 2: first v whose cumulative mass exceeds u * total.
-        q_len = tl.where(use_p, 0, q_len)
-        run = 0.0
-        token = -1
-        last_nz = 0
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + cols
-            vmask = offs < V
-            pv = tl.load(p_row + offs, mask=vmask, other=0.0)
-            qv = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
-            r = tl.maximum(pv - qv, 0.0)
-            cs = run + tl.cumsum(r, axis=0)
-            first = tl.min(tl.where(vmask & (cs > target), offs, V), axis=0)
-            token = tl.where((token < 0) & (first < V), first, token)
-            last_nz = tl.maximum(last_nz, tl.max(tl.where(r > 0, offs, -1), axis=0))
-            run += tl.sum(r, axis=0)
+        token, last_nz = _residual_search(p_row, q_row, 0, V, tl.where(use_p, 0, q_len),
+                                          tl.zeros_like(target), target, V, BLOCK)
         # Rounding can leave the running sum just short of u * total: take the last
         # token with mass (what an exact sum would have hit).
-        token = tl.where(token < 0, last_nz, token)
+        token = tl.where(token < 0, tl.maximum(last_nz, 0), token)
     tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
     tl.store(next_ptr + b, token.to(tl.int64))
 
@@ -129,21 +163,9 @@ def _argmax_partial_kernel(
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, V)
-    js = tl.arange(0, GP)
-    cols = tl.arange(0, BLOCK)
-    rows = p_ptr + b * stride_pb + js.to(tl.int64)[:, None] * stride_pt
-    best = tl.full([GP], float("-inf"), tl.float32)
-    idx = tl.zeros([GP], tl.int32) + start
-    for v0 in range(start, end, BLOCK):
-        offs = v0 + cols
-        x = tl.load(rows + offs[None, :], mask=(js <= gamma)[:, None] & (offs < end)[None, :],
-                    other=float("-inf")).to(tl.float32)
-        blk_best = tl.max(x, axis=1)
-        take = blk_best > best  # strict: the earlier block wins ties
-        idx = tl.where(take, v0 + tl.argmax(x, axis=1), idx)
-        best = tl.where(take, blk_best, best)
-    out = (b * S + sp) * GP + js
+    best, idx = _rows_argmax(p_ptr, b, gamma, start, tl.minimum(start + CHUNK, V),
+                             stride_pb, stride_pt, GP, BLOCK)
+    out = (b * S + sp) * GP + tl.arange(0, GP)
     tl.store(part_val_ptr + out, best)
     tl.store(part_idx_ptr + out, idx)
 
@@ -164,28 +186,9 @@ def _greedy_accept_kernel(
     top = tl.max(val, axis=0)
     idx = tl.min(tl.where(val == top[None, :], pidx, V), axis=0)  # ties: lowest index
     draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=js < gamma, other=-1)
-    # Position gamma has no draft token: it always "misses" and yields the bonus.
-    miss = (draft != idx.to(tl.int64)) | (js >= gamma)
-    n_acc = tl.min(tl.where(miss, js, GP), axis=0)
-    token = tl.sum(tl.where(js == n_acc, idx, 0), axis=0)
+    n_acc, token = _accept_prefix(draft, idx, js, gamma, GP)
     tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
     tl.store(next_ptr + b, token.to(tl.int64))
-
-
-@triton.jit
-def _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma,
-                  stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
-                  stride_ub, stride_ut, GP: tl.constexpr):
-    """Accepted prefix length: token i passes when u_i * q(x_i) < p(x_i)."""
-    js = tl.arange(0, GP)
-    dmask = js < gamma
-    draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=dmask, other=-1)
-    x_safe = tl.where(dmask, draft, 0)
-    px = tl.load(p_ptr + b * stride_pb + js * stride_pt + x_safe, mask=dmask, other=0.0)
-    qx = tl.load(q_ptr + b * stride_qb + js * stride_qt + x_safe, mask=dmask, other=0.0)
-    u = tl.load(u_ptr + b * stride_ub + js * stride_ut, mask=dmask, other=0.0)
-    rejected = dmask & ~(u * qx < px)
-    return tl.min(tl.where(rejected, js, gamma), axis=0)
 
 
 @triton.jit
@@ -204,22 +207,8 @@ def _residual_partial_kernel(
     q_row = q_ptr + b * stride_qb + n_acc * stride_qt
     q_len = tl.where(n_acc < gamma, V, 0)  # no q row for the bonus (q = 0)
     start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, V)
-    cols = tl.arange(0, BLOCK)
-    tot_r = 0.0
-    tot_p = 0.0
-    last_r = -1
-    last_p = -1
-    for v0 in range(start, end, BLOCK):
-        offs = v0 + cols
-        vmask = offs < end
-        pv = tl.load(p_row + offs, mask=vmask, other=0.0)
-        qv = tl.load(q_row + offs, mask=vmask & (offs < q_len), other=0.0)
-        r = tl.maximum(pv - qv, 0.0)
-        tot_r += tl.sum(r, axis=0)
-        tot_p += tl.sum(pv, axis=0)
-        last_r = tl.maximum(last_r, tl.max(tl.where(r > 0, offs, -1), axis=0))
-        last_p = tl.maximum(last_p, tl.max(tl.where(pv > 0, offs, -1), axis=0))
+    tot_r, tot_p, last_r, last_p = _residual_sums(p_row, q_row, start, tl.minimum(start + CHUNK, V),
+                                                  q_len, BLOCK)
     out = (b * S + sp) * 2
     tl.store(part_ptr + out, tot_r)
     tl.store(part_ptr + out + 1, tot_p)
@@ -260,21 +249,8 @@ def _residual_draw_kernel(
     q_row = q_ptr + b * stride_qb + n_acc * stride_qt
     q_len = tl.where((n_acc < gamma) & ~use_p, V, 0)
     start = hit * CHUNK  # hit == S (no chunk): start >= V, the scan is empty
-    end = tl.minimum(start + CHUNK, V)
-    cols = tl.arange(0, BLOCK)
-    token = -1
-    last_in = -1
-    for v0 in range(start, end, BLOCK):
-        offs = v0 + cols
-        vmask = offs < end
-        pv = tl.load(p_row + offs, mask=vmask, other=0.0)
-        qv = tl.load(q_row + offs, mask=vmask & (offs < q_len), other=0.0)
-        r = tl.maximum(pv - qv, 0.0)
-        cs_v = run + tl.cumsum(r, axis=0)
-        first = tl.min(tl.where(vmask & (cs_v > target), offs, V), axis=0)
-        token = tl.where((token < 0) & (first < V), first, token)
-        last_in = tl.maximum(last_in, tl.max(tl.where(r > 0, offs, -1), axis=0))
-        run += tl.sum(r, axis=0)
+    token, last_in = _residual_search(p_row, q_row, start, tl.minimum(start + CHUNK, V), q_len,
+                                      run, target, V, BLOCK)
     # Rounding can leave the in-chunk sum just short of u * total (take the chunk's last
     # token with mass), or every prefix short of it (take the row's last token with mass):
     # what an exact sum would have hit.
@@ -282,6 +258,7 @@ def _residual_draw_kernel(
     token = tl.where(token < 0, tl.where(hit < S, last_in, last_all), token)
     tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
     tl.store(next_ptr + b, token.to(tl.int64))
+
 
 def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     """Triton launcher; see `tabed_engine.ops.chain_verify.chain_verify` for the contract."""
@@ -319,10 +296,7 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
                p.stride(0), p.stride(1), uniforms.stride(0), uniforms.stride(1))
     # [GP, BLOCK] tiles of 8K elements when greedy; one row pair of 4K when sampling.
     block_max = 8192 // GP if greedy else 4096
-    S = _n_vsplit(B, V)
-    if S > 1:
-        chunk = triton.cdiv(triton.cdiv(V, S), 16) * 16  # 16-aligned chunk starts
-        S = triton.cdiv(V, chunk)                        # every chunk non-empty
+    S, chunk = chunking(V, _n_vsplit(B, V))
     if S == 1:
         BLOCK = max(16, min(triton.next_power_of_2(V), block_max))
         _chain_verify_kernel[(B,)](

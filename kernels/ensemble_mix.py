@@ -30,22 +30,71 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import chunking, fold_best, load_rows, n_vsplit as _n_vsplit, online_lse, pick_score
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# V split.  At B = 1 each program's latency is about one DRAM round trip plus its exp
-# work, whatever its chunk size below a few K elements; ~1K elements per chunk and row
-# (K <= 4 rows: <= 8 KiB of bf16, a few 16-byte loads per thread, issued together) is
-# enough work to hide the fixed per-program cost without making the partials large.
-# Splitting stops at ~128 programs (one wave on a 132-SM H100 / H200): more splits add
-# partials to fold, not bandwidth.  So B = 1, V = 32064 gives 32 chunks of 1008; B = 16,
-# V = 151936 gives 8 chunks; B >= 128 keeps one program per request (S = 1).
-_MIN_CHUNK = 1024
-_TARGET_PROGRAMS = 128
+
+@triton.jit
+def _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V, stride_logits,
+                  KP: tl.constexpr, SAMPLE: tl.constexpr):
+    """Request b's K row pointers ([KP]) and, when SAMPLE, its Philox seed and counter base:
+    element (b, v) draws counter offset + b * V + v, independent per request and entry
+    (the caller advances offset by B * V)."""
+    ks = tl.arange(0, KP)
+    rows_ptr = logits_ptr + (b * K + ks).to(tl.int64) * stride_logits
+    seed = 0
+    rng_base = 0
+    if SAMPLE:
+        seed = tl.load(seed_ptr)
+        rng_base = tl.load(offset_ptr) + b * V
+    return rows_ptr, seed, rng_base
 
 
-def _n_vsplit(B, V):
-    """Requested number of V chunks per request (shapes only, no device query)."""
-    return max(1, min(triton.cdiv(V, _MIN_CHUNK), _TARGET_PROGRAMS // max(B, 1)))
+@triton.jit
+def _lse_pass(rows_ptr, kmask, start, end, inv_temperature, seed, rng_base,
+              KP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr, PICK: tl.constexpr):
+    """Pass 1 over columns [start, end): each row's running max and sum-exp (fp32); with
+    PICK (one row, KP == 1) also the pick: best score x - log E_v (or x), index, x."""
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([KP], float("-inf"), tl.float32)
+    s = tl.zeros([KP], tl.float32)
+    best = float("-inf")
+    best_idx = start  # distinct per chunk, so a chunk's entry is found by its index
+    best_x = 0.0
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < end
+        x = load_rows(rows_ptr, offs, kmask, vmask, inv_temperature)
+        m, s = online_lse(x, m, s)
+        if PICK:
+            xv = tl.sum(x, axis=0)  # KP == 1: the row itself
+            score = pick_score(xv, offs, vmask, seed, rng_base, GREEDY, True)
+            best, best_idx, best_x = fold_best(score, xv, v0, cols, best, best_idx, best_x)
+    return m, s, best, best_idx, best_x
+
+
+@triton.jit
+def _mix_pass(rows_ptr, kmask, w, lse, start, end, inv_temperature, mix_row, seed, rng_base,
+              BLOCK: tl.constexpr, GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr,
+              PICK: tl.constexpr):
+    """Pass 2 over columns [start, end): the mixture q = sum_k w_k exp(x_k - lse_k), written
+    to mix_row with WRITE_MIX; with PICK the best score q_v / E_v (or q_v), index, q."""
+    cols = tl.arange(0, BLOCK)
+    best = float("-inf")
+    best_idx = start
+    best_q = 0.0
+    for v0 in range(start, end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < end
+        x = load_rows(rows_ptr, offs, kmask, vmask, inv_temperature)
+        q = tl.sum(tl.exp(x - lse[:, None]) * w[:, None], axis=0)  # [BLOCK]
+        if WRITE_MIX:
+            tl.store(mix_row + offs, q, mask=vmask)
+        if PICK:
+            score = pick_score(q, offs, vmask, seed, rng_base, GREEDY, False)
+            best, best_idx, best_q = fold_best(score, q, v0, cols, best, best_idx, best_q)
+    return best, best_idx, best_q
 
 
 @triton.jit
@@ -56,74 +105,23 @@ def _ensemble_mix_kernel(
     KP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
     WRITE_MIX: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
+    """One program per request: pass 1 (with ONE_PASS also the pick), then pass 2."""
     b = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, KP)
     kmask = ks < K
-    cols = tl.arange(0, BLOCK)
-    rows_ptr = logits_ptr + (b * K + ks).to(tl.int64)[:, None] * stride_logits
-    if not GREEDY:
-        seed = tl.load(seed_ptr)
-        # Philox counter of element (b, v) is offset + b * V + v: independent draws
-        # per request and per vocabulary entry; the caller advances offset by B * V.
-        rng_base = tl.load(offset_ptr) + b * V
-
-    # Pass 1: online logsumexp of each view (fp32); with ONE_PASS also the pick.
-    m = tl.full([KP], float("-inf"), tl.float32)
-    s = tl.zeros([KP], tl.float32)
-    best = float("-inf")
-    best_idx = 0
-    best_x = 0.0
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + cols
-        vmask = offs < V
-        x = tl.load(rows_ptr + offs[None, :], mask=kmask[:, None] & vmask[None, :],
-                    other=float("-inf")).to(tl.float32) * inv_temperature
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
-        m = m_new
-        if ONE_PASS:
-            xv = tl.sum(x, axis=0)  # KP == 1: the row itself
-            score = xv
-            if not GREEDY:
-                u = tl.rand(seed, rng_base + offs)
-                score = xv - tl.log(-tl.log(u))
-            score = tl.where(vmask, score, float("-inf"))
-            blk_best = tl.max(score, axis=0)
-            blk_idx = tl.argmax(score, axis=0)
-            blk_x = tl.sum(tl.where(cols == blk_idx, xv, 0.0), axis=0)
-            take = blk_best > best  # strict: the earlier block wins ties
-            best_x = tl.where(take, blk_x, best_x)
-            best_idx = tl.where(take, v0 + blk_idx, best_idx)
-            best = tl.where(take, blk_best, best)
+    rows_ptr, seed, rng_base = _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V,
+                                             stride_logits, KP, not GREEDY)
+    m, s, best, best_idx, best_x = _lse_pass(rows_ptr, kmask, 0, V, inv_temperature, seed,
+                                             rng_base, KP, BLOCK, GREEDY, ONE_PASS)
     lse = tl.where(kmask, m + tl.log(tl.where(kmask, s, 1.0)), 0.0)
     tl.store(lse_ptr + b * K + ks, lse, mask=kmask)
-
     if ONE_PASS:
         best_q = tl.exp(best_x - tl.sum(lse, axis=0))
     else:
         w = tl.load(weights_ptr + b * stride_wb + ks * stride_wk, mask=kmask, other=0.0)
-        best_q = 0.0
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + cols
-            vmask = offs < V
-            x = tl.load(rows_ptr + offs[None, :], mask=kmask[:, None] & vmask[None, :],
-                        other=float("-inf")).to(tl.float32) * inv_temperature
-            q = tl.sum(tl.exp(x - lse[:, None]) * w[:, None], axis=0)  # [BLOCK]
-            if WRITE_MIX:
-                tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
-            score = q
-            if not GREEDY:
-                u = tl.rand(seed, rng_base + offs)
-                score = q / -tl.log(u)  # q_v / E_v, E_v ~ Exp(1)
-            score = tl.where(vmask, score, float("-inf"))
-            blk_best = tl.max(score, axis=0)
-            blk_idx = tl.argmax(score, axis=0)
-            blk_q = tl.sum(tl.where(cols == blk_idx, q, 0.0), axis=0)
-            take = blk_best > best
-            best_q = tl.where(take, blk_q, best_q)
-            best_idx = tl.where(take, v0 + blk_idx, best_idx)
-            best = tl.where(take, blk_best, best)
+        best, best_idx, best_q = _mix_pass(rows_ptr, kmask, w, lse, 0, V, inv_temperature,
+                                           mixture_ptr + b * stride_mix, seed, rng_base,
+                                           BLOCK, GREEDY, WRITE_MIX, True)
     tl.store(token_ptr + b, best_idx.to(tl.int64))
     tl.store(token_prob_ptr + b, best_q)
 
@@ -141,42 +139,13 @@ def _mix_partial_kernel(
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, V)
     ks = tl.arange(0, KP)
     kmask = ks < K
-    cols = tl.arange(0, BLOCK)
-    rows_ptr = logits_ptr + (b * K + ks).to(tl.int64)[:, None] * stride_logits
-    if PICK and not GREEDY:
-        seed = tl.load(seed_ptr)
-        rng_base = tl.load(offset_ptr) + b * V  # counter of (b, v): offset + b * V + v
-    m = tl.full([KP], float("-inf"), tl.float32)
-    s = tl.zeros([KP], tl.float32)
-    best = float("-inf")
-    best_idx = start  # distinct per chunk, so a chunk's entry is found by its index
-    best_x = 0.0
-    for v0 in range(start, end, BLOCK):
-        offs = v0 + cols
-        vmask = offs < end
-        x = tl.load(rows_ptr + offs[None, :], mask=kmask[:, None] & vmask[None, :],
-                    other=float("-inf")).to(tl.float32) * inv_temperature
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
-        m = m_new
-        if PICK:
-            xv = tl.sum(x, axis=0)  # KP == 1: the row itself
-            score = xv
-            if not GREEDY:
-                u = tl.rand(seed, rng_base + offs)
-                score = xv - tl.log(-tl.log(u))  # log q_v - log E_v + const
-            score = tl.where(vmask, score, float("-inf"))
-            blk_best = tl.max(score, axis=0)
-            blk_idx = tl.argmax(score, axis=0)
-            blk_x = tl.sum(tl.where(cols == blk_idx, xv, 0.0), axis=0)
-            take = blk_best > best  # strict: the earlier block wins ties
-            best_x = tl.where(take, blk_x, best_x)
-            best_idx = tl.where(take, v0 + blk_idx, best_idx)
-            best = tl.where(take, blk_best, best)
+    rows_ptr, seed, rng_base = _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V,
+                                             stride_logits, KP, PICK and not GREEDY)
+    m, s, best, best_idx, best_x = _lse_pass(rows_ptr, kmask, start, tl.minimum(start + CHUNK, V),
+                                             inv_temperature, seed, rng_base, KP, BLOCK,
+                                             GREEDY, PICK)
     row = part_ptr + (b * S + sp) * (2 * KP + 2)
     tl.store(row + ks, m, mask=kmask)
     tl.store(row + KP + ks, s, mask=kmask)
@@ -228,36 +197,12 @@ def _mix_chunk_kernel(
 
     if WRITE_MIX or not PICKED:
         start = sp * CHUNK
-        end = tl.minimum(start + CHUNK, V)
-        cols = tl.arange(0, BLOCK)
-        rows_ptr = logits_ptr + (b * K + ks).to(tl.int64)[:, None] * stride_logits
-        if not PICKED and not GREEDY:
-            seed = tl.load(seed_ptr)
-            rng_base = tl.load(offset_ptr) + b * V
-        best = float("-inf")
-        best_idx = start
-        best_q = 0.0
-        for v0 in range(start, end, BLOCK):
-            offs = v0 + cols
-            vmask = offs < end
-            x = tl.load(rows_ptr + offs[None, :], mask=kmask[:, None] & vmask[None, :],
-                        other=float("-inf")).to(tl.float32) * inv_temperature
-            q = tl.sum(tl.exp(x - lse[:, None]) * w[:, None], axis=0)  # [BLOCK]
-            if WRITE_MIX:
-                tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
-            if not PICKED:
-                score = q
-                if not GREEDY:
-                    u = tl.rand(seed, rng_base + offs)
-                    score = q / -tl.log(u)  # q_v / E_v, E_v ~ Exp(1)
-                score = tl.where(vmask, score, float("-inf"))
-                blk_best = tl.max(score, axis=0)
-                blk_idx = tl.argmax(score, axis=0)
-                blk_q = tl.sum(tl.where(cols == blk_idx, q, 0.0), axis=0)
-                take = blk_best > best
-                best_q = tl.where(take, blk_q, best_q)
-                best_idx = tl.where(take, v0 + blk_idx, best_idx)
-                best = tl.where(take, blk_best, best)
+        rows_ptr, seed, rng_base = _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V,
+                                                 stride_logits, KP, not PICKED and not GREEDY)
+        best, best_idx, best_q = _mix_pass(rows_ptr, kmask, w, lse, start,
+                                           tl.minimum(start + CHUNK, V), inv_temperature,
+                                           mixture_ptr + b * stride_mix, seed, rng_base,
+                                           BLOCK, GREEDY, WRITE_MIX, not PICKED)
         if not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
             row = part_ptr + (b * S + sp) * W
             tl.store(row + 2 * KP, best)
@@ -330,10 +275,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     offset_arg = offset if not greedy else token
     mix_arg = mixture if write_mix else token_prob
     stride_mix = mixture.stride(0) if write_mix else 0
-    S = _n_vsplit(B, V)
-    if S > 1:
-        chunk = triton.cdiv(triton.cdiv(V, S), 16) * 16  # 16-aligned chunk starts
-        S = triton.cdiv(V, chunk)                        # every chunk non-empty
+    S, chunk = chunking(V, _n_vsplit(B, V))
     if S == 1:
         # ~8K elements per step (16 KiB of bf16 in flight per program); 8 warps keep the
         # per-thread tile at 32 fp32 values, so nothing spills.

@@ -77,6 +77,15 @@ def _exp2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _target_block(p_row, v0, cols, v_end, inv_t, lse_p):
+    """Target log-probabilities and probabilities at columns v0 + cols (below v_end)."""
+    offs = v0 + cols
+    vmask = offs < v_end
+    logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_t - lse_p
+    return logp, tl.exp(logp), offs, vmask
+
+
+@triton.jit
 def _wd_stats_kernel(
     p_ptr, q_ptr, m_ptr, s_ptr, idx_ptr, cnt_ptr,
     P, V, CH, NS, NCNT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, inv_t,
@@ -175,10 +184,7 @@ def _wd_div_kernel(
         kl_acc = tl.zeros([KP, BLOCKV], tl.float32)
         tv_acc = tl.zeros([KP, BLOCKV], tl.float32)
         for v0 in range(v_start, v_end, BLOCKV):
-            offs = v0 + cols
-            vmask = offs < v_end
-            logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_t - lse_p
-            pv = tl.exp(logp)
+            logp, pv, offs, vmask = _target_block(p_row, v0, cols, v_end, inv_t, lse_p)
             logq = tl.load(q_row + ks.to(tl.int64)[:, None] * stride_qk + offs[None, :],
                            mask=kmask[:, None] & vmask[None, :],
                            other=float("-inf")).to(tl.float32) * inv_t - lse_q[:, None]
@@ -204,10 +210,7 @@ def _wd_div_kernel(
         bidx = tl.zeros([G_BLOCK, BLOCKG], tl.int32)
         g_kl = tl.zeros([G_BLOCK, BLOCKG], tl.float32)
         for v0 in range(v_start, v_end, BLOCKG):
-            offs = v0 + cols
-            vmask = offs < v_end
-            logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_t - lse_p
-            pv = tl.exp(logp)
+            logp, pv, offs, vmask = _target_block(p_row, v0, cols, v_end, inv_t, lse_p)
             ppos = pv > 0
             # p * (log p - log mix) = p * (c - ln2 * log2(mix * 2^shift)), c = 0 where p = 0
             c = tl.where(ppos, logp + _MIX_SHIFT * _LN2, 0.0)

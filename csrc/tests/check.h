@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdio>
+#include <initializer_list>
 
 static int g_failures = 0;
 
@@ -23,9 +24,20 @@ static int g_failures = 0;
     }                                                                        \
   } while (0)
 
-#define RUN(test)                      \
-  do {                                 \
-    const int before_ = g_failures;    \
-    test();                            \
-    std::printf("%s %s\n", g_failures == before_ ? "ok  " : "FAIL", #test); \
-  } while (0)
+// main() of a test file: `return run_tests({TEST(test_a), TEST(test_b)});` runs each test,
+// prints "ok" or "FAIL" per test and the failure count, and gives the exit status.
+struct NamedTest {
+  const char* name;
+  void (*fn)();
+};
+#define TEST(fn) NamedTest{#fn, fn}
+
+inline int run_tests(std::initializer_list<NamedTest> tests) {
+  for (const NamedTest& t : tests) {
+    const int before = g_failures;
+    t.fn();
+    std::printf("%s %s\n", g_failures == before ? "ok  " : "FAIL", t.name);
+  }
+  std::printf("%d failure(s)\n", g_failures);
+  return g_failures == 0 ? 0 : 1;
+}

@@ -130,10 +130,6 @@ void test_errors() {
 }  // namespace
 
 int main() {
-  RUN(test_overlapping_path);
-  RUN(test_gather_semantics);
-  RUN(test_random_against_model);
-  RUN(test_errors);
-  std::printf("%d failure(s)\n", g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return run_tests({TEST(test_overlapping_path), TEST(test_gather_semantics), TEST(test_random_against_model),
+                    TEST(test_errors)});
 }

@@ -295,18 +295,9 @@ void test_batch_strides() {
 }  // namespace
 
 int main() {
-  RUN(test_greedy_walk);
-  RUN(test_greedy_stop_and_ties);
-  RUN(test_greedy_first_matching_sibling);
-  RUN(test_greedy_dtypes);
-  RUN(test_half_conversion);
-  RUN(test_stochastic_equal_distributions_accept);
-  RUN(test_stochastic_reject_all_then_residual);
-  RUN(test_stochastic_threshold_and_residual);
-  RUN(test_stochastic_inverse_cdf);
-  RUN(test_invalid_tokens_and_parents);
-  RUN(test_error_codes);
-  RUN(test_batch_strides);
-  std::printf("%d failure(s)\n", g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return run_tests({TEST(test_greedy_walk), TEST(test_greedy_stop_and_ties), TEST(test_greedy_first_matching_sibling),
+                    TEST(test_greedy_dtypes), TEST(test_half_conversion),
+                    TEST(test_stochastic_equal_distributions_accept), TEST(test_stochastic_reject_all_then_residual),
+                    TEST(test_stochastic_threshold_and_residual), TEST(test_stochastic_inverse_cdf),
+                    TEST(test_invalid_tokens_and_parents), TEST(test_error_codes), TEST(test_batch_strides)});
 }
