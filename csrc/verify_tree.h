@@ -14,12 +14,16 @@
 //               the children run out, next_token ~ r by inverse CDF with
 //               uniforms[N]; at a leaf this is a sample of p[leaf].
 //
-// The walk is a `__host__ __device__` template over an `Ops` policy that owns every
-// loop over the vocabulary (argmax, sums, element-wise update, inverse CDF):
-// `SerialOps` below runs them as plain loops for the CPU; the CUDA build's `BlockOps`
-// (verify_tree_cuda.cu) spreads them over one thread block, with every thread
-// running the walk's scalar control flow redundantly (it only depends on reduction
-// results that are broadcast to all threads, so the block never diverges).
+// The walks are `__host__ __device__` templates written once for both builds. Greedy
+// takes the argmax of a node's p row as a function `node_argmax(node)`: the CPU computes
+// it on demand for the visited nodes only (SerialOps::argmax); the CUDA build computes
+// every node's argmax first, all (request, node) rows in parallel, then runs the walk
+// on those (verify_tree_cuda.cu), so a deep path costs no chain of V-long reductions.
+// Stochastic takes an `Ops` policy that owns every loop over the vocabulary (sums,
+// element-wise update, inverse CDF): `SerialOps` below runs them as plain loops for the
+// CPU; the CUDA build's `BlockOps` spreads them over one thread block, with every
+// thread running the walk's scalar control flow redundantly (it only depends on
+// reduction results that are broadcast to all threads, so the block never diverges).
 //
 // Numerics that the PyTorch reference (tabed_engine/ops/verify_tree.py) mirrors bit
 // for bit on the CPU: sums of probabilities are accumulated in double in increasing
@@ -52,7 +56,7 @@ struct VerifyTreeParams {
   const float* q = nullptr;         int64_t q_sb = 0, q_sn = 0;  // stochastic only
   const float* uniforms = nullptr;  int64_t u_sb = 0, u_sn = 0;  // [B, N+1], stochastic only
   bool greedy = true;
-  int64_t* path = nullptr;
+  int64_t* path = nullptr;  // CUDA greedy also keeps the node argmaxes here until the walk
   int64_t* num_accepted = nullptr;
   int64_t* next_token = nullptr;
   // Stochastic only: [B, 2, V] fp32 scratch for the residual r and draft d rows. The
@@ -120,15 +124,18 @@ TABED_HD int64_t sample_row(Ops& ops, const float* w, int64_t V, float u) {
   return idx < 0 ? 0 : idx;
 }
 
-// One request. Pointers are already offset to request b.
-template <class Ops, class T>
-TABED_HD void walk_greedy(Ops& ops, int64_t N, int64_t V, const int64_t* tokens, int64_t tok_sn,
-                          const int64_t* parents, int64_t par_sn, const T* p, int64_t p_sn,
+// One request. Pointers are already offset to request b; node_argmax(i) is the argmax
+// of node i's p row. The walk reads node_argmax(cur) before it writes path[n_acc], and
+// cur >= n_acc always (path entries increase), so the CUDA build can hold the argmaxes
+// in `path` itself: an entry is overwritten only after its last read.
+template <class Ops, class ArgmaxFn>
+TABED_HD void walk_greedy(Ops& ops, int64_t N, const int64_t* tokens, int64_t tok_sn,
+                          const int64_t* parents, int64_t par_sn, ArgmaxFn node_argmax,
                           int64_t* path, int64_t* num_accepted, int64_t* next_token) {
   int64_t cur = 0, n_acc = 0, t = 0;
-  if (ops.leader()) path[0] = 0;
   for (;;) {
-    t = ops.argmax(p + cur * p_sn, V);
+    t = node_argmax(cur);
+    if (ops.leader()) path[n_acc] = cur;
     int64_t hit = -1;
     for (int64_t c = next_child(parents, par_sn, N, cur, cur); c >= 0;
          c = next_child(parents, par_sn, N, cur, c)) {
@@ -137,7 +144,6 @@ TABED_HD void walk_greedy(Ops& ops, int64_t N, int64_t V, const int64_t* tokens,
     if (hit < 0) break;
     cur = hit;
     ++n_acc;
-    if (ops.leader()) path[n_acc] = cur;
   }
   if (ops.leader()) {
     for (int64_t i = n_acc + 1; i < N; ++i) path[i] = -1;

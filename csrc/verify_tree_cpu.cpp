@@ -13,11 +13,11 @@ namespace {
 template <class T>
 void greedy_rows(const VerifyTreeParams& a) {
   SerialOps ops;
-  const T* p = static_cast<const T*>(a.p);
   for (int64_t b = 0; b < a.B; ++b) {
-    walk_greedy(ops, a.N, a.V, a.tokens + b * a.tokens_sb, a.tokens_sn, a.parents + b * a.parents_sb,
-                a.parents_sn, p + b * a.p_sb, a.p_sn, a.path + b * a.N, a.num_accepted + b,
-                a.next_token + b);
+    const T* p = static_cast<const T*>(a.p) + b * a.p_sb;
+    walk_greedy(ops, a.N, a.tokens + b * a.tokens_sb, a.tokens_sn, a.parents + b * a.parents_sb,
+                a.parents_sn, [&](int64_t node) { return ops.argmax(p + node * a.p_sn, a.V); },
+                a.path + b * a.N, a.num_accepted + b, a.next_token + b);
   }
 }
 

@@ -376,3 +376,50 @@ def test_cuda_sampling_is_lossless():
     stats, _ = lossless_trial(op, "cuda")
     for stat, df in stats:
         assert stat < _chi2_crit(df), stats
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_greedy_row_layouts_nan_ties_deep_trees_and_graphs():
+    """The CUDA greedy path: argmax of every node row first (16-byte loads when aligned,
+    a scalar tail, a scalar path otherwise), then the walk on those argmaxes (staged in
+    shared memory, or read from `path` itself for trees over 512 nodes)."""
+    g = torch.Generator().manual_seed(21)
+    # Unaligned rows (vocab padded by an odd count: no vector loads) and odd V (a tail).
+    for V, pad, dtype in ((32064, 7, torch.bfloat16), (32064, 0, torch.bfloat16), (1003, 0, torch.float16),
+                          (4097, 0, torch.float32), (515, 3, torch.float64)):
+        tokens, parents, p = greedy_inputs(3, 17, V, g, dtype)
+        p_dev = torch.cat([p, torch.randn(3, 17, pad).to(dtype)], -1)[..., :V] if pad else p
+        want = verify_tree_reference(tokens, parents, p, None, None, True)
+        poison_allocator("cuda")
+        assert_same(op(tokens.cuda(), parents.cuda(), p_dev.cuda(), None, None, True), want, f"{V} {pad} {dtype}")
+    # Ties far apart (other threads, other vectors) -> lowest index; NaN is the maximum,
+    # the first NaN wins.
+    V = 32064
+    p = torch.zeros(2, 3, V, dtype=torch.bfloat16)
+    p[:, :, [31000, 20000, 5000]] = 3.0
+    p[1, :, [30000, 9001]] = float("nan")
+    tokens = torch.tensor([[0, 5000, 5000], [0, 9001, 9001]])
+    parents = torch.tensor([[-1, 0, 1], [-1, 0, 1]])
+    want = verify_tree_reference(tokens, parents, p, None, None, True)
+    assert want[1].tolist() == [2, 2] and want[2].tolist() == [5000, 9001]
+    assert_same(op(tokens.cuda(), parents.cuda(), p.cuda(), None, None, True), want, "ties/nan")
+    # Deep chains beyond the shared-memory staging: node i + 1 hangs under node i, so the
+    # path entry written is the node whose argmax is read next.
+    N, V = 700, 64
+    p = torch.randn(2, N, V, generator=g)
+    parents = (torch.arange(N) - 1).expand(2, N).contiguous()
+    tokens = torch.cat([torch.zeros(2, 1, dtype=torch.int64), p[:, :-1].argmax(-1)], 1)
+    tokens[1, 600] = (tokens[1, 600] + 1) % V  # the second request stops at depth 599
+    want = verify_tree_reference(tokens, parents, p, None, None, True)
+    assert want[1].tolist() == [N - 1, 599]
+    assert_same(op(tokens.cuda(), parents.cuda(), p.cuda(), None, None, True), want, "deep chain")
+    # CUDA-graph capture: both launches replay on the stream.
+    tokens, parents, p = (t.cuda() for t in greedy_inputs(2, 16, 32064, g, torch.bfloat16))
+    want = verify_tree_reference(tokens, parents, p, None, None, True)
+    op(tokens, parents, p, None, None, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(tokens, parents, p, None, None, True)
+    graph.replay()
+    assert_same(out, want, "graph")

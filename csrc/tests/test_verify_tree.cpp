@@ -88,6 +88,34 @@ void test_greedy_first_matching_sibling() {
   CHECK_EQ(t.path[1], 1);
 }
 
+// The CUDA build stores every node's argmax in `path` and walks on it (trees too large
+// to stage in shared memory): walk_greedy must read an entry before overwriting it.
+// Random trees, including chains where node i is accepted as the i-th path entry (the
+// entry written is the node read next), must walk the same as with argmaxes on demand.
+void test_greedy_walk_on_argmaxes_in_path() {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t N = 1 + int64_t(rng() % 40), V = 6;
+    Tree t(N, V);
+    for (int64_t i = 1; i < N; ++i) {
+      const int64_t parent = trial % 2 ? i - 1 : int64_t(rng() % uint32_t(i));
+      t.node(i, parent, int64_t(rng() % V));
+    }
+    for (float& x : t.p) x = float(rng() % 4);
+    CHECK_EQ(t.run(true), tabed::kOk);
+    std::vector<int64_t> path(N);
+    tabed::SerialOps ops;
+    for (int64_t i = 0; i < N; ++i) path[i] = ops.argmax(t.prow(i), V);
+    int64_t nacc = -7, next = -7;
+    const int64_t* best = path.data();
+    tabed::walk_greedy(ops, N, t.tokens.data(), 1, t.parents.data(), 1,
+                       [best](int64_t node) { return best[node]; }, path.data(), &nacc, &next);
+    CHECK_EQ(nacc, t.num_accepted);
+    CHECK_EQ(next, t.next_token);
+    for (int64_t i = 0; i < N; ++i) CHECK_EQ(path[i], t.path[i]);
+  }
+}
+
 // bf16 / fp16 / fp64 rows give the same argmax as their float values.
 void test_greedy_dtypes() {
   const int64_t N = 2, V = 7;
@@ -296,6 +324,7 @@ void test_batch_strides() {
 
 int main() {
   return run_tests({TEST(test_greedy_walk), TEST(test_greedy_stop_and_ties), TEST(test_greedy_first_matching_sibling),
+                    TEST(test_greedy_walk_on_argmaxes_in_path),
                     TEST(test_greedy_dtypes), TEST(test_half_conversion),
                     TEST(test_stochastic_equal_distributions_accept), TEST(test_stochastic_reject_all_then_residual),
                     TEST(test_stochastic_threshold_and_residual), TEST(test_stochastic_inverse_cdf),
