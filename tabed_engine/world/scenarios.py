@@ -164,11 +164,22 @@ def image_turn(rng: np.random.Generator, scene: Scene) -> tuple[str, str]:
 ITEMS = tuple(NOUNS) + tuple(COLORS) + SHAPES
 
 
+def _pairs(rng: np.random.Generator, n: int) -> list[str]:
+    """n distinct "colour shape" pairs: the words an image's answer is made of, so an image
+    next to a text task about them is a distractor (the answer must follow the text)."""
+    names = list(COLORS)
+    cells = rng.choice(len(names) * len(SHAPES), size=n, replace=False)
+    return [f"{names[c // len(SHAPES)]} {SHAPES[c % len(SHAPES)]}" for c in cells]
+
+
 def text_task(rng: np.random.Generator) -> tuple[str, str]:
     """A task whose answer depends on the text only."""
     kind = int(rng.integers(6))
     if kind in (0, 1):
-        items = [ITEMS[i] for i in rng.choice(len(ITEMS), size=int(rng.integers(3, 6)), replace=False)]
+        if rng.random() < 0.5:  # colour-shape pairs (reversal keeps each pair's word order)
+            items = _pairs(rng, int(rng.integers(2, 5)))
+        else:
+            items = [ITEMS[i] for i in rng.choice(len(ITEMS), size=int(rng.integers(3, 6)), replace=False)]
         if kind == 0:
             return "copy the list : " + " ".join(items), " ".join(items)
         return "reverse the list : " + " ".join(items), " ".join(items[::-1])

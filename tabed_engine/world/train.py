@@ -1,6 +1,7 @@
 """Train the world's target and draft LLaVA models and save them as HF checkpoints.
 
     python -m tabed_engine.world.train --out DIR [--device cuda|cpu] [--steps N] [--draft-steps N]
+    python -m tabed_engine.world.train --out DIR --eval-only     # evaluate a saved pair
 
 writes DIR/target/, DIR/draft/ (fp16 safetensors + tokenizer + processor), DIR/sample.png,
 DIR/TRAINING.md and DIR/training.json.
@@ -162,6 +163,49 @@ def train_one(kind: str, steps: int, processor, device: str, seed: int, batch_si
     return model, ema, time.time() - t0, history
 
 
+def evaluate(out: str, eval_n: int = 50, device: str = "cpu") -> dict:
+    """Evaluate the saved (fp16) pair in `out` on held-out seeds: answer accuracy and the
+    acceptance proxy; adds them to out/training.json and (re)writes out/TRAINING.md."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    with open(os.path.join(out, "training.json")) as f:
+        info = json.load(f)
+    processor = AutoProcessor.from_pretrained(os.path.join(out, "target"))
+    models = {k: LlavaForConditionalGeneration.from_pretrained(os.path.join(out, k), dtype=torch.float32)
+              .to(device).eval() for k in ("target", "draft")}
+    tok, ip = processor.tokenizer, processor.image_processor
+    # held-out seeds: training draws example seeds from a Random stream, evaluation uses 10_007
+    by_sc = {s: examples(s, eval_n, seed=10_007) for s in SCENARIOS}
+    acc = {k: {s: answer_accuracy(m, tok, ip, e) for s, e in by_sc.items()} for k, m in models.items()}
+    res = measure(models["target"], models["draft"], tok, ip, by_sc)
+    info.update(answer_accuracy=acc, proxy=res, eval_prompts_per_scenario=eval_n)
+    with open(os.path.join(out, "training.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    md = [
+        "# Demo models of the procedural world", "",
+        f"Trained by `{info['command']}` ({info['device']}, torch {info['torch']}, transformers "
+        f"{info['transformers']}, {info['threads']} threads) in {info['wall_time_s'] / 60:.1f} min wall time.", "",
+        f"* target: {info['params']['target'] / 1e6:.2f} M params, {info['target_steps']} steps, "
+        f"final loss {info['final_loss']['target']:.4f}",
+        f"* draft: {info['params']['draft'] / 1e6:.2f} M params, {info['draft_steps']} steps, "
+        f"final loss {info['final_loss']['draft']:.4f}",
+        f"* seeds: target {info['seed']}, draft {info['seed'] + 1}; batch {info['batch_size']}; AdamW; "
+        "loss on answer tokens",
+        "", "Answer exact-match accuracy (greedy, M prompt; evaluated from the saved fp16 weights):", "",
+        "| model | " + " | ".join(SCENARIOS) + " |", "|---|" + "---|" * len(SCENARIOS),
+        *[f"| {k} | " + " | ".join(f"{100 * acc[k][s]:.0f}%" for s in SCENARIOS) + " |" for k in acc],
+        "", f"Proxy ({eval_n} prompts per scenario, target greedy continuation up to 24 tokens, "
+        "teacher-forced): draft argmax = target token rate:", "", format_table(res, "match"),
+        "", "Block efficiency of a greedy chain with gamma = 5 (tokens per target forward):", "",
+        format_table(res, "block_eff"), "",
+        f"Sample (`sample.png`): prompt `{info['sample']['prompt']!r}`, caption `{info['sample']['caption']}`.", "",
+    ]
+    with open(os.path.join(out, "TRAINING.md"), "w") as f:
+        f.write("\n".join(md))
+    print("\n".join(md))
+    return info
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -172,10 +216,18 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-n", type=int, default=50, help="prompts per scenario for the proxy")
+    ap.add_argument("--skip-eval", action="store_true", help="train and save only (evaluate later with --eval-only)")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the pair already saved in --out")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.eval_only:
+        evaluate(args.out, args.eval_n, args.device)
+        return
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     draft_steps = args.draft_steps or args.steps * 4 // 3
     t_all = time.time()
     processor = build_processor()
@@ -188,50 +240,26 @@ def main(argv=None):
         d = os.path.join(args.out, name)
         m.to(torch.float16).save_pretrained(d, safe_serialization=True)
         processor.save_pretrained(d)
-        m.float()
     sample = make_example("S1", 7)
     render(sample.scenes[0]).save(os.path.join(args.out, "sample.png"))
-
-    # evaluation: held-out seeds (training draws seeds from a Random stream; 10**9+ offsets)
-    tok, ip = processor.tokenizer, processor.image_processor
-    by_sc = {s: examples(s, args.eval_n, seed=10_007) for s in SCENARIOS}
-    acc = {k: {s: answer_accuracy(m, tok, ip, e) for s, e in by_sc.items()} for k, m in (("target", target), ("draft", draft))}
-    res = measure(target, draft, tok, ip, by_sc)
-    wall = time.time() - t_all
+    dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     info = {
         "command": "python -m tabed_engine.world.train " + " ".join(argv if argv is not None else sys.argv[1:]),
         "seed": args.seed, "target_steps": args.steps, "draft_steps": draft_steps, "batch_size": args.batch_size,
-        "device": args.device, "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+        "device": dev_name, "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "host": platform.platform(), "threads": torch.get_num_threads(),
-        "wall_time_s": round(wall, 1), "train_time_s": {"target": round(t_time, 1), "draft": round(d_time, 1)},
+        "wall_time_s": round(time.time() - t_all, 1), "train_time_s": {"target": round(t_time, 1), "draft": round(d_time, 1)},
         "final_loss": {"target": round(t_loss, 4), "draft": round(d_loss, 4)},
         "loss_history": {"target": t_hist, "draft": d_hist},
         "params": {"target": sum(p.numel() for p in target.parameters()),
                    "draft": sum(p.numel() for p in draft.parameters())},
-        "answer_accuracy": acc, "proxy": res, "eval_prompts_per_scenario": args.eval_n,
         "sample": {"prompt": sample.prompt, "answer": sample.answer, "caption": sample.captions[0]},
     }
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(info, f, indent=1)
-    md = [
-        "# Demo models of the procedural world", "",
-        f"Trained by `{info['command']}` ({info['device']}, torch {info['torch']}, transformers "
-        f"{info['transformers']}, {info['threads']} threads) in {wall / 60:.1f} min wall time.", "",
-        f"* target: {info['params']['target'] / 1e6:.2f} M params, {args.steps} steps, final loss {t_loss:.4f}",
-        f"* draft: {info['params']['draft'] / 1e6:.2f} M params, {draft_steps} steps, final loss {d_loss:.4f}",
-        f"* seeds: target {args.seed}, draft {args.seed + 1}; batch {args.batch_size}; AdamW; loss on answer tokens",
-        "", "Answer exact-match accuracy (greedy, M prompt):", "",
-        "| model | " + " | ".join(SCENARIOS) + " |", "|---|" + "---|" * len(SCENARIOS),
-        *[f"| {k} | " + " | ".join(f"{100 * acc[k][s]:.0f}%" for s in SCENARIOS) + " |" for k in acc],
-        "", f"Proxy ({args.eval_n} prompts per scenario, target greedy continuation up to 24 tokens, "
-        "teacher-forced): draft argmax = target token rate:", "", format_table(res, "match"),
-        "", "Block efficiency of a greedy chain with gamma = 5 (tokens per target forward):", "",
-        format_table(res, "block_eff"), "",
-        f"Sample (`sample.png`): prompt `{sample.prompt!r}`, caption `{sample.captions[0]}`.", "",
-    ]
-    with open(os.path.join(args.out, "TRAINING.md"), "w") as f:
-        f.write("\n".join(md))
-    print("\n".join(md))
+    print(f"saved {args.out} ({info['wall_time_s'] / 60:.1f} min)", flush=True)
+    if not args.skip_eval:
+        evaluate(args.out, args.eval_n, args.device)
 
 
 if __name__ == "__main__":
