@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
-# Usage: benchmarks/gpu_session.sh STAGE...   (stages: env build test kernels profile e2e e2e-demo)
+# Usage: benchmarks/gpu_session.sh STAGE...
+#   (stages: env build test kernels layer-kernels profile e2e e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -38,6 +39,16 @@ for stage in "$@"; do
       timeout 240 $PY benchmarks/bench_tree_attention.py --rows 1 8 --prefix 600 2000 --nodes 1 8 32 64 \
         --out "$OUT/tree_attention.json" 2>&1 | tail -25
       timeout 120 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -12
+      ;;
+    layer-kernels)
+      timeout 120 $PY benchmarks/bench_rope_kv_write.py --out "$OUT/rope_kv_write.json" 2>&1 | tail -14
+      timeout 120 $PY benchmarks/bench_add_rms_norm.py --out "$OUT/add_rms_norm.json" 2>&1 | tail -14
+      ;;
+    world)
+      # the bundled demo pair, trained on the GPU (seeded), packed into one file
+      timeout 560 $PY -m tabed_engine.world.train --device cuda --out /tmp/world_pair ${WORLD_ARGS:-} --skip-eval \
+        2>&1 | grep -E "00/|saved|Error" | tail -30
+      tar -C /tmp -cf "$OUT/world_pair.tar" world_pair
       ;;
     profile)
       timeout 300 $PY benchmarks/profile_decode.py --out "$OUT" 2>&1 | tail -45

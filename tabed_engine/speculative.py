@@ -32,7 +32,8 @@ class _Timer:
 
 
 def prefill_draft(eng, rows):
-    """Prefill all view rows in one ragged batch; returns per-row prompt lengths [R]."""
+    """Prefill all view rows in one ragged batch. Returns the cache, per-row prompt lengths
+    [R] and each row's logits for the first generated token [R, V] (its last position)."""
     draft, dev = eng.draft, eng.device
     lens = [len(r.ids) for r in rows]
     Tm = max(lens)
@@ -41,9 +42,10 @@ def prefill_draft(eng, rows):
         x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.feats)
     cache = eng.draft_cache(len(rows))
     pos = torch.arange(Tm, device=dev)[None].expand(len(rows), Tm)
-    draft.lm(cache, pos, embeds=x, logits_index=torch.zeros(len(rows), 1, dtype=torch.long, device=dev),
-             kv_len=eng.kv_bucket(Tm), fresh=True)
-    return cache, torch.tensor(lens, device=dev)
+    lens = torch.tensor(lens, device=dev)
+    logits = draft.lm(cache, pos, embeds=x, logits_index=(lens - 1)[:, None], kv_len=eng.kv_bucket(Tm),
+                      fresh=True)[:, 0]
+    return cache, lens, logits
 
 
 def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, gamma: int,
@@ -100,7 +102,7 @@ def run_speculative(eng, prep, sp, gen, caption):
     if longest + sp.max_new_tokens + gamma + 2 > eng.max_len:
         raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
                          f"{eng.max_len}")
-    dcache, view_len = prefill_draft(eng, rows)
+    dcache, view_len, first_q = prefill_draft(eng, rows)
     timer.lap("time_prefill")
 
     greedy = sp.greedy
@@ -108,7 +110,14 @@ def run_speculative(eng, prep, sp, gen, caption):
     state = eng.ensemble_state(B, gamma * (sp.max_new_tokens + 1))
     hist_fn = partial(history_step, state, temperature=temp)
     hist_key = ("hist", B, K, gamma, state.capacity, temp, id(state))
-    w = state.uniform                                                      # first block: uniform
+    w = state.uniform
+    if state.adaptive:
+        # the prefill already verified one position: the target's distribution of the first
+        # token. Recording each view's divergence there gives the first block adapted weights
+        # (one position of history instead of none; uniform when the policy is not adaptive).
+        w, new_cursor = state.step(logits[:, None], first_q.view(B, K, 1, V), torch.zeros_like(first[:B]),
+                                   state.cursor, temperature=temp)
+        state.cursor.copy_(new_cursor)
     confidence = eng.ensemble.policy == "confidence" and K > 1
     draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
                        temperature=temp, confidence=confidence)

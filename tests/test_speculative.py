@@ -110,9 +110,37 @@ def test_adaptive_weights_move_to_matching_view(policy, order):
     out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=25, stop_at_eos=False))
     w = out.stats.weights
     m = order.index("M")
-    assert w[0] == [0.5, 0.5]  # first block uniform
+    # the first block is weighted by the prefill's position (the target's first token):
+    # already towards M, which matches the target there exactly
+    assert w[0][m] > 0.5, w
     assert len(w) >= 4
     assert all(ws[m] >= 0.85 for ws in w[3:]), w
+
+
+def test_first_block_weights_come_from_the_prefill_position():
+    """Before the first block, each view's KL from the target's distribution of the first
+    token (free from the two prefills) is the history's first entry: kld weights ∝ 1/KL."""
+    from tabed_engine.prompt import prepare
+    from tabed_engine.speculative import prefill_draft
+    from tabed_engine.views import build_views
+
+    eng = Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.float32,
+                                 views=("M", "T"), policy="kld", gamma=2)
+    text, imgs = prompt(1)
+    out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=4, stop_at_eos=False))
+    with torch.inference_mode():
+        prep = prepare(eng.processor, text, imgs, eng.target.image_token_id, eng.tokens_per_image)
+        _, p_logits, sel = eng.prefill_target(prep)
+        _, _, q_logits = prefill_draft(eng, build_views(eng, prep, sel, None))
+    logp = p_logits.double().log_softmax(-1)
+    kl = (logp.exp() * (logp - q_logits.double().log_softmax(-1))).sum(-1)    # [K]
+    expect = (1 / kl) / (1 / kl).sum()
+    assert torch.allclose(torch.tensor(out.stats.weights[0], dtype=torch.float64), expect, atol=1e-3), \
+        (out.stats.weights[0], expect)
+    uni = Engine(eng.target, eng.processor, draft=eng.draft, device="cpu", views=("M", "T"), policy="uniform",
+                 gamma=2)
+    out = uni.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=4, stop_at_eos=False))
+    assert out.stats.weights[0] == [0.5, 0.5]
 
 
 def test_c_view_needs_a_caption(engine):
