@@ -1,35 +1,38 @@
 """Verification of a drafted chain: accepted prefix length and the next (bonus) token.
 
-Two layouts, picked from the shapes alone (`_n_vsplit`; the launcher never syncs, so it
-can be captured in a CUDA graph).
-
-One program per request (many requests, `_chain_verify_kernel`).  Greedy: the gamma+1
-target rows are read as one [GP, BLOCK] tile per step, so all their argmaxes come out of
-a single sweep over V; the worst case (all accepted) reads the same bytes as an
-early-exit loop.  Sampling: the gamma acceptance tests need only p(x_i) and q(x_i)
-(gathered as a vector); then two sweeps over one row pair at the first rejection: sum of
-the residual max(p - q, 0), then an inverse-CDF search with a running cumulative sum.
-
-V split (few requests; the engine verifies B = 1): one program streaming V is a chain of
-dependent loads on one SM (~38 us for 6 rows of 32K), so V is cut into S chunks, grid
-(B, S), and a one-program-per-request kernel combines the chunk partials:
-  greedy    `_argmax_partial_kernel`: per (position, chunk) best logit and its index ->
+The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
+and the device's SM count only (`_n_vsplit`: about 8 programs per SM whatever B is; the
+launcher never syncs, so it can be captured in a CUDA graph), and a one-program-per-
+request kernel combines the chunk partials:
+  greedy    `_argmax_partial_kernel`: the gamma+1 target rows are read as [GP, BLOCK]
+            tiles, so all their argmaxes come out of one sweep over the chunk; per
+            (position, chunk) the best logit and its index ->
             `_greedy_accept_kernel`: best per position (lowest index on ties, as
-            torch.argmax), then the accepted prefix and the next token.
+            torch.argmax), then the accepted prefix and the next token.  One pass over
+            the logits; the worst case (all accepted) reads what an early exit would.
   sampling  `_residual_partial_kernel`: each program redoes the gamma gathers of the
-            acceptance test (a few loads) to know the row pair, then sums the residual
-            and p over its chunk (and its last index with mass) ->
-            `_residual_draw_kernel`: totals, prefix over the chunk sums to find the chunk
-            holding u * total, and an inverse-CDF scan of that chunk only.  Deterministic
-            given the uniforms; only the summation order differs from the one-program
-            kernel and the reference (chunk sums, then in-chunk cumsum), which can move a
-            draw across a CDF boundary when u * total is within rounding of it.
+            acceptance test (p(x_i), q(x_i), a few loads) to know the row pair at the
+            first rejection, then sums the residual max(p - q, 0) and p over its chunk
+            -> `_residual_draw_kernel`: totals, prefix over the chunk sums to find the
+            chunk holding u * total, and an inverse-CDF scan of that chunk only: 1 + 1/S
+            passes over the row pair.  Deterministic given the uniforms; only the
+            summation order differs from the reference (chunk sums, then in-chunk
+            cumsum), which can move a draw across a CDF boundary when u * total is
+            within rounding of it.
+The sweeps keep element-wise running values (best and its step, sums) and reduce across
+the tile once per program (see `_common`).
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._common import chunking, fold_row_argmax, load_rows, n_vsplit as _n_vsplit
+from ._common import best_combine, chunking, load_rows, n_vsplit as _n_vsplit, tile_warps
+
+# Elements per tile: greedy [GP, BLOCK] tiles of 8K (gamma + 1 <= 8 rows of 1024: a
+# B = 1 chunk of 1008 in one step); sampling one fp32 row pair of 4K.
+_TILE_GREEDY = 8192
+_TILE_SAMPLING = 4096
+
 
 @triton.jit
 def _rows_argmax(p_ptr, b, gamma, start, end, stride_pb, stride_pt,
@@ -39,11 +42,14 @@ def _rows_argmax(p_ptr, b, gamma, start, end, stride_pb, stride_pt,
     js = tl.arange(0, GP)
     cols = tl.arange(0, BLOCK)
     rows = p_ptr + b * stride_pb + js.to(tl.int64) * stride_pt
-    best = tl.full([GP], float("-inf"), tl.float32)
-    idx = tl.zeros([GP], tl.int32) + start
+    best = tl.full([GP, BLOCK], float("-inf"), tl.float32)
+    best_v0 = tl.zeros([GP, BLOCK], tl.int32) + start
     for v0 in range(start, end, BLOCK):
-        x = load_rows(rows, v0 + cols, js <= gamma, v0 + cols < end, 1.0)
-        best, idx = fold_row_argmax(x, v0, best, idx)
+        x = load_rows(rows, v0 + cols, js <= gamma, v0 + cols < end)
+        take = x > best  # strict: the earlier step keeps ties
+        best = tl.where(take, x, best)
+        best_v0 = tl.where(take, v0, best_v0)
+    best, idx, _ = best_combine(best, best_v0, best, cols[None, :], 1)
     return best, idx
 
 
@@ -82,21 +88,16 @@ def _residual(p_row, q_row, offs, vmask, q_len):
 
 @triton.jit
 def _residual_sums(p_row, q_row, start, end, q_len, BLOCK: tl.constexpr):
-    """Over [start, end): sums of the residual and of p, and the last index where each
-    has mass (-1 if none)."""
+    """Sums of the residual and of p over [start, end)."""
     cols = tl.arange(0, BLOCK)
-    tot_r = 0.0
-    tot_p = 0.0
-    last_r = -1
-    last_p = -1
+    tot_r = tl.zeros([BLOCK], tl.float32)
+    tot_p = tl.zeros([BLOCK], tl.float32)
     for v0 in range(start, end, BLOCK):
         offs = v0 + cols
         pv, r = _residual(p_row, q_row, offs, offs < end, q_len)
-        tot_r += tl.sum(r, axis=0)
-        tot_p += tl.sum(pv, axis=0)
-        last_r = tl.maximum(last_r, tl.max(tl.where(r > 0, offs, -1), axis=0))
-        last_p = tl.maximum(last_p, tl.max(tl.where(pv > 0, offs, -1), axis=0))
-    return tot_r, tot_p, last_r, last_p
+        tot_r += r
+        tot_p += pv
+    return tl.sum(tot_r, axis=0), tl.sum(tot_p, axis=0)
 
 
 @triton.jit
@@ -116,42 +117,6 @@ def _residual_search(p_row, q_row, start, end, q_len, run, target, V, BLOCK: tl.
         last = tl.maximum(last, tl.max(tl.where(r > 0, offs, -1), axis=0))
         run += tl.sum(r, axis=0)
     return token, last
-
-
-@triton.jit
-def _chain_verify_kernel(
-    draft_ptr, q_ptr, p_ptr, u_ptr, num_acc_ptr, next_ptr,
-    gamma, V, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
-    stride_ub, stride_ut,
-    GP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    js = tl.arange(0, GP)
-    if GREEDY:
-        draft = tl.load(draft_ptr + b * stride_db + js * stride_dt, mask=js < gamma, other=-1)
-        _, idx = _rows_argmax(p_ptr, b, gamma, 0, V, stride_pb, stride_pt, GP, BLOCK)
-        n_acc, token = _accept_prefix(draft, idx, js, gamma, GP)
-    else:
-        n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
-                              stride_qb, stride_qt, stride_pb, stride_pt, stride_ub, stride_ut, GP)
-        p_row = p_ptr + b * stride_pb + n_acc * stride_pt
-        q_row = q_ptr + b * stride_qb + n_acc * stride_qt
-        # Sweep 1: mass of the residual, and of p for the fallback.
-        q_len = tl.where(n_acc < gamma, V, 0)  # all accepted: bonus token from p_gamma, q = 0
-        tot_r, tot_p, _, _ = _residual_sums(p_row, q_row, 0, V, q_len, BLOCK)
-        # Sum r == 0 means p_i <= q_i everywhere, i.e. p_i == q_i (both sum to 1): then a
-        # rejection has probability 0 and only rounding gets here; p_i is then the exact
-        # conditional distribution, so sampling it cannot bias the output.
-        use_p = tot_r <= 0.0
-        target = tl.load(u_ptr + b * stride_ub + gamma * stride_ut) * tl.where(use_p, tot_p, tot_r)
-        # Sweep 2: first v whose cumulative mass exceeds u * total.
-        token, last_nz = _residual_search(p_row, q_row, 0, V, tl.where(use_p, 0, q_len),
-                                          tl.zeros_like(target), target, V, BLOCK)
-        # Rounding can leave the running sum just short of u * total: take the last
-        # token with mass (what an exact sum would have hit).
-        token = tl.where(token < 0, tl.maximum(last_nz, 0), token)
-    tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
-    tl.store(next_ptr + b, token.to(tl.int64))
 
 
 @triton.jit
@@ -193,12 +158,12 @@ def _greedy_accept_kernel(
 
 @triton.jit
 def _residual_partial_kernel(
-    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr, part_idx_ptr,
+    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr,
     gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
     stride_ub, stride_ut, GP: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Sampling split pass: chunk sums of max(p - q, 0) and of p, and their last index with
-    mass, for the row pair at the first rejection (p_gamma alone when all pass)."""
+    """Sampling pass: chunk sums of max(p - q, 0) and of p for the row pair at the first
+    rejection (p_gamma alone when all pass)."""
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
@@ -207,18 +172,15 @@ def _residual_partial_kernel(
     q_row = q_ptr + b * stride_qb + n_acc * stride_qt
     q_len = tl.where(n_acc < gamma, V, 0)  # no q row for the bonus (q = 0)
     start = sp * CHUNK
-    tot_r, tot_p, last_r, last_p = _residual_sums(p_row, q_row, start, tl.minimum(start + CHUNK, V),
-                                                  q_len, BLOCK)
+    tot_r, tot_p = _residual_sums(p_row, q_row, start, tl.minimum(start + CHUNK, V), q_len, BLOCK)
     out = (b * S + sp) * 2
     tl.store(part_ptr + out, tot_r)
     tl.store(part_ptr + out + 1, tot_p)
-    tl.store(part_idx_ptr + out, last_r)
-    tl.store(part_idx_ptr + out + 1, last_p)
 
 
 @triton.jit
 def _residual_draw_kernel(
-    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr, part_idx_ptr, num_acc_ptr, next_ptr,
+    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr, num_acc_ptr, next_ptr,
     gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
     stride_ub, stride_ut, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -231,31 +193,28 @@ def _residual_draw_kernel(
     part = part_ptr + (b * S + ss) * 2
     sum_r = tl.load(part, mask=smask, other=0.0)
     sum_p = tl.load(part + 1, mask=smask, other=0.0)
-    last_r = tl.load(part_idx_ptr + (b * S + ss) * 2, mask=smask, other=-1)
-    last_p = tl.load(part_idx_ptr + (b * S + ss) * 2 + 1, mask=smask, other=-1)
-    tot_r = tl.sum(sum_r, axis=0)
     # Sum r == 0 means p_i <= q_i everywhere, i.e. p_i == q_i (both sum to 1): then a
     # rejection has probability 0 and only rounding gets here; p_i is then the exact
     # conditional distribution, so sampling it cannot bias the output.
-    use_p = tot_r <= 0.0
+    use_p = tl.sum(sum_r, axis=0) <= 0.0
     sums = tl.where(use_p, sum_p, sum_r)
-    lasts = tl.where(use_p, last_p, last_r)
     target = tl.load(u_ptr + b * stride_ub + gamma * stride_ut) * tl.sum(sums, axis=0)
-    # First chunk whose cumulative mass exceeds u * total; its exclusive prefix.
+    # First chunk whose cumulative mass exceeds u * total, and its exclusive prefix.
+    # Rounding can leave every prefix short of u * total: then the last chunk with mass,
+    # whose last token with mass is what an exact sum would have hit.
     cs = tl.cumsum(sums, axis=0)
     hit = tl.min(tl.where(smask & (cs > target), ss, S), axis=0)
+    hit = tl.where(hit < S, hit, tl.maximum(tl.max(tl.where(sums > 0, ss, -1), axis=0), 0))
     run = tl.sum(tl.where(ss < hit, sums, 0.0), axis=0)
     p_row = p_ptr + b * stride_pb + n_acc * stride_pt
     q_row = q_ptr + b * stride_qb + n_acc * stride_qt
     q_len = tl.where((n_acc < gamma) & ~use_p, V, 0)
-    start = hit * CHUNK  # hit == S (no chunk): start >= V, the scan is empty
+    start = hit * CHUNK
     token, last_in = _residual_search(p_row, q_row, start, tl.minimum(start + CHUNK, V), q_len,
                                       run, target, V, BLOCK)
-    # Rounding can leave the in-chunk sum just short of u * total (take the chunk's last
-    # token with mass), or every prefix short of it (take the row's last token with mass):
-    # what an exact sum would have hit.
-    last_all = tl.maximum(tl.max(lasts, axis=0), 0)
-    token = tl.where(token < 0, tl.where(hit < S, last_in, last_all), token)
+    # Rounding can leave the in-chunk sum just short of u * total: the chunk's last token
+    # with mass (what an exact sum would have hit); an all-zero row gives 0.
+    token = tl.where(token < 0, tl.maximum(last_in, 0), token)
     tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
     tl.store(next_ptr + b, token.to(tl.int64))
 
@@ -294,25 +253,15 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         return num_acc, next_token
     strides = (draft_tokens.stride(0), draft_tokens.stride(1), q_probs.stride(0), q_probs.stride(1),
                p.stride(0), p.stride(1), uniforms.stride(0), uniforms.stride(1))
-    # [GP, BLOCK] tiles of 8K elements when greedy; one row pair of 4K when sampling.
-    block_max = 8192 // GP if greedy else 4096
-    S, chunk = chunking(V, _n_vsplit(B, V))
-    if S == 1:
-        BLOCK = max(16, min(triton.next_power_of_2(V), block_max))
-        _chain_verify_kernel[(B,)](
-            draft_tokens, q_probs, p, uniforms, num_acc, next_token, gamma, V, *strides,
-            GP=GP, BLOCK=BLOCK, GREEDY=bool(greedy), num_warps=8,
-        )
-        return num_acc, next_token
-
-    BLOCK = max(16, min(triton.next_power_of_2(chunk), block_max))
+    S, chunk = chunking(V, _n_vsplit(B, V, dev))
     SP = triton.next_power_of_2(S)
     if greedy:
+        BLOCK = max(16, min(triton.next_power_of_2(chunk), _TILE_GREEDY // GP))
         part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
         _argmax_partial_kernel[(B, S)](
             p, part_val, part_idx, gamma, V, S, chunk, p.stride(0), p.stride(1),
-            GP=GP, BLOCK=BLOCK, num_warps=8 if GP * BLOCK >= 4096 else 4,
+            GP=GP, BLOCK=BLOCK, num_warps=tile_warps(GP * BLOCK),
         )
         _greedy_accept_kernel[(B,)](
             draft_tokens, part_val, part_idx, num_acc, next_token, gamma, V, S,
@@ -320,15 +269,15 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
             num_warps=1 if SP * GP <= 256 else 4,
         )
     else:
+        BLOCK = max(16, min(triton.next_power_of_2(chunk), _TILE_SAMPLING))
+        num_warps = tile_warps(2 * BLOCK)  # a p and a q element per column
         part = torch.empty(B * S * 2, dtype=torch.float32, device=dev)
-        part_idx = torch.empty(B * S * 2, dtype=torch.int32, device=dev)
-        num_warps = 8 if BLOCK >= 2048 else 4
         _residual_partial_kernel[(B, S)](
-            draft_tokens, q_probs, p, uniforms, part, part_idx, gamma, V, S, chunk, *strides,
+            draft_tokens, q_probs, p, uniforms, part, gamma, V, S, chunk, *strides,
             GP=GP, BLOCK=BLOCK, num_warps=num_warps,
         )
         _residual_draw_kernel[(B,)](
-            draft_tokens, q_probs, p, uniforms, part, part_idx, num_acc, next_token,
+            draft_tokens, q_probs, p, uniforms, part, num_acc, next_token,
             gamma, V, S, chunk, *strides, GP=GP, SP=SP, BLOCK=BLOCK, num_warps=num_warps,
         )
     return num_acc, next_token

@@ -14,39 +14,31 @@ V=32064: B*P is tiny, so the vocabulary itself is split over programs.  Two laun
    workspace; the last program of each (row, chunk) to arrive (atomic counter, the
    "last block" pattern) reduces the NS2 partials in split order and writes the outputs.
 
-Everything accumulates in fp32; argmax ties resolve to the lowest index (torch.argmax);
-split counts depend on shapes only (no host sync: the launcher runs in graph capture);
-the partial sums are reduced in a fixed order, so results are deterministic.
-"""
-import functools
+Two passes over the logits: TV needs both normalisers before any |p - q_k| term (KL
+alone would not).  Both keep element-wise running values (max / sum-exp, partial KL and
+TV, see `_common`) and reduce across the tile once per program; exponentials are exp2
+with temperature and log2(e) folded into one scale, and the divergences are summed in
+log2 units and scaled by ln 2 once.
 
+Everything accumulates in fp32; argmax ties resolve to the lowest index (torch.argmax);
+split counts depend on shapes and the SM count only (no host sync: the launcher runs in
+graph capture); the partial sums are reduced in a fixed order, so results are
+deterministic.
+"""
 import torch
 import triton
 import triton.language as tl
 
+from ._common import (LN2, LOG2E, NEG_BIG, best_combine, exp2, log2, lse_reduce, lse_step,
+                      target_programs, tile_warps)
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of the reductions
-_PROGRAMS_PER_SM = 8     # launch about this many programs per SM (when the shape allows)
-_INTERPRETER_PROGRAMS = 16  # CPU interpreter: programs run one after another
-_LN2 = tl.constexpr(0.6931471805599453)
-_LOG2E = tl.constexpr(1.4426950408889634)
 # The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
 # that fp32 softmax keeps (q >= 2^-149); the shift is exact in log2 and cancels in argmax.
 _MIX_SHIFT = tl.constexpr(24.0)
 _BIG_IDX = tl.constexpr(2147483647)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _target_programs(device):
-    """Programs a launch should have for the device to be filled (host query, no sync)."""
-    if device.type != "cuda":
-        return _INTERPRETER_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _PROGRAMS_PER_SM * _num_sms(index)
+_target_programs = target_programs
 
 
 def _split(V, unit, rows, target):
@@ -59,37 +51,25 @@ def _split(V, unit, rows, target):
 
 
 @triton.jit
-def _log2(x, FAST: tl.constexpr):
-    if FAST:  # one MUFU op; tl.math.log2 is a libdevice polynomial
-        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.math.log2(x)
-
-
-@triton.jit
-def _exp2(x, FAST: tl.constexpr):
-    if FAST:  # one MUFU op, without the subnormal fix-up of tl.exp
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.math.exp2(x)
-
-
-@triton.jit
-def _target_block(p_row, v0, cols, v_end, inv_t, lse_p):
-    """Target log-probabilities and probabilities at columns v0 + cols (below v_end)."""
+def _target_block(p_row, v0, cols, v_end, scale, lse_p, rows, FAST: tl.constexpr):
+    """Target log2-probabilities and probabilities at columns v0 + cols (below v_end),
+    the row repeated for each of `rows`: a [R, BLOCK] tile laid out like the [KP, BLOCK]
+    view tiles (R = KP) costs R - 1 extra L1 hits and exp2s per column, where a [BLOCK]
+    vector broadcast over the views took a shared-memory layout change (6 barriers) per
+    step."""
     offs = v0 + cols
     vmask = offs < v_end
-    logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * inv_t - lse_p
-    return logp, tl.exp(logp), offs, vmask
+    x = tl.load(p_row + offs[None, :] + 0 * rows[:, None], mask=vmask[None, :],
+                other=float("-inf")).to(tl.float32)
+    logp = x * scale - lse_p
+    return logp, exp2(logp, FAST), offs, vmask
 
 
 @triton.jit
 def _wd_stats_kernel(
     p_ptr, q_ptr, m_ptr, s_ptr, idx_ptr, cnt_ptr,
-    P, V, CH, NS, NCNT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, inv_t,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+    P, V, CH, NS, NCNT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -102,28 +82,25 @@ def _wd_stats_kernel(
     v_start = split * CH
     v_end = tl.minimum(v_start + CH, V)
     cols = tl.arange(0, BLOCK)
-    # Raw (unscaled) maxima: the target argmax is taken on the logits, as torch.argmax.
-    mp = float("-inf")
-    sp = 0.0
-    p_idx = v_start
-    mq = tl.full([KP], float("-inf"), tl.float32)
-    sq = tl.zeros([KP], tl.float32)
+    # Element-wise running (max, sum-exp) of the target and the views, in logit units:
+    # the target argmax is taken on the logits, as torch.argmax.
+    mp = tl.full([BLOCK], NEG_BIG, tl.float32)
+    sp = tl.zeros([BLOCK], tl.float32)
+    p_v0 = tl.zeros([BLOCK], tl.int32) + v_start
+    mq = tl.full([KP, BLOCK], NEG_BIG, tl.float32)
+    sq = tl.zeros([KP, BLOCK], tl.float32)
     for v0 in range(v_start, v_end, BLOCK):
         offs = v0 + cols
         vmask = offs < v_end
         xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
         xq = tl.load(q_rows + offs[None, :], mask=kmask[:, None] & vmask[None, :],
                      other=float("-inf")).to(tl.float32)
-        blk_max = tl.max(xp, axis=0)
-        p_idx = tl.where(blk_max > mp, v0 + tl.argmax(xp, axis=0), p_idx)  # earlier wins ties
-        mp_new = tl.maximum(mp, blk_max)
-        ref = tl.where(mp_new == float("-inf"), 0.0, mp_new * inv_t)  # rows may hold -inf
-        sp = sp * tl.exp(mp * inv_t - ref) + tl.sum(tl.exp(xp * inv_t - ref), axis=0)
-        mp = mp_new
-        mq_new = tl.maximum(mq, tl.max(xq, axis=1))
-        refq = tl.where(mq_new == float("-inf"), 0.0, mq_new * inv_t)
-        sq = sq * tl.exp(mq * inv_t - refq) + tl.sum(tl.exp(xq * inv_t - refq[:, None]), axis=1)
-        mq = mq_new
+        mp, sp, take = lse_step(xp, mp, sp, scale, FAST)
+        p_v0 = tl.where(take, v0, p_v0)  # strict: the earlier step keeps ties
+        mq, sq, _ = lse_step(xq, mq, sq, scale, FAST)
+    _, p_idx, _ = best_combine(mp, p_v0, mp, cols, 0)
+    mp, sp = lse_reduce(mp, sp, scale, 0, FAST)
+    mq, sq = lse_reduce(mq, sq, scale, 1, FAST)
     # stats layout [rows, K + 1, NS]: entry 0 is the target, 1 + k view k
     base = row.to(tl.int64) * (K + 1) * NS + split
     tl.store(m_ptr + base, mp)
@@ -141,13 +118,15 @@ def _wd_div_kernel(
     vpart_ptr, gbest_ptr, gidx_ptr, gklp_ptr,
     kl_ptr, tv_ptr, match_ptr, gkl_ptr,
     P, V, G, NS1, CH, NS2, NCH,
-    stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, stride_gg, stride_gk, inv_t,
+    stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, stride_gg, stride_gk, scale,
     K: tl.constexpr, KP: tl.constexpr, NS1P: tl.constexpr, NS2P: tl.constexpr,
     BLOCKV: tl.constexpr, G_BLOCK: tl.constexpr, BLOCKG: tl.constexpr,
     HAS_GRID: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
+    # Rows and splits in the reverse of launch 1's order: what it read last, the likeliest
+    # to be still in L2 when the logits exceed it, is read first.
+    row = tl.num_programs(0) - 1 - tl.program_id(0)
+    split = tl.num_programs(1) - 1 - tl.program_id(1)
     chunk = tl.program_id(2)
     row64 = row.to(tl.int64)
     b = row64 // P
@@ -159,40 +138,33 @@ def _wd_div_kernel(
     v_start = split * CH
     v_end = tl.minimum(v_start + CH, V)
 
-    # Merge the NS1 partial normalisers of this row.
+    # Merge the NS1 partial normalisers of this row: log2-sum-exp2 of x * scale.
     ss = tl.arange(0, NS1P)
     smask = ss < NS1
     stat = row64 * (K + 1) * NS1
-    m_p = tl.load(m_ptr + stat + ss, mask=smask, other=float("-inf")) * inv_t
-    s_p = tl.load(s_ptr + stat + ss, mask=smask, other=0.0)
-    top = tl.max(m_p, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    lse_p = top + tl.log(tl.sum(s_p * tl.exp(m_p - top), axis=0))
+    top, tot = lse_reduce(tl.load(m_ptr + stat + ss, mask=smask, other=NEG_BIG),
+                          tl.load(s_ptr + stat + ss, mask=smask, other=0.0), scale, 0, FAST_MATH)
+    lse_p = top * scale + log2(tot, FAST_MATH)
     qoff = stat + (1 + ks[:, None]) * NS1 + ss[None, :]
     qmask = kmask[:, None] & smask[None, :]
-    m_q = tl.load(m_ptr + qoff, mask=qmask, other=float("-inf")) * inv_t
-    s_q = tl.load(s_ptr + qoff, mask=qmask, other=0.0)
-    top_q = tl.max(m_q, axis=1)
-    top_q = tl.where(top_q == float("-inf"), 0.0, top_q)
-    lse_q = top_q + tl.log(tl.sum(s_q * tl.exp(m_q - top_q[:, None]), axis=1))
-    lse_q = tl.where(kmask, lse_q, 0.0)
+    top, tot = lse_reduce(tl.load(m_ptr + qoff, mask=qmask, other=NEG_BIG),
+                          tl.load(s_ptr + qoff, mask=qmask, other=0.0), scale, 1, FAST_MATH)
+    lse_q = tl.where(kmask, top * scale + log2(tl.where(kmask, tot, 1.0), FAST_MATH), 0.0)
 
-    # Per-view partial KL and TV over this split (first grid chunk only).
+    # Per-view partial KL and TV over this split (first grid chunk only), in log2 units.
     vpart = vpart_ptr + (row64 * NS2 + split) * 2 * KP
     if chunk == 0:
         cols = tl.arange(0, BLOCKV)
         kl_acc = tl.zeros([KP, BLOCKV], tl.float32)
         tv_acc = tl.zeros([KP, BLOCKV], tl.float32)
         for v0 in range(v_start, v_end, BLOCKV):
-            logp, pv, offs, vmask = _target_block(p_row, v0, cols, v_end, inv_t, lse_p)
+            logp, pv, offs, vmask = _target_block(p_row, v0, cols, v_end, scale, lse_p, ks, FAST_MATH)
             logq = tl.load(q_row + ks.to(tl.int64)[:, None] * stride_qk + offs[None, :],
                            mask=kmask[:, None] & vmask[None, :],
-                           other=float("-inf")).to(tl.float32) * inv_t - lse_q[:, None]
-            qv = tl.exp(logq)
-            p2 = pv[None, :]
-            kl_acc += tl.where(p2 > 0, p2 * (logp[None, :] - logq), 0.0)
-            tv_acc += tl.abs(p2 - qv)
-        tl.store(vpart + ks, tl.sum(kl_acc, axis=1))
+                           other=float("-inf")).to(tl.float32) * scale - lse_q[:, None]
+            kl_acc += tl.where(pv > 0, pv * (logp - logq), 0.0)
+            tv_acc += tl.abs(pv - exp2(logq, FAST_MATH))
+        tl.store(vpart + ks, tl.sum(kl_acc, axis=1) * LN2)
         tl.store(vpart + KP + ks, tl.sum(tv_acc, axis=1))
 
     # Grid mixtures of this chunk: elementwise running (max, first index, KL) over the split.
@@ -203,35 +175,34 @@ def _wd_div_kernel(
         lq = ()  # log2 normalisers of the views, less the shift
         for k in tl.static_range(K):
             gw = gw + (tl.load(grid_ptr + gs * stride_gg + k * stride_gk, mask=gmask, other=0.0),)
-            lq = lq + (tl.sum(tl.where(ks == k, lse_q, 0.0), axis=0) * _LOG2E - _MIX_SHIFT,)
-        scale2 = inv_t * _LOG2E
+            lq = lq + (tl.sum(tl.where(ks == k, lse_q, 0.0), axis=0) - _MIX_SHIFT,)
         cols = tl.arange(0, BLOCKG)
         best = tl.full([G_BLOCK, BLOCKG], float("-inf"), tl.float32)
         bidx = tl.zeros([G_BLOCK, BLOCKG], tl.int32)
         g_kl = tl.zeros([G_BLOCK, BLOCKG], tl.float32)
         for v0 in range(v_start, v_end, BLOCKG):
-            logp, pv, offs, vmask = _target_block(p_row, v0, cols, v_end, inv_t, lse_p)
+            logp, pv, offs, vmask = _target_block(p_row, v0, cols, v_end, scale, lse_p,
+                                                  tl.arange(0, 1), FAST_MATH)
             ppos = pv > 0
-            # p * (log p - log mix) = p * (c - ln2 * log2(mix * 2^shift)), c = 0 where p = 0
-            c = tl.where(ppos, logp + _MIX_SHIFT * _LN2, 0.0)
+            # p * (log2 p - log2 mix) = p * (c - log2(mix * 2^shift)), c = 0 where p = 0
+            c = tl.where(ppos, logp + _MIX_SHIFT, 0.0)
             # -inf outside the split: never an argmax; the first FMA absorbs it
             mix = tl.where(vmask, 0.0, float("-inf"))[None, :]
             for k in tl.static_range(K):
                 xq = tl.load(q_row + k * stride_qk + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-                qv = _exp2(xq * scale2 - lq[k], FAST_MATH)  # q_k * 2^shift
+                qv = exp2(xq * scale - lq[k], FAST_MATH)  # q_k * 2^shift
                 mix = mix + gw[k][:, None] * qv[None, :]
             take = mix > best  # strict: the earlier position wins ties
             best = tl.where(take, mix, best)
             bidx = tl.where(take, offs[None, :], bidx)
-            lmix = _log2(tl.where(ppos[None, :], mix, 1.0), FAST_MATH)
-            g_kl += pv[None, :] * (c[None, :] - _LN2 * lmix)
+            g_kl += pv * (c - log2(tl.where(ppos, mix, 1.0), FAST_MATH))
         blk_best = tl.max(best, axis=1)
         blk_idx = tl.min(tl.where(best == blk_best[:, None], bidx, _BIG_IDX), axis=1)
         gl = tl.arange(0, G_BLOCK)
         gpart = ((row64 * NCH + chunk) * NS2 + split) * G_BLOCK + gl
         tl.store(gbest_ptr + gpart, blk_best)
         tl.store(gidx_ptr + gpart, blk_idx)
-        tl.store(gklp_ptr + gpart, tl.sum(g_kl, axis=1))
+        tl.store(gklp_ptr + gpart, tl.sum(g_kl, axis=1) * LN2)
 
     # Last program of (row, chunk) to arrive reduces the NS2 partials in split order.
     tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -249,7 +220,7 @@ def _wd_div_kernel(
             tl.store(tv_ptr + out, 0.5 * tv, mask=kmask)
         if HAS_GRID:
             # target argmax: first split holding the maximum, its first index
-            pm = tl.load(m_ptr + stat + ss, mask=smask, other=float("-inf"))
+            pm = tl.load(m_ptr + stat + ss, mask=smask, other=NEG_BIG)
             pi = tl.load(idx_ptr + row64 * NS1 + ss, mask=smask, other=_BIG_IDX)
             p_arg = tl.min(tl.where(smask & (pm == tl.max(pm, axis=0)), pi, _BIG_IDX), axis=0)
             gl = tl.arange(0, G_BLOCK)
@@ -336,12 +307,13 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
     else:
         gbest = gklp = vpart
         gidx = idx_ws
-    inv_t = 1.0 / float(temperature)
+    scale = LOG2E.value / float(temperature)  # exp(x / T) = exp2(x * scale)
+    fast = dev.type == "cuda"
     _wd_stats_kernel[(R, ns1)](
         p_logits, q_logits, m_ws, s_ws, idx_ws, cnt_ws,
         P, V, ch1, ns1, n_chunks, p_logits.stride(0), p_logits.stride(1),
-        q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), inv_t,
-        K=K, KP=KP, BLOCK=BLOCKV, num_warps=4,
+        q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), scale,
+        K=K, KP=KP, BLOCK=BLOCKV, FAST=fast, num_warps=tile_warps((KP + 1) * BLOCKV),
     )
     _wd_div_kernel[(R, ns2, n_chunks)](
         p_logits, q_logits, grid if has_grid else kl, m_ws, s_ws, idx_ws, cnt_ws,
@@ -350,10 +322,10 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
         P, V, G, ns1, ch2, ns2, n_chunks,
         p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
-        grid.stride(0) if has_grid else 0, grid.stride(1) if has_grid else 0, inv_t,
+        grid.stride(0) if has_grid else 0, grid.stride(1) if has_grid else 0, scale,
         K=K, KP=KP, NS1P=triton.next_power_of_2(ns1), NS2P=triton.next_power_of_2(ns2),
         BLOCKV=BLOCKV2, G_BLOCK=G_BLOCK, BLOCKG=BLOCKG,
-        HAS_GRID=has_grid, FAST_MATH=dev.type == "cuda", num_warps=4,
+        HAS_GRID=has_grid, FAST_MATH=fast, num_warps=4,
     )
     if match is not None:
         match = match.view(torch.bool)

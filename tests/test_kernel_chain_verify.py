@@ -4,6 +4,7 @@ import pytest
 import torch
 from scipy import stats
 
+from tabed_engine.kernels import _common
 from tabed_engine.kernels import chain_verify as _k
 from tabed_engine.ops.chain_verify import chain_verify, chain_verify_reference
 
@@ -197,7 +198,7 @@ def test_bad_inputs_raise(kernel_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, gamma, V", [(64, 5, 32064), (16, 6, 151936)])
+@pytest.mark.parametrize("B, gamma, V", [(64, 5, 32064), (16, 6, 151936), (256, 6, 32064)])
 def test_gpu_full_size_bf16(B, gamma, V):
     draft, logits, want, _ = _greedy_case(B, gamma, V, torch.bfloat16, "cuda")
     out = chain_verify(draft, None, logits, greedy=True)
@@ -218,11 +219,12 @@ def test_gpu_sampling_is_lossless():
 
 # ---- V split (few requests): forced chunk counts on small and odd vocabularies.
 
-def test_split_count_from_shapes():
-    assert _k._n_vsplit(1, 32064) == 32      # the engine's verify: 32 chunks of ~1K
-    assert _k._n_vsplit(64, 32064) == 2
-    assert _k._n_vsplit(256, 32064) == 1     # enough requests: one program each
-    assert _k._n_vsplit(1, 173) == 1
+def test_split_count_from_shapes(monkeypatch):
+    monkeypatch.setattr(_common, "target_programs", lambda device: 8 * 132)  # an H100 / H200
+    assert _k._n_vsplit(1, 32064, "cuda") == 32      # the engine's verify: 32 chunks of ~1K
+    assert _k._n_vsplit(64, 32064, "cuda") == 17     # ~8 programs per SM
+    assert _k._n_vsplit(256, 32064, "cuda") == 5
+    assert _k._n_vsplit(1, 173, "cuda") == 1
 
 
 @pytest.mark.parametrize("n_split", [2, 5, 24])
@@ -231,7 +233,7 @@ def test_split_count_from_shapes():
     (2, 3, 1000, torch.bfloat16),
 ])
 def test_split_greedy_matches_reference(B, gamma, V, dtype, n_split, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: n_split)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: n_split)
     draft, logits, want, target = _greedy_case(B, gamma, V, dtype, kernel_device, seed=n_split)
     n_acc, nxt = _k.chain_verify(draft, None, logits, greedy=True)
     assert torch.equal(n_acc.cpu(), want)
@@ -239,7 +241,7 @@ def test_split_greedy_matches_reference(B, gamma, V, dtype, n_split, kernel_devi
 
 
 def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: 7)  # V = 173: chunks of 32
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: 7)  # V = 173: chunks of 32
     logits = torch.zeros(1, 3, 173)
     logits[0, 0, [150, 64, 40]] = 5.0                        # across chunks -> 40
     logits[0, 1, [33, 63, 32]] = 5.0                         # one chunk -> 32
@@ -253,7 +255,7 @@ def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
 @pytest.mark.parametrize("B, gamma, V, sharp", [(8, 4, 173, 2.0), (6, 2, 1000, 2.0),
                                                 (4, 0, 1000, 2.0), (8, 3, 173, 6.0)])
 def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: n_split)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: n_split)
     draft, q, p, u = _sampling_case(B, gamma, V, kernel_device, seed=n_split, sharp=sharp)
     q_wide = torch.zeros(B, gamma, V + 5, device=kernel_device)
     q_wide[..., :V] = q
@@ -265,7 +267,7 @@ def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, kernel_de
 def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatch):
     """The 6-token scenario spread over V = 173 (one token per chunk of 32), extreme
     uniforms included: chunk prefix + in-chunk scan must pick what the reference picks."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V: 6)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: 6)
     draft, q6, p6, u = _scenario(60, seed=6)
     u[:4, -1] = torch.tensor([0.0, 1.0 - 2 ** -24, 0.5, 0.25])
     spots = torch.arange(6) * 32 + 5

@@ -211,7 +211,7 @@ def test_bad_inputs_raise(kernel_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, K, P, V", [(1, 4, 6, 32064), (4, 2, 5, 151936)])
+@pytest.mark.parametrize("B, K, P, V", [(1, 4, 6, 32064), (4, 2, 5, 151936), (16, 4, 6, 32064), (64, 1, 6, 32064)])
 def test_gpu_full_size_bf16(B, K, P, V):
     p_logits, q_logits = _inputs(B, K, P, V, torch.bfloat16, "cuda", noise=0.6)
     grid = simplex_grid(K, 10).cuda()
