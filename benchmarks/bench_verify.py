@@ -13,7 +13,7 @@ to --out.
 
 Kept under 100 s on an H100 / H200: torch.compile of the references runs for the
 smallest tree only (it unrolls the walk's N - 1 steps, so its compile time grows with N
-and dominated the run that timed out at 120 s), and --time-budget (default 80 s) skips
+and dominated the run that timed out at 120 s), and --time-budget (default 60 s) skips
 the remaining compiled, then eager references once 50%, then 80% of it are spent.
 """
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--reps", type=int, default=40, help="ms of timed repeats per measurement (CPU: calls)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile reference")
-    ap.add_argument("--time-budget", type=float, default=80.0,
+    ap.add_argument("--time-budget", type=float, default=60.0,
                     help="seconds: references are skipped as the run nears it (see the docstring)")
     args = ap.parse_args()
     t0 = time.perf_counter()
