@@ -16,7 +16,6 @@ device-to-device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
-from bench_rope_kv_write import graph_ms  # noqa: E402
+from bench_rope_kv_write import graph_ms, print_row, write_result  # noqa: E402
 from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
 from tabed_engine.model import rms_norm  # noqa: E402
 from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
@@ -108,20 +107,9 @@ def main(argv=None):
         gbs = nbytes / (base * 1e-6) / 1e9
         rows.append(dict(rows=M, hidden=N, dtype=str(dtype), bytes=nbytes, stream_us=stream, graph_us=graph,
                          fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err))
-        col = lambda d, k, w: f"{d[k]:>{w}.2f}" if k in d else f"{'-':>{w}}"  # noqa: E731
-        print(f"{M:>4} | {col(stream, 'fused', 16)} {col(stream, 'eager', 7)} {col(stream, 'model', 7)} "
-              f"{col(stream, 'compiled', 8)} | {col(graph, 'fused', 15)} {col(graph, 'eager', 7)} "
-              f"{col(graph, 'model', 7)} {col(graph, 'compiled', 8)} | {gbs:>5.0f} {100 * gbs / copy_gbs:>5.1f}"
-              f"   max err {err:.2g}")
+        print_row(f"{M:>4}", stream, graph, gbs, copy_gbs, err)
 
-    result = dict(op="add_rms_norm", smoke=args.smoke, provenance=provenance(device), copy_gbs=copy_gbs,
-                  timer="CUDA events, median over reps of (inner calls)/inner; graph = same calls "
-                        "replayed from one CUDA graph" if device == "cuda" else "wall clock (interpreter)",
-                  inner=args.inner, reps=args.reps, rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out_path} ({time.perf_counter() - t_start:.0f} s)")
+    write_result("add_rms_norm", args, device, copy_gbs, rows, out_path, t_start)
 
 
 if __name__ == "__main__":

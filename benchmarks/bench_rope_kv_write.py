@@ -155,13 +155,24 @@ def main(argv=None):
         row = dict(R=R, T=T, H=H, Hkv=KV, D=D, S=S, dtype=str(dtype), bytes=nbytes, stream_us=stream,
                    graph_us=graph, fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err)
         rows.append(row)
-        col = lambda d, k, w: f"{d[k]:>{w}.2f}" if k in d else f"{'-':>{w}}"  # noqa: E731
-        print(f"{R:>2} {T:>2} | {col(stream, 'fused', 16)} {col(stream, 'eager', 7)} {col(stream, 'model', 7)} "
-              f"{col(stream, 'compiled', 8)} | {col(graph, 'fused', 15)} {col(graph, 'eager', 7)} "
-              f"{col(graph, 'model', 7)} {col(graph, 'compiled', 8)} | {gbs:>5.0f} {100 * gbs / copy_gbs:>5.1f}"
-              f"   max err {err:.2g}")
+        print_row(f"{R:>2} {T:>2}", stream, graph, gbs, copy_gbs, err)
 
-    result = dict(op="rope_kv_write", smoke=args.smoke, provenance=provenance(device), copy_gbs=copy_gbs,
+    write_result("rope_kv_write", args, device, copy_gbs, rows, out_path, t_start)
+
+
+def print_row(label: str, stream: dict, graph: dict, gbs: float, copy_gbs: float, err: float):
+    """One table line: plain-launch and graph-replay µs per variant, GB/s, % of copy, error."""
+    def col(d, k, w):
+        return f"{d[k]:>{w}.2f}" if k in d else f"{'-':>{w}}"
+    print(f"{label} | {col(stream, 'fused', 16)} {col(stream, 'eager', 7)} {col(stream, 'model', 7)} "
+          f"{col(stream, 'compiled', 8)} | {col(graph, 'fused', 15)} {col(graph, 'eager', 7)} "
+          f"{col(graph, 'model', 7)} {col(graph, 'compiled', 8)} | {gbs:>5.0f} {100 * gbs / copy_gbs:>5.1f}"
+          f"   max err {err:.2g}")
+
+
+def write_result(op: str, args, device, copy_gbs: float, rows: list, out_path: str, t_start: float):
+    """Write the benchmark's JSON (rows + provenance + timing method) to out_path."""
+    result = dict(op=op, smoke=args.smoke, provenance=provenance(device), copy_gbs=copy_gbs,
                   timer="CUDA events, median over reps of (inner calls)/inner; graph = same calls "
                         "replayed from one CUDA graph" if device == "cuda" else "wall clock (interpreter)",
                   inner=args.inner, reps=args.reps, rows=rows)
