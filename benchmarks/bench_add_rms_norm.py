@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
-from bench_rope_kv_write import graph_ms, print_row, write_result  # noqa: E402
+from bench_rope_kv_write import add_common_args, graph_ms, print_row, write_result  # noqa: E402
 from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
 from tabed_engine.model import rms_norm  # noqa: E402
 from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
@@ -43,13 +43,9 @@ def eager_path(x, delta, weight):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/add_rms_norm[_smoke].json)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--inner", type=int, default=50, help="calls per timed CUDA-event window / graph")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--no-compile", action="store_true", help="skip the two torch.compile columns")
+    add_common_args(ap, "add_rms_norm")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 

@@ -81,14 +81,10 @@ def graph_ms(fn, inner, reps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rope_kv_write[_smoke].json)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 6])
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--kv-heads", type=int, default=32)
-    ap.add_argument("--inner", type=int, default=50, help="calls per timed CUDA-event window / graph")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--no-compile", action="store_true", help="skip the two torch.compile columns")
+    add_common_args(ap, "rope_kv_write")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -158,6 +154,15 @@ def main(argv=None):
         print_row(f"{R:>2} {T:>2}", stream, graph, gbs, copy_gbs, err)
 
     write_result("rope_kv_write", args, device, copy_gbs, rows, out_path, t_start)
+
+
+def add_common_args(ap, name: str):
+    """Options shared by the layer-kernel benchmarks (smoke mode, output, timing, compile)."""
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None, help=f"JSON path (default benchmarks/results/{name}[_smoke].json)")
+    ap.add_argument("--inner", type=int, default=50, help="calls per timed CUDA-event window / graph")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-compile", action="store_true", help="skip the two torch.compile columns")
 
 
 def print_row(label: str, stream: dict, graph: dict, gbs: float, copy_gbs: float, err: float):
