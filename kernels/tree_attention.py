@@ -11,9 +11,13 @@ them), only the one or two blocks that hold the prefix end and the tree slots te
 
 Split-K: with few rows (R=1, Hkv=32 -> 32 programs on 132 SMs) most SMs would idle and a
 single SM cannot keep enough loads in flight to come near HBM bandwidth, so key blocks are
-dealt round-robin to SPLITS programs per (row, kv head) and a small kernel combines their
-partial (max, sum, unnormalised output). The deal is cyclic (block b -> split b % SPLITS)
-so the work stays balanced for any length without reading `lengths` on the host.
+dealt round-robin to SPLITS programs per (row, kv head) and their partial (max, sum,
+unnormalised output) are combined by the last of those programs to finish (an arrival
+counter per tile, the "last block" pattern), so the split path is still one launch: in a
+decode step of 32 layers a separate combine kernel cost a dependent launch per layer.
+The counters live in a per-device workspace that the combining program resets to zero.
+The deal is cyclic (block b -> split b % SPLITS) so the work stays balanced for any length
+without reading `lengths` on the host.
 """
 import torch
 import triton
@@ -21,6 +25,7 @@ import triton.language as tl
 
 _MAX_NODES = 64  # tree_mask is one int64 word per node
 _SM_COUNT = {}
+_COUNTERS = {}   # device -> int32 arrival counters, all zero between launches
 
 
 @triton.jit
@@ -42,8 +47,33 @@ def _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis,
 
 
 @triton.jit
+def _combine_splits(m_part_ptr, l_part_ptr, acc_part_ptr, rows, n_rows, row_ok, offs_d, d_ok,
+                    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Normalised output [BLOCK_ROWS, BLOCK_D] of flat (r, n, h) rows from the SPLITS
+    partials. A split that saw no key has m = -1e30, l = 0: weight 0. Loads bypass L1 (.cg):
+    the partials were written by other programs."""
+    ok = row_ok[:, None] & d_ok[None, :]
+    m_run = tl.full([BLOCK_ROWS], -1.0e30, tl.float32)
+    l_run = tl.zeros([BLOCK_ROWS], tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
+    for sp in tl.static_range(SPLITS):
+        m = tl.load(m_part_ptr + sp * n_rows + rows, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+        l = tl.load(l_part_ptr + sp * n_rows + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(acc_part_ptr + (sp * n_rows + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok,
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, m)
+        w_run = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        l_run = l_run * w_run + l * w
+        acc = acc * w_run[:, None] + a * w[:, None]
+        m_run = m_new
+    return acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+
+
+@triton.jit
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
+    q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, cnt_ptr,
     stride_qr, stride_qn, stride_qh,
     stride_kr, stride_kh, stride_ks,
     stride_vr, stride_vh, stride_vs,
@@ -115,38 +145,16 @@ def _tree_attention_kernel(
         tl.store(m_part_ptr + part, m_i, mask=m_ok)
         tl.store(l_part_ptr + part, l_i, mask=m_ok)
         tl.store(acc_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _tree_attention_combine_kernel(
-    m_part_ptr, l_part_ptr, acc_part_ptr, out_ptr,
-    stride_or, stride_on, stride_oh, R, N, H,
-    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # flat (r, n, h)
-    n_rows = R * N * H
-    row_ok = rows < n_rows
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    m_run = tl.full([BLOCK_ROWS], -1.0e30, tl.float32)
-    l_run = tl.zeros([BLOCK_ROWS], tl.float32)
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
-    for sp in tl.static_range(SPLITS):  # a split that saw no key has m = -1e30, l = 0: weight 0
-        m = tl.load(m_part_ptr + sp * n_rows + rows, mask=row_ok, other=-1.0e30)
-        l = tl.load(l_part_ptr + sp * n_rows + rows, mask=row_ok, other=0.0)
-        a = tl.load(acc_part_ptr + (sp * n_rows + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
-        m_new = tl.maximum(m_run, m)
-        w_run = tl.exp2(m_run - m_new)
-        w = tl.exp2(m - m_new)
-        l_run = l_run * w_run + l * w
-        acc = acc * w_run[:, None] + a * w[:, None]
-        m_run = m_new
-    o = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-    h = rows % H
-    n = (rows // H) % N
-    r = rows // (H * N)
-    o_ptrs = out_ptr + r[:, None] * stride_or + n[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok)
+        # The last split of this tile to arrive combines all SPLITS partials in split order.
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        cnt = cnt_ptr + pid_rh * tl.num_programs(0) + pid_m
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            o = _combine_splits(m_part_ptr, l_part_ptr, acc_part_ptr, (r * N + node) * H + head, R * N * H,
+                                m_ok, offs_d, d_ok, SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D)
+            o_ptrs = out_ptr + r * stride_or + node[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+            tl.store(cnt, 0)  # every split has arrived: ready for the next launch
 
 
 def _sm_count(device):
@@ -154,6 +162,19 @@ def _sm_count(device):
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def _counters(device, n):
+    """n zeroed int32 arrival counters of `device`'s workspace (every launch leaves them zero).
+    Grown outside CUDA-graph capture only (a graph's warm-up call runs first); during a
+    capture that needs more, the graph gets its own zeroed buffer (a captured memset)."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    _COUNTERS[device] = buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
@@ -232,13 +253,14 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the kernel
 
     if splits == 1:
-        m_part = l_part = acc_part = out  # unused
+        m_part = l_part = acc_part = counters = out  # unused
     else:
         m_part = torch.empty((splits, R, N, H), device=q.device, dtype=torch.float32)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((splits, R, N, H, D), device=q.device, dtype=torch.float32)
+        counters = _counters(q.device, m_blocks * R * Hkv)
     _tree_attention_kernel[(m_blocks, R * Hkv, splits)](
-        q, k_cache, v_cache, lengths, tree_mask, out, m_part, l_part, acc_part,
+        q, k_cache, v_cache, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -249,10 +271,4 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
         num_warps=4, num_stages=num_stages,
     )
-    if splits > 1:
-        block_rows = 16  # 16 x 128 fp32 per split step: 4 warps, enough programs at R*N*H >= 32
-        _tree_attention_combine_kernel[(triton.cdiv(R * N * H, block_rows),)](
-            m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2), R, N, H,
-            SPLITS=splits, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_D=BLOCK_D, num_warps=4,
-        )
     return out

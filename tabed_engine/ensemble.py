@@ -5,6 +5,15 @@ first rejected one are free; each view's divergence from them (and, for `w-grid`
 candidate weight vector's mixture would have done) is appended to a per-request history.
 The next block's weights come from the last `window` recorded positions (0 = all).
 All state lives on the device; nothing here syncs with the host.
+
+`hedge` (exponential weights) also records the drafted positions after the first rejected
+one: there the target and every view still condition on the same drafted context, so each
+is a fair comparison of the views, and a block that fails early still yields γ positions of
+evidence. Its weights are softmax(-Σ min(KL, 1) / temperature): the cumulative clipped
+divergence sharpens the weights as evidence accumulates (1/Σ KL stays flat: w_T 0.43 of 4
+views after a whole S4 answer), and the clip keeps one confidently wrong token from zeroing
+a view. On the prefill position alone the absolute KLs are tiny and exponential weights
+would be uniform, so that first block uses 1/KL like `kld`.
 """
 from __future__ import annotations
 
@@ -14,14 +23,16 @@ from typing import Optional
 
 import torch
 
-POLICIES = ("uniform", "kld", "tvd", "w-grid", "confidence")
+POLICIES = ("uniform", "kld", "tvd", "w-grid", "hedge", "confidence")
+HEDGE_CLIP = 1.0   # nats: per-position cap of the KL that `hedge` accumulates
 
 
 @dataclass
 class EnsembleConfig:
     """policy: one of POLICIES. window: history positions used (0 = all). temperature:
     optional temperature on the weights of `kld`/`tvd` (w = softmax(-log D / temperature);
-    None = 1, i.e. w ∝ 1/D). grid_step: spacing of the `w-grid` simplex grid."""
+    None = 1, i.e. w ∝ 1/D) and `hedge` (w = softmax(-Σ min(KL, 1) / temperature)).
+    grid_step: spacing of the `w-grid` simplex grid."""
 
     policy: str = "w-grid"
     window: int = 0
@@ -69,7 +80,7 @@ class EnsembleState:
 
     @property
     def adaptive(self) -> bool:
-        return self.cfg.policy in ("kld", "tvd", "w-grid") and self.K > 1
+        return self.cfg.policy in ("kld", "tvd", "w-grid", "hedge") and self.K > 1
 
     def reset(self):
         self.valid.zero_()
@@ -79,16 +90,18 @@ class EnsembleState:
         """Record one block at slots cursor.. and return (next weights [B, K], new cursor).
 
         p_logits [B, P, V] target, q_logits [B, K, P, V] views, n_acc [B] accepted drafts:
-        positions 0..n_acc (the accepted ones plus the first rejected) are recorded.
-        Idempotent in its inputs (rewrites the same slots), as graph warm-up requires."""
+        positions 0..n_acc (the accepted ones plus the first rejected) are recorded; all P with
+        `hedge`. Idempotent in its inputs (rewrites the same slots), as graph warm-up requires."""
         from .ops.window_divergence import window_divergence
 
         P = p_logits.shape[1]
         idx = cursor + torch.arange(P, device=cursor.device)                  # [P]
         valid = torch.arange(P, device=n_acc.device)[None] <= n_acc[:, None]  # [B, P]
+        if self.cfg.policy == "hedge":
+            valid = torch.ones_like(valid)
         kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid)
         self.valid.index_copy_(1, idx, valid)
-        self.div.index_copy_(2, idx, kl if self.cfg.policy in ("kld", "w-grid") else tv)
+        self.div.index_copy_(2, idx, tv if self.cfg.policy == "tvd" else kl)
         if self.grid is not None:
             self.match.index_copy_(2, idx, gm.float())
             self.gkl.index_copy_(2, idx, gkl)
@@ -114,6 +127,13 @@ class EnsembleState:
             best = match.max(-1, keepdim=True).values
             kl = kl.masked_fill(match < best, float("inf"))
             w = self.grid[kl.argmin(-1)]                                   # [B, K]
+        elif self.cfg.policy == "hedge":
+            t = self.cfg.temperature or 1.0
+            d = torch.where(m, self.div, 0.0).sum(-1)                      # [B, K]
+            first = torch.softmax(-torch.log(d.clamp_min(1e-12)), dim=-1)   # one position: 1/KL
+            clipped = torch.where(m, self.div.clamp_max(HEDGE_CLIP), 0.0).sum(-1)
+            later = torch.softmax(-clipped / t, dim=-1)
+            w = torch.where(m.flatten(1).sum(-1, keepdim=True) <= 1, first, later)
         else:
             d = torch.where(m, self.div, 0.0).sum(-1)                      # [B, K]
             t = self.cfg.temperature or 1.0

@@ -3,8 +3,10 @@ decode), one graph per shape key, all sharing one memory pool.
 
 A captured function takes only tensors and must be idempotent in them (its warm-up run
 executes for real before capture): inputs are copied into static buffers before each
-replay and the outputs are static tensors overwritten by the next replay. Lengths,
-positions and RNG seed/offset are device tensors, so a replay needs no host sync.
+replay and the outputs are static tensors overwritten by the next replay. An input that is
+the output of another graph of the same cache (the verification logits fed to the history
+update, say) is captured by reference: passing that same tensor again costs no copy.
+Lengths, positions and RNG seed/offset are device tensors, so a replay needs no host sync.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import torch
 
 
 class CapturedFn:
-    def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool):
-        self.inputs = {k: v.clone() for k, v in inputs.items()}
+    def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool, static: frozenset = frozenset()):
+        # inputs whose storage is another graph's output (`static` data pointers) are used in
+        # place; everything else gets its own buffer
+        self.inputs = {k: v if v.data_ptr() in static else v.clone() for k, v in inputs.items()}
         # warm up on a side stream (Triton compilation, cuBLAS handles), as capture requires
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -37,7 +41,9 @@ class CapturedFn:
 
     def __call__(self, inputs: dict[str, torch.Tensor]):
         for k, v in inputs.items():
-            self.inputs[k].copy_(v, non_blocking=True)
+            buf = self.inputs[k]
+            if v.data_ptr() != buf.data_ptr() or v.shape != buf.shape or v.stride() != buf.stride():
+                buf.copy_(v, non_blocking=True)
         self.graph.replay()
         return self.outputs
 
@@ -52,7 +58,9 @@ class GraphCache:
     def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor]):
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = CapturedFn(fn, inputs, self.pool)
+            static = frozenset(t.data_ptr() for c in self.graphs.values()
+                               for t in ((c.outputs,) if isinstance(c.outputs, torch.Tensor) else c.outputs))
+            g = self.graphs[key] = CapturedFn(fn, inputs, self.pool, static)
         return g(inputs)
 
     def __len__(self):

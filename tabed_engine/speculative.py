@@ -78,9 +78,24 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
 
 
 def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
-    """Target logits [B, γ+1, V] for vin [B, γ+1] written at slots tlens.. (one graph)."""
+    """Target logits [B, γ+1, V] for vin [B, γ+1] written at slots tlens.."""
     pos = tlens.long()[:, None] + torch.arange(vin.shape[1], device=vin.device)
     return target_lm(cache, pos, input_ids=vin, lengths=tlens, kv_len=kv_len)
+
+
+def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, sp, kv_len=None):
+    """Target forward on vin = [last token, d_1..d_γ] and the lossless acceptance, one graph:
+    returns (target logits [B, γ+1, V], accepted drafts n_acc [B], next token [B]).
+    Greedy: the target's argmax chain. Sampling (sp.temperature > 0): mixture [γ, B, V] is the
+    draft distribution each d_i was drawn from, uniforms [B, γ+1] the acceptance draws."""
+    tlogits = verify_forward(target_lm, cache, vin, tlens, kv_len=kv_len)
+    drafted = vin[:, 1:]
+    if sp.greedy:
+        n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True)
+    else:
+        n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp),
+                                  greedy=False, uniforms=uniforms)
+    return tlogits, n_acc, nxt
 
 
 def run_speculative(eng, prep, sp, gen, caption):
@@ -109,7 +124,7 @@ def run_speculative(eng, prep, sp, gen, caption):
     temp = 1.0 if greedy else sp.temperature   # draft softmax and divergence temperature
     state = eng.ensemble_state(B, gamma * (sp.max_new_tokens + 1))
     hist_fn = partial(history_step, state, temperature=temp)
-    hist_key = ("hist", B, K, gamma, state.capacity, temp, id(state))
+    hist_key = ("hist", B, K, gamma, state.capacity, greedy, temp, id(state))
     w = state.uniform
     if state.adaptive:
         # the prefill already verified one position: the target's distribution of the first
@@ -121,11 +136,21 @@ def run_speculative(eng, prep, sp, gen, caption):
     confidence = eng.ensemble.policy == "confidence" and K > 1
     draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
                        temperature=temp, confidence=confidence)
-    verify_fn = partial(verify_forward, eng.target.lm, tcache)
+    verify_fn = partial(verify_block, eng.target.lm, tcache, sp=sp)
+    verify_key = ("verify", B, gamma, greedy, sp.temperature, sp.top_k, sp.top_p)
+    # the block's one host read (accepted count, next token, drafted tokens), into pinned
+    # memory on the GPU so the history update can be queued before the host waits
+    head = torch.empty(2 + gamma, dtype=torch.long, pin_memory=dev.type == "cuda")
+    head_ready = torch.cuda.Event() if dev.type == "cuda" else None
     draft_key = ("draft", B, K, gamma, greedy, temp, confidence)
     seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=dev)
     offset = torch.zeros(1, dtype=torch.long, device=dev)
     schedule = eng.bench_accept_schedule
+
+    # each block's weights for request 0, recorded on the device (a host read per block would
+    # be a second synchronisation) and read back once at the end; with a non-adaptive policy
+    # the weights never change and nothing is recorded
+    w_rec = torch.empty(sp.max_new_tokens, K, device=dev) if state.adaptive else None
 
     out = [int(first[0])]
     yield list(out)
@@ -144,34 +169,36 @@ def run_speculative(eng, prep, sp, gen, caption):
         offset += gamma * B * V
         timer.lap("time_draft")
 
-        # ---- verify: target forward on [last, d_1..d_γ]
+        # ---- verify: target forward on [last, d_1..d_γ] and acceptance (one graph)
         tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
         vin = torch.cat([torch.full((B, 1), out[-1], device=dev, dtype=torch.long), drafted], dim=1)
-        tlogits = eng.run_graph(("verify", B, gamma), verify_fn, dict(vin=vin, tlens=tlens),
-                                kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
-        if greedy:
-            n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True)
-        else:
-            u = torch.rand(B, gamma + 1, generator=gen, device=dev)
-            n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp),
-                                      greedy=False, uniforms=u)
+        inputs = dict(vin=vin, tlens=tlens)
+        if not greedy:
+            inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
+        tlogits, n_acc, nxt = eng.run_graph(verify_key, verify_fn, inputs,
+                                            kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
         if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
             n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
             nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
+        head.copy_(torch.cat([n_acc[:1], nxt[:1], drafted[0]]), non_blocking=True)
+        if head_ready is not None:
+            head_ready.record()
         stats.target_forwards += 1
-        n = int(n_acc[0])                                                  # the block's one host sync
         timer.lap("time_verify")
 
         # ---- history: divergences at the accepted positions + the first rejected one, and
-        # the next block's weights (one graph on the GPU; no host sync)
-        stats.weights.append([round(x, 4) for x in w[0].tolist()])   # read before w is replaced
+        # the next block's weights (one graph on the GPU, queued before the host waits)
         if state.adaptive:
+            w_rec[block].copy_(w[0])                                     # before w is replaced
             w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
                                                                    n_acc=n_acc, cursor=state.cursor))
             state.cursor.copy_(new_cursor)
         timer.lap("time_ensemble")
 
-        new = drafted[0, :n].tolist() + [int(nxt[0])]
+        if head_ready is not None:
+            head_ready.synchronize()                                     # the block's one host sync
+        n, t_next, *d = head.tolist()
+        new = d[:n] + [t_next]
         stats.accepted_lengths.append(n)
         new = _truncate(eng, sp, out, new)
         out += new
@@ -179,6 +206,8 @@ def run_speculative(eng, prep, sp, gen, caption):
         yield new
         timer.lap("time_other")
     stats.new_tokens = len(out)
+    w_blocks = w_rec[:block].tolist() if w_rec is not None else [state.uniform[0].tolist()] * block
+    stats.weights = [[round(x, 4) for x in row] for row in w_blocks]
     eng.sync()
     stats.time_total = time.perf_counter() - t_start
     return stats

@@ -126,6 +126,17 @@ def test_kernel_more_splits_than_blocks(kernel_device):
     check(q, k, v, lengths, masks, out)
 
 
+def test_split_combine_counters_reset_between_launches(kernel_device):
+    # The last split of a tile combines and zeroes its arrival counter: back-to-back launches
+    # with different split counts (and a different tile grid) must each combine exactly once.
+    q, k, v, lengths, masks = make_case(3, 9, 8, 2, 64, torch.float32, kernel_device, seed=5)
+    for splits in (3, 3, 2, 5):
+        out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+        _k.tree_attention(q, k, v, lengths, masks, out=out, num_splits=splits)
+        check(q, k, v, lengths, masks, out)
+        assert int(_k._COUNTERS[q.device].abs().sum()) == 0
+
+
 def test_mask_changes_result(kernel_device):
     # Guards against a kernel that ignores the tree: a chain and a star give different outputs.
     q, k, v, lengths, _ = make_case(2, 6, 4, 4, 64, torch.float32, kernel_device, lengths=[0, 30])

@@ -99,7 +99,7 @@ def test_draft_equal_to_target_accepts_everything(gamma):
     assert out.stats.block_efficiency == gamma + 1
 
 
-@pytest.mark.parametrize("policy", ["kld", "tvd", "w-grid"])
+@pytest.mark.parametrize("policy", ["kld", "tvd", "w-grid", "hedge"])
 @pytest.mark.parametrize("order", [("M", "T"), ("T", "M")])
 def test_adaptive_weights_move_to_matching_view(policy, order):
     """Draft = target: the M view sees the real image and matches the target exactly; the
@@ -238,3 +238,31 @@ def test_history_window(window):
     out = eng.generate(text, images=imgs, sampling=sp)
     assert out.token_ids == eng.generate(text, images=imgs, sampling=sp, speculative=False).token_ids
     assert all(w[1] >= 0.85 for w in out.stats.weights[3:]), out.stats.weights
+
+
+def test_hedge_weights_exponentiate_clipped_kl_over_all_drafted_positions():
+    """`hedge`: the first recorded position alone gives 1/KL weights; after a block every
+    drafted position counts (also those after the first rejection) and the weights are
+    softmax(-sum min(KL, 1)). Checked against KL computed here in float64."""
+    from tabed_engine.ensemble import HEDGE_CLIP, EnsembleConfig, EnsembleState
+
+    gen = torch.Generator().manual_seed(3)
+    B, K, P, V = 2, 3, 4, 37
+    st = EnsembleState(EnsembleConfig(policy="hedge", num_views=K), B, capacity=16, device="cpu")
+
+    def kl(p, q):  # p [B, P, V], q [B, K, P, V] logits -> [B, K, P]
+        lp, lq = torch.log_softmax(p.double(), -1)[:, None], torch.log_softmax(q.double(), -1)
+        return (lp.exp() * (lp - lq)).sum(-1)
+
+    p0, q0 = torch.randn(B, 1, V, generator=gen), torch.randn(B, K, 1, V, generator=gen)
+    w, cur = st.step(p0, q0, torch.zeros(B, dtype=torch.long), st.cursor)
+    st.cursor.copy_(cur)
+    d0 = kl(p0, q0)[..., 0]
+    assert torch.allclose(w.double(), (1 / d0) / (1 / d0).sum(-1, keepdim=True), atol=1e-5)
+
+    p1, q1 = 3 * torch.randn(B, P, V, generator=gen), 3 * torch.randn(B, K, P, V, generator=gen)
+    n_acc = torch.tensor([0, 2])          # early rejections: hedge still records all P positions
+    w, cur = st.step(p1, q1, n_acc, st.cursor)
+    loss = d0.clamp(max=HEDGE_CLIP) + kl(p1, q1).clamp(max=HEDGE_CLIP).sum(-1)
+    assert torch.allclose(w.double(), torch.softmax(-loss, -1), atol=1e-5)
+    assert int(cur) == 1 + P and bool(st.valid[:, :1 + P].all())
