@@ -11,6 +11,9 @@ call so K/V come from HBM):
   sdpa      torch SDPA on the cache slice [0, prefix + N) with a dense bool mask, eager
   compiled  torch.compile of the same function (static shapes)
   ref       tabed_engine.ops.tree_attention_reference (fp32 upcast, poisoned-slot cleaning)
+  *_graph   triton and compiled replayed inside a CUDA graph, as the engine runs them: 20
+            calls per graph, each after a 256 MB L2-flushing memset, minus a graph of the
+            memsets alone (without a graph a one-row call is mostly launch overhead)
 GB/s counts the bytes the op must move: K/V over [0, prefix + N) once, q and out.
 TFLOP/s counts QK^T and PV over each node's visible slots. The copy ceiling is a
 device-to-device copy measured in the same run.
@@ -65,6 +68,37 @@ def timer(smoke):
         fn()
         return (time.perf_counter() - t0) * 1e3
     return wall_ms
+
+
+def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """Per-call ms of fn inside a CUDA graph, K/V from HBM (see the module docstring)."""
+    flush = torch.empty(1 << 26, dtype=torch.int32, device="cuda")
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+
+    def capture(with_fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        return g
+
+    def time_graph(g):
+        g.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(replays):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end))
+        return sorted(ts)[len(ts) // 2]
+
+    both, only = time_graph(capture(True)), time_graph(capture(False))
+    return (both - only) / calls
 
 
 def copy_bandwidth(device, smoke):
@@ -127,6 +161,13 @@ def main(argv=None):
                      "ref": bench(lambda: tree_attention_reference(q, k, v, lengths, tm, span=span))}
                 if compiled is not None:
                     t["compiled"] = bench(lambda: compiled(q, k, v, lengths, tm, span))
+                if not args.smoke:
+                    t["triton_graph"] = graph_ms(lambda: _k.tree_attention(q, k, v, lengths, tm, out=out))
+                    if compiled is not None:
+                        try:
+                            t["compiled_graph"] = graph_ms(lambda: compiled(q, k, v, lengths, tm, span))
+                        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                            print(f"compiled graph capture failed: {type(e).__name__}")
                 truth = tree_attention_reference(q, k, v, lengths, tm, span=span)
                 err = (out.float() - truth.float()).abs().max().item()
                 nbytes, flops = bytes_and_flops(R, N, H, Hkv, D, prefix, q.element_size())
@@ -137,10 +178,15 @@ def main(argv=None):
                                  ms=t, bytes=nbytes, flops=flops, triton_gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                                  triton_tflops=tfs, speedup_vs_sdpa=t["sdpa"] / t["triton"],
                                  speedup_vs_ref=t["ref"] / t["triton"],
-                                 speedup_vs_compiled=comp / t["triton"], max_abs_err=err))
+                                 speedup_vs_compiled=comp / t["triton"], max_abs_err=err,
+                                 graph_gbs=nbytes / (t["triton_graph"] * 1e-3) / 1e9 if "triton_graph" in t else None,
+                                 graph_speedup_vs_compiled=(t["compiled_graph"] / t["triton_graph"]
+                                                            if "compiled_graph" in t else None)))
                 print(f"{R:>2} {prefix:>6} {N:>3} | {t['triton'] * 1e3:>8.1f} {t['sdpa'] * 1e3:>8.1f} "
                       f"{comp * 1e3:>8.1f} {t['ref'] * 1e3:>8.1f}    | {gbs:>6.0f} {100 * gbs / copy_gbs:>5.1f} "
-                      f"{tfs:>5.1f} | {t['sdpa'] / t['triton']:>6.2f} {comp / t['triton']:>6.2f} {err:>8.2g}")
+                      f"{tfs:>5.1f} | {t['sdpa'] / t['triton']:>6.2f} {comp / t['triton']:>6.2f} {err:>8.2g}"
+                      + (f" | graph {t['triton_graph'] * 1e3:.1f} vs compiled "
+                         f"{t.get('compiled_graph', float('nan')) * 1e3:.1f} us" if "triton_graph" in t else ""))
 
     result = dict(
         op="tree_attention", smoke=args.smoke,
@@ -148,7 +194,8 @@ def main(argv=None):
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=" ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
-        copy_gbs=copy_gbs, timer="triton.testing.do_bench median (L2 flushed)" if not args.smoke else "wall clock",
+        copy_gbs=copy_gbs, timer=("triton.testing.do_bench median (L2 flushed); *_graph: CUDA-graph replay, L2 flushed, "
+               "memset graph subtracted") if not args.smoke else "wall clock",
         rows=rows,
     )
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
