@@ -282,6 +282,12 @@ class Engine:
         return cache, logits, sel
 
     def _run_ar(self, prep: Prepared, sp: SamplingParams, gen):
+        """Autoregressive decoding, pipelined one step deep: step t + 1 is queued on the device
+        (its input token never leaves the device) before the host waits for token t, so the
+        GPU does not idle while the host reads a token and launches the next step. When token
+        t turns out to be EOS, the queued step is discarded (its KV lands past the sequence;
+        the tokens are those of the unpipelined loop, and the sampler's draws for emitted
+        tokens come in the same order)."""
         stats = GenerationStats(speculative=False, prompt_tokens=len(prep.ids))
         t0 = time.perf_counter()
         cache, logits, _ = self.prefill_target(prep)
@@ -289,18 +295,30 @@ class Engine:
         stats.time_prefill = time.perf_counter() - t0
         step_fn = functools.partial(decode_step, self.target.lm, cache)
         length = len(prep.ids)
+        cuda = self.device.type == "cuda"
+        host = torch.empty(1, dtype=torch.long, pin_memory=cuda)
+        ready = torch.cuda.Event() if cuda else None
+        tok = pick_tokens(logits, sp, gen)              # [1], on the device
         for step in range(sp.max_new_tokens):
-            tok = pick_tokens(logits, sp, gen)          # [1]
-            t = int(tok[0])                             # the step's one host sync
+            host.copy_(tok, non_blocking=True)
+            if ready is not None:
+                ready.record()
+            last = step == sp.max_new_tokens - 1
+            if not last:                                # queue step + 1 before waiting for token step
+                logits = self.run_graph(("ar", 1), step_fn, {"tok": tok[:, None], "lens": cache.lengths},
+                                        kv_len=self.kv_bucket(length + 1))
+                cache.lengths += 1
+                length += 1
+                nxt = pick_tokens(logits, sp, gen)
+            if ready is not None:
+                ready.synchronize()                     # the step's one host wait
+            t = int(host[0])
             stats.new_tokens += 1
             yield [t]
-            if (sp.stop_at_eos and t in self.eos_ids) or step == sp.max_new_tokens - 1:
+            if last or (sp.stop_at_eos and t in self.eos_ids):
                 break
-            logits = self.run_graph(("ar", 1), step_fn, {"tok": tok[:, None], "lens": cache.lengths},
-                                    kv_len=self.kv_bucket(length + 1))
-            cache.lengths += 1
-            length += 1
             stats.target_forwards += 1
+            tok = nxt
         self.sync()
         stats.time_total = time.perf_counter() - t0
         return stats

@@ -91,54 +91,19 @@ class EnsembleState:
 
         p_logits [B, P, V] target, q_logits [B, K, P, V] views, n_acc [B] accepted drafts:
         positions 0..n_acc (the accepted ones plus the first rejected) are recorded; all P with
-        `hedge`. Idempotent in its inputs (rewrites the same slots), as graph warm-up requires."""
+        `hedge`. Idempotent in its inputs (rewrites the same slots), as graph warm-up requires.
+        Two launches on the GPU: `window_divergence` and `history_update`."""
+        from .ops.history_update import POLICY_DIV, POLICY_GRID, POLICY_HEDGE, history_update
         from .ops.window_divergence import window_divergence
 
-        P = p_logits.shape[1]
-        idx = cursor + torch.arange(P, device=cursor.device)                  # [P]
-        valid = torch.arange(P, device=n_acc.device)[None] <= n_acc[:, None]  # [B, P]
-        if self.cfg.policy == "hedge":
-            valid = torch.ones_like(valid)
-        kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid)
-        self.valid.index_copy_(1, idx, valid)
-        self.div.index_copy_(2, idx, tv if self.cfg.policy == "tvd" else kl)
-        if self.grid is not None:
-            self.match.index_copy_(2, idx, gm.float())
-            self.gkl.index_copy_(2, idx, gkl)
-        return self.weights(), cursor + P
-
-    def _in_window(self) -> torch.Tensor:
-        """[B, capacity] mask of the last `window` valid positions (all when window = 0)."""
-        v = self.valid
-        if self.cfg.window == 0:
-            return v
-        from_end = v.flip(-1).cumsum(-1).flip(-1)     # valid positions at or after each slot
-        return v & (from_end <= self.cfg.window)
-
-    def weights(self) -> torch.Tensor:
-        """Weights [B, K] for the next block (uniform before any history)."""
         if not self.adaptive:
-            return self.uniform
-        m = self._in_window()[:, None]                                     # [B, 1, H]
-        any_pos = m.flatten(1).any(-1, keepdim=True)                        # [B, 1]
-        if self.cfg.policy == "w-grid":
-            match = torch.where(m, self.match, 0.0).sum(-1)                 # [B, G]
-            kl = torch.where(m, self.gkl, 0.0).sum(-1)                      # [B, G]
-            best = match.max(-1, keepdim=True).values
-            kl = kl.masked_fill(match < best, float("inf"))
-            w = self.grid[kl.argmin(-1)]                                   # [B, K]
-        elif self.cfg.policy == "hedge":
-            t = self.cfg.temperature or 1.0
-            d = torch.where(m, self.div, 0.0).sum(-1)                      # [B, K]
-            first = torch.softmax(-torch.log(d.clamp_min(1e-12)), dim=-1)   # one position: 1/KL
-            clipped = torch.where(m, self.div.clamp_max(HEDGE_CLIP), 0.0).sum(-1)
-            later = torch.softmax(-clipped / t, dim=-1)
-            w = torch.where(m.flatten(1).sum(-1, keepdim=True) <= 1, first, later)
-        else:
-            d = torch.where(m, self.div, 0.0).sum(-1)                      # [B, K]
-            t = self.cfg.temperature or 1.0
-            w = torch.softmax(-torch.log(d.clamp_min(1e-12)) / t, dim=-1)
-        return torch.where(any_pos, w, self.uniform)
+            return self.uniform, cursor + p_logits.shape[1]
+        kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid)
+        policy = {"w-grid": POLICY_GRID, "hedge": POLICY_HEDGE}.get(self.cfg.policy, POLICY_DIV)
+        return history_update(tv if self.cfg.policy == "tvd" else kl, gm, gkl, n_acc, cursor, self.valid,
+                              self.div, self.match, self.gkl, self.grid, policy=policy, window=self.cfg.window,
+                              temperature=self.cfg.temperature or 1.0, clip=HEDGE_CLIP,
+                              all_positions=self.cfg.policy == "hedge")
 
 
 def history_step(state: EnsembleState, tlogits, q_logits, n_acc, cursor, *, temperature: float,

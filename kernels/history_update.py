@@ -1,0 +1,165 @@
+"""One block's ensemble-history update and the next block's weights, in one launch.
+
+The PyTorch path (`tabed_engine.ops.history_update.history_update_reference`) is ~20 small
+kernels per block (index copies into the history, masked sums over it, the policy's
+arithmetic); inside the block's CUDA graph each costs a dependent launch. Here one program
+per request b:
+
+1. writes the block's P positions into the history at slots cursor.. (valid flag, per-view
+   divergence, and for `w-grid` the per-weight-vector match and KL) - the same slots with
+   the same values on every call, so a replayed or warmed-up graph stays idempotent;
+2. sums the divergences of the recorded positions that fall in the window (the last
+   `window` valid positions, 0 = all): the old slots [0, cursor) are read back from the
+   history in BLOCK_H tiles, the new ones are still in registers;
+3. turns the sums into weights [K] by the policy (kld/tvd: softmax(-log D / t); hedge:
+   1/KL on a single position, else softmax(-sum min(KL, clip) / t); w-grid: the grid row
+   with the most argmax matches, ties to the lowest summed KL, then the lowest index) and
+   writes them; program 0 writes cursor + P.
+
+Everything in fp32.
+"""
+import torch
+import triton
+import triton.language as tl
+
+POLICY_DIV, POLICY_GRID, POLICY_HEDGE = 0, 1, 2
+_BIG_IDX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _history_kernel(
+    div_new_ptr, match_new_ptr, gkl_new_ptr, n_acc_ptr, cursor_ptr,
+    valid_ptr, div_ptr, match_ptr, gkl_ptr, grid_ptr, w_ptr, new_cursor_ptr,
+    K, P, G, CAP, WINDOW, inv_t, clip,
+    POLICY: tl.constexpr, ALL_POS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    KP: tl.constexpr, PP: tl.constexpr, GP: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    cur = tl.load(cursor_ptr)
+    n_acc = tl.load(n_acc_ptr + b)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    ps = tl.arange(0, PP)
+    pmask = ps < P
+    GRID: tl.constexpr = POLICY == 1
+
+    # ---- 1. the new block: positions 0..n_acc (all P with ALL_POS), written at cur + p
+    vnew = pmask & ((ps <= n_acc) | ALL_POS)
+    vnew_i = vnew.to(tl.int32)
+    n_new = tl.sum(vnew_i, axis=0)
+    kp_mask = kmask[:, None] & pmask[None, :]
+    dnew = tl.load(div_new_ptr + (b * K + ks[:, None]) * P + ps[None, :], mask=kp_mask, other=0.0)
+    tl.store(valid_ptr + b * CAP + cur + ps, vnew.to(tl.int8), mask=pmask)
+    tl.store(div_ptr + (b * K + ks[:, None]) * CAP + cur + ps[None, :], dnew, mask=kp_mask)
+    gs = tl.arange(0, GP)
+    gmask = gs < G
+    # window rank of a new position: valid new positions at or after it
+    from_end_new = n_new - (tl.cumsum(vnew_i, axis=0) - vnew_i)
+    inc_new = vnew
+    if HAS_WINDOW:
+        inc_new = vnew & (from_end_new <= WINDOW)
+    d = tl.sum(tl.where(inc_new[None, :], dnew, 0.0), axis=1)                       # [KP]
+    dc = tl.sum(tl.where(inc_new[None, :], tl.minimum(dnew, clip), 0.0), axis=1)
+    npos = tl.sum(inc_new.to(tl.int32), axis=0)
+    msum = tl.zeros([GP], tl.float32)
+    ksum = tl.zeros([GP], tl.float32)
+    if GRID:
+        gp_mask = gmask[:, None] & pmask[None, :]
+        gnew = (b * G + gs[:, None]) * P + ps[None, :]
+        mnew = tl.load(match_new_ptr + gnew, mask=gp_mask, other=0).to(tl.float32)
+        knew = tl.load(gkl_new_ptr + gnew, mask=gp_mask, other=0.0)
+        gslot = (b * G + gs[:, None]) * CAP + cur + ps[None, :]
+        tl.store(match_ptr + gslot, mnew, mask=gp_mask)
+        tl.store(gkl_ptr + gslot, knew, mask=gp_mask)
+        msum = tl.sum(tl.where(inc_new[None, :], mnew, 0.0), axis=1)
+        ksum = tl.sum(tl.where(inc_new[None, :], knew, 0.0), axis=1)
+
+    # ---- 2. the recorded positions before this block, [0, cur)
+    n_old = 0
+    if HAS_WINDOW:
+        for h0 in range(0, cur, BLOCK_H):
+            hs = h0 + tl.arange(0, BLOCK_H)
+            v = tl.load(valid_ptr + b * CAP + hs, mask=hs < cur, other=0) != 0
+            n_old += tl.sum(v.to(tl.int32), axis=0)
+    seen = 0
+    for h0 in range(0, cur, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        hmask = hs < cur
+        v = tl.load(valid_ptr + b * CAP + hs, mask=hmask, other=0) != 0
+        inc = v
+        if HAS_WINDOW:
+            v_i = v.to(tl.int32)
+            from_end = n_old - (tl.cumsum(v_i, axis=0) + seen) + 1 + n_new
+            inc = v & (from_end <= WINDOW)
+            seen += tl.sum(v_i, axis=0)
+        kh_mask = kmask[:, None] & hmask[None, :]
+        dv = tl.load(div_ptr + (b * K + ks[:, None]) * CAP + hs[None, :], mask=kh_mask, other=0.0)
+        d += tl.sum(tl.where(inc[None, :], dv, 0.0), axis=1)
+        dc += tl.sum(tl.where(inc[None, :], tl.minimum(dv, clip), 0.0), axis=1)
+        npos += tl.sum(inc.to(tl.int32), axis=0)
+        if GRID:
+            gh = (b * G + gs[:, None]) * CAP + hs[None, :]
+            gh_mask = gmask[:, None] & hmask[None, :]
+            msum += tl.sum(tl.where(inc[None, :], tl.load(match_ptr + gh, mask=gh_mask, other=0.0), 0.0), axis=1)
+            ksum += tl.sum(tl.where(inc[None, :], tl.load(gkl_ptr + gh, mask=gh_mask, other=0.0), 0.0), axis=1)
+
+    # ---- 3. weights
+    if GRID:
+        best = tl.max(tl.where(gmask, msum, -1.0), axis=0)
+        kl_best = tl.where(gmask & (msum >= best), ksum, float("inf"))
+        kmin = tl.min(kl_best, axis=0)
+        g_star = tl.min(tl.where(kl_best == kmin, gs, _BIG_IDX), axis=0)
+        w = tl.load(grid_ptr + g_star * K + ks, mask=kmask, other=0.0)
+    else:
+        x = -tl.log(tl.maximum(d, 1e-12))
+        if POLICY == 2:
+            x = tl.where(npos <= 1, x, -dc * inv_t)
+        else:
+            x = x * inv_t
+        x = tl.where(kmask, x, float("-inf"))
+        e = tl.exp(x - tl.max(x, axis=0))
+        w = e / tl.sum(e, axis=0)
+    w = tl.where(npos > 0, w, 1.0 / K)
+    tl.store(w_ptr + b * K + ks, w, mask=kmask)
+    if b == 0:
+        tl.store(new_cursor_ptr, cur + P)
+
+
+def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, *,
+                   policy, window, temperature, clip, all_positions, out=None):
+    """Triton launcher; see `tabed_engine.ops.history_update.history_update` for the contract.
+    out: optional [B, K] fp32 tensor for the weights (tests poison it)."""
+    B, K, P = div_new.shape
+    CAP = valid.shape[1]
+    has_grid = policy == POLICY_GRID
+    G = grid.shape[0] if has_grid else 0
+    dev = div_new.device
+    for name, t in (("div_new", div_new), ("div", div), ("valid", valid)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if P < 1 or K < 1:
+        raise ValueError(f"a block records at least one position of at least one view, got K={K}, P={P}")
+    if div.shape != (B, K, CAP) or valid.dtype != torch.bool or n_acc.shape != (B,) or cursor.shape != (1,):
+        raise ValueError(f"history shapes do not match: div_new {tuple(div_new.shape)}, div {tuple(div.shape)}, "
+                         f"valid {tuple(valid.shape)} {valid.dtype}, n_acc {tuple(n_acc.shape)}, "
+                         f"cursor {tuple(cursor.shape)}")
+    if has_grid and (match_new.shape != (B, G, P) or gkl_new.shape != (B, G, P)
+                     or match.shape != (B, G, CAP) or gkl.shape != (B, G, CAP)):
+        raise ValueError("w-grid statistics do not match the grid and history shapes")
+    w = torch.empty(B, K, device=dev, dtype=torch.float32) if out is None else out
+    if w.shape != (B, K) or w.dtype != torch.float32 or not w.is_contiguous():
+        raise ValueError(f"out must be contiguous fp32 [{B}, {K}], got {w.dtype} {tuple(w.shape)}")
+    new_cursor = torch.empty(1, device=dev, dtype=torch.long)
+    GP = triton.next_power_of_2(max(G, 1))
+    # [GP, BLOCK_H] tiles of two grid statistics per step: ~4K elements each
+    BLOCK_H = max(2, min(64, 4096 // GP)) if has_grid else 64
+    dummy = div_new
+    _history_kernel[(B,)](
+        div_new, match_new.view(torch.uint8) if has_grid else dummy, gkl_new if has_grid else dummy,
+        n_acc, cursor, valid.view(torch.int8), div, match if has_grid else dummy, gkl if has_grid else dummy,
+        grid if has_grid else dummy, w, new_cursor,
+        K, P, G, CAP, window, 1.0 / temperature, clip,
+        POLICY=policy, ALL_POS=all_positions, HAS_WINDOW=window > 0,
+        KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P), GP=GP, BLOCK_H=BLOCK_H, num_warps=4,
+    )
+    return w, new_cursor

@@ -1,0 +1,84 @@
+"""Ensemble history: record one block's divergences and compute the next block's weights.
+
+The history of B requests holds `capacity` slots: valid [B, C] bool, the per-view
+divergence div [B, K, C] (KL, or TV for `tvd`), and for `w-grid` per weight vector of the
+grid [G, K] whether the mixture's argmax matched the target's, match [B, G, C], and the
+mixture's KL, gkl [B, G, C]. A block's P positions go to slots cursor .. cursor + P - 1;
+positions 0..n_acc[b] are valid (all P with `all_positions`). The weights use the last
+`window` valid positions (0 = all):
+
+* div policies (kld, tvd): w = softmax(-log D / t), D the summed divergence;
+* hedge: on a single recorded position w = softmax(-log D) (1/KL), after that
+  w = softmax(-sum min(div, clip) / t);
+* w-grid: the grid row with the most matches, ties to the lowest summed gkl, then the
+  lowest row;
+
+uniform before any position is recorded.
+"""
+import torch
+
+try:
+    from tabed_engine.kernels import history_update as _k
+except ImportError:  # triton missing: the reference serves every device
+    _k = None
+
+POLICY_DIV, POLICY_GRID, POLICY_HEDGE = 0, 1, 2
+
+
+def history_update_reference(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, *,
+                             policy, window, temperature, clip, all_positions):
+    """Plain-PyTorch history update (ground truth for tests; CPU path of the engine)."""
+    B, K, P = div_new.shape
+    idx = cursor + torch.arange(P, device=cursor.device)                  # [P]
+    new_valid = torch.arange(P, device=n_acc.device)[None] <= n_acc[:, None]
+    if all_positions:
+        new_valid = torch.ones_like(new_valid)
+    valid.index_copy_(1, idx, new_valid)
+    div.index_copy_(2, idx, div_new.float())
+    if policy == POLICY_GRID:
+        match.index_copy_(2, idx, match_new.float())
+        gkl.index_copy_(2, idx, gkl_new.float())
+    # the last `window` valid positions (all when window = 0)
+    m = valid
+    if window:
+        from_end = valid.flip(-1).cumsum(-1).flip(-1)                        # valid at or after each slot
+        m = valid & (from_end <= window)
+    m = m[:, None]                                                         # [B, 1, C]
+    npos = m.flatten(1).sum(-1, keepdim=True)                              # [B, 1]
+    if policy == POLICY_GRID:
+        msum = torch.where(m, match, 0.0).sum(-1)                           # [B, G]
+        ksum = torch.where(m, gkl, 0.0).sum(-1)
+        best = msum.max(-1, keepdim=True).values
+        ksum = ksum.masked_fill(msum < best, float("inf"))
+        w = grid[ksum.argmin(-1)]                                           # [B, K]
+    else:
+        d = torch.where(m, div, 0.0).sum(-1)                                # [B, K]
+        x = -torch.log(d.clamp_min(1e-12))
+        if policy == POLICY_HEDGE:
+            dc = torch.where(m, div.clamp_max(clip), 0.0).sum(-1)
+            x = torch.where(npos <= 1, x, -dc / temperature)
+        else:
+            x = x / temperature
+        w = torch.softmax(x, dim=-1)
+    w = torch.where(npos > 0, w, torch.full_like(w, 1.0 / K))
+    return w, cursor + P
+
+
+def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, *,
+                   policy, window, temperature=1.0, clip=1.0, all_positions=False):
+    """Record one block in the history (in place) and return (weights [B, K] fp32, cursor + P).
+
+    div_new [B, K, P] fp32 divergences of the block; match_new [B, G, P] bool/uint8 and
+    gkl_new [B, G, P] fp32 (w-grid only, else None); n_acc [B] int64 accepted drafts (the
+    positions 0..n_acc are recorded); cursor [1] int64 first free slot. History tensors as in
+    the module docstring (contiguous); grid [G, K] fp32 (w-grid only). policy: POLICY_DIV,
+    POLICY_GRID or POLICY_HEDGE. No host sync: capturable in a CUDA graph, and idempotent
+    in its inputs (rewrites the same slots).
+    """
+    if policy not in (POLICY_DIV, POLICY_GRID, POLICY_HEDGE):
+        raise ValueError(f"unknown history policy {policy!r}")
+    if window < 0 or temperature <= 0:
+        raise ValueError(f"window must be >= 0 and temperature > 0, got {window}, {temperature}")
+    fn = _k.history_update if (div_new.is_cuda and _k is not None) else history_update_reference
+    return fn(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, policy=policy,
+              window=window, temperature=temperature, clip=clip, all_positions=all_positions)

@@ -1,0 +1,121 @@
+"""history_update: Triton kernel (CPU interpreter here, CUDA on a GPU) vs the PyTorch
+reference, over a sequence of blocks, every policy, with and without a window."""
+import itertools
+
+import pytest
+import torch
+
+from tabed_engine.ensemble import EnsembleConfig
+from tabed_engine.kernels import history_update as _k
+from tabed_engine.ops.history_update import (POLICY_DIV, POLICY_GRID, POLICY_HEDGE, history_update,
+                                             history_update_reference)
+
+NAMES = {POLICY_DIV: "kld", POLICY_GRID: "w-grid", POLICY_HEDGE: "hedge"}
+
+
+def new_history(B, K, G, cap, device):
+    """History tensors with every slot NaN-poisoned (valid all False): the kernel must
+    write the slots it records and never read a slot it did not."""
+    nan = float("nan")
+    return dict(valid=torch.zeros(B, cap, dtype=torch.bool, device=device),
+                div=torch.full((B, K, cap), nan, device=device),
+                match=torch.full((B, G, cap), nan, device=device),
+                gkl=torch.full((B, G, cap), nan, device=device))
+
+
+def run_blocks(fn, B, K, P, cap, policy, window, temperature, blocks, grid, device, seed, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    G = grid.shape[0] if grid is not None else 0
+    h = new_history(B, K, G, cap, device)
+    cursor = torch.zeros(1, dtype=torch.long, device=device)
+    out = []
+    for i in range(blocks):
+        Pi = 1 if i == 0 else P                      # the prefill position first, as the engine does
+        div_new = (torch.rand(B, K, Pi, generator=gen) * 2.5).to(device)
+        match_new = (torch.rand(B, G, Pi, generator=gen) < 0.4).to(torch.uint8).to(device)
+        gkl_new = (torch.rand(B, G, Pi, generator=gen) * 3).to(device)
+        n_acc = torch.randint(0, Pi, (B,), generator=gen).to(device)
+        w, cursor = fn(div_new, match_new if G else None, gkl_new if G else None, n_acc, cursor, h["valid"],
+                       h["div"], h["match"], h["gkl"], grid, policy=policy, window=window,
+                       temperature=temperature, clip=1.0, all_positions=policy == POLICY_HEDGE, **kw)
+        out.append((w.clone(), cursor.clone()))
+    return out, h
+
+
+CASES = [(B, K, P, cap, policy, window, t)
+         for (B, K, P, cap), policy, window, t in itertools.product(
+             [(1, 2, 5, 37), (3, 3, 6, 50), (2, 4, 1, 23)], (POLICY_DIV, POLICY_GRID, POLICY_HEDGE), (0, 4),
+             (1.0, 0.7))]
+
+
+@pytest.mark.parametrize("B,K,P,cap,policy,window,temperature", CASES)
+def test_kernel_matches_reference(B, K, P, cap, policy, window, temperature, kernel_device):
+    step = 0.25 if K < 4 else 0.1
+    grid = EnsembleConfig(policy="w-grid", num_views=K, grid_step=step).grid("cpu") if policy == POLICY_GRID else None
+    blocks = min(5, (cap - 1) // P + 1)
+    seed = B * 100 + K * 10 + P + policy + window
+
+    def kernel(*args, **kw):
+        out = torch.full((args[0].shape[0], args[0].shape[1]), float("nan"), device=kernel_device)
+        return _k.history_update(*args, out=out, **kw)
+
+    g_dev = None if grid is None else grid.to(kernel_device)
+    got, h_got = run_blocks(kernel, B, K, P, cap, policy, window, temperature, blocks, g_dev, kernel_device, seed)
+    ref, h_ref = run_blocks(history_update_reference, B, K, P, cap, policy, window, temperature, blocks, grid,
+                            "cpu", seed)
+    for i, ((w, c), (wr, cr)) in enumerate(zip(got, ref)):
+        assert torch.isfinite(w).all(), (i, w)
+        assert torch.allclose(w.cpu(), wr, atol=1e-5), (i, w, wr)
+        assert int(c) == int(cr)
+    assert torch.equal(h_got["valid"].cpu(), h_ref["valid"])
+    n = int(got[-1][1])
+    assert torch.equal(h_got["div"][..., :n].cpu(), h_ref["div"][..., :n])
+    if grid is not None:
+        assert torch.equal(h_got["match"][..., :n].cpu(), h_ref["match"][..., :n])
+        assert torch.equal(h_got["gkl"][..., :n].cpu(), h_ref["gkl"][..., :n])
+
+
+def test_kernel_is_idempotent(kernel_device):
+    # a graph's warm-up runs the update for real before capture: calling twice with the same
+    # cursor must give the same weights and history.
+    B, K, P, cap = 2, 3, 4, 20
+    h = new_history(B, K, 0, cap, kernel_device)
+    cursor = torch.zeros(1, dtype=torch.long, device=kernel_device)
+    div_new = torch.rand(B, K, P, generator=torch.Generator().manual_seed(1)).to(kernel_device)
+    n_acc = torch.tensor([1, 3], device=kernel_device)
+    args = (div_new, None, None, n_acc, cursor, h["valid"], h["div"], h["match"], h["gkl"], None)
+    w1, c1 = _k.history_update(*args, policy=POLICY_DIV, window=0, temperature=1.0, clip=1.0, all_positions=False)
+    w2, c2 = _k.history_update(*args, policy=POLICY_DIV, window=0, temperature=1.0, clip=1.0, all_positions=False)
+    assert torch.equal(w1, w2) and int(c1) == int(c2) == P
+    d = div_new.cpu()
+    expect = torch.stack([1 / d[0, :, :2].sum(-1), 1 / d[1, :, :4].sum(-1)])
+    assert torch.allclose(w1.cpu(), expect / expect.sum(-1, keepdim=True), atol=1e-5)
+    with pytest.raises(ValueError, match="at least one position"):
+        _k.history_update(div_new[..., :0], *args[1:], policy=POLICY_DIV, window=0, temperature=1.0, clip=1.0,
+                          all_positions=False)
+
+
+def test_dispatch_rejects_bad_arguments():
+    h = new_history(1, 2, 0, 8, "cpu")
+    args = (torch.rand(1, 2, 3), None, None, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            h["valid"], h["div"], h["match"], h["gkl"], None)
+    with pytest.raises(ValueError, match="policy"):
+        history_update(*args, policy=7, window=0)
+    with pytest.raises(ValueError, match="window"):
+        history_update(*args, policy=POLICY_DIV, window=-1)
+    with pytest.raises(ValueError, match="shapes"):
+        _k.history_update(*args[:5], torch.zeros(1, 9, dtype=torch.bool), *args[6:], policy=POLICY_DIV, window=0,
+                          temperature=1.0, clip=1.0, all_positions=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,step", [(2, 0.1), (4, 0.1)])
+def test_gpu_engine_shapes(K, step):
+    # the engine's shapes: B=1, gamma=5, capacity 5 * 129, a 0.1 grid (G = 11 or 286)
+    grid = EnsembleConfig(policy="w-grid", num_views=K, grid_step=step).grid("cpu")
+    for policy, g in ((POLICY_GRID, grid), (POLICY_HEDGE, None), (POLICY_DIV, None)):
+        got, _ = run_blocks(_k.history_update, 1, K, 5, 645, policy, 0, 1.0, 40, None if g is None else g.cuda(),
+                            "cuda", seed=K)
+        ref, _ = run_blocks(history_update_reference, 1, K, 5, 645, policy, 0, 1.0, 40, g, "cpu", seed=K)
+        for (w, _), (wr, _) in zip(got, ref):
+            assert torch.allclose(w.cpu(), wr, atol=1e-5), (NAMES[policy], w, wr)
