@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--views", default="M,T", help="draft views, comma separated subset of M,T,P,C (default M,T)")
-    g.add_argument("--policy", default="w-grid",
-                   help="ensemble policy: uniform, kld, tvd, w-grid (default), hedge, confidence")
+    g.add_argument("--policy", default="hedge",
+                   help="ensemble policy: uniform, kld, tvd, w-grid, hedge (default), confidence")
     g.add_argument("--window", type=int, default=0, help="history window in positions (0 = all)")
     g.add_argument("--gamma", type=int, default=5, help="draft tokens per block (default 5)")
     g.add_argument("--caption", default=None, help="image caption for the C view")

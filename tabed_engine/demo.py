@@ -26,7 +26,7 @@ def _bundled():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--views", default="M,T", help="draft views (default M,T)")
-    ap.add_argument("--policy", default="w-grid", help="ensemble policy (default w-grid)")
+    ap.add_argument("--policy", default="hedge", help="ensemble policy (default hedge)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)

@@ -66,7 +66,7 @@ class Engine:
     """
 
     def __init__(self, target: LoadedLVLM, processor, *, draft: Optional[LoadedLVLM] = None,
-                 device=None, dtype=None, views: Sequence[str] = ("M", "T"), policy: str = "w-grid",
+                 device=None, dtype=None, views: Sequence[str] = ("M", "T"), policy: str = "hedge",
                  window: int = 0, gamma: int = 5, tree=None, max_len: Optional[int] = None,
                  escape_token: Optional[int] = None, pool_size: Optional[int] = None,
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,

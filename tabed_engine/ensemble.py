@@ -34,7 +34,7 @@ class EnsembleConfig:
     None = 1, i.e. w ∝ 1/D) and `hedge` (w = softmax(-Σ min(KL, 1) / temperature)).
     grid_step: spacing of the `w-grid` simplex grid."""
 
-    policy: str = "w-grid"
+    policy: str = "hedge"
     window: int = 0
     temperature: Optional[float] = None
     grid_step: float = 0.1

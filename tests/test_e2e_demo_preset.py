@@ -39,7 +39,7 @@ def test_fields_and_lossless(report):
     assert rep["preset"] == "demo-pair" and rep["setup"]["acceptance_override"] is None
     assert rep["provenance"]["torch"] and rep["provenance"]["command"]
     configs = set(rep["setup"]["sd_configs"])
-    assert configs == {"w-grid[M+T]", "M"}
+    assert configs == {"hedge[M+T]", "M"}
     for sc in (*SCENARIOS, "all"):
         r = rep[sc]
         assert "error" not in r, (sc, r)
@@ -61,4 +61,4 @@ def test_fields_and_lossless(report):
     # the drafts are trained: over S1-S5 each SD config accepts drafts (tau well above 1)
     assert all(sd["tau"] > 1.5 for sd in rep["all"]["sd"].values())
     assert rep["targets"]["sd_tokens_identical_to_engine_ar (mismatches)"]["pass"] is True
-    assert "decode ms/token" in md and "| all |" in md and "SD w-grid[M+T]" in md
+    assert "decode ms/token" in md and "| all |" in md and "SD hedge[M+T]" in md
