@@ -46,18 +46,18 @@ def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def target_programs(device):
+def target_programs(device, per_sm=_PROGRAMS_PER_SM):
     """Programs a launch should have for the device to be filled (host query, no sync)."""
     device = torch.device(device)
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _PROGRAMS_PER_SM * _num_sms(index)
+    return per_sm * _num_sms(index)
 
 
-def n_vsplit(B, V, device):
+def n_vsplit(B, V, device, per_sm=_PROGRAMS_PER_SM):
     """Requested number of V chunks per request (shapes and device only: no sync)."""
-    want = triton.cdiv(target_programs(device), max(B, 1))
+    want = triton.cdiv(target_programs(device, per_sm), max(B, 1))
     return max(1, min(triton.cdiv(V, _MIN_CHUNK), _MAX_SPLITS, want))
 
 

@@ -215,13 +215,16 @@ def test_gpu_sampling_many_draws_and_graph_capture():
 # ---- V split (few requests): forced chunk counts on small and odd vocabularies.
 
 def test_split_count_from_shapes(monkeypatch):
-    monkeypatch.setattr(_common, "target_programs", lambda device: 8 * 132)  # an H100 / H200
+    monkeypatch.setattr(_common, "target_programs", lambda device, per_sm=8: per_sm * 132)  # an H100 / H200
     assert _k._n_vsplit(1, 32064, "cuda") == 32      # the engine's draft step: 32 chunks
     assert _k._n_vsplit(1, 151936, "cuda") == 128    # at most 128 chunks
     assert _k._n_vsplit(16, 151936, "cuda") == 66    # ~8 programs per SM
     assert _k._n_vsplit(128, 32064, "cuda") == 9
     assert _k._n_vsplit(4096, 32064, "cuda") == 1
     assert _k._n_vsplit(1, 173, "cuda") == 1
+    # ensemble_mix's own rate: ~4 programs per SM
+    assert _k._n_vsplit(16, 151936, "cuda", _k._PROGRAMS_PER_SM) == 33
+    assert _k._n_vsplit(128, 32064, "cuda", _k._PROGRAMS_PER_SM) == 5
 
 
 @pytest.mark.parametrize("n_split", [2, 7, 24])
@@ -232,7 +235,7 @@ def test_split_count_from_shapes(monkeypatch):
 ])
 def test_split_greedy_matches_reference(B, K, V, temperature, return_mixture, dtype, n_split,
                                         kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: n_split)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
     logits, w = _inputs(B, K, V, dtype, kernel_device, seed=n_split)
     ref = ensemble_mix_reference(logits, w, greedy=True, temperature=temperature, return_mixture=True)
     out_mix = torch.full((B, 3, V), float("nan"), device=kernel_device)[:, 2] if return_mixture else None
@@ -251,7 +254,7 @@ def test_split_greedy_matches_reference(B, K, V, temperature, return_mixture, dt
 @pytest.mark.parametrize("K", [1, 2])
 def test_split_ties_pick_lowest_index(K, kernel_device, monkeypatch):
     # V = 173 in 7 chunks of 32: ties at a chunk boundary (31 | 32), inside a chunk, later.
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: 7)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 7)
     logits = torch.full((K, 173), -5.0)
     for v in (160, 40, 32, 31):
         logits[:, v] = 3.0
@@ -270,7 +273,7 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device,
     offset = torch.tensor([12345], device=kernel_device)
     outs = []
     for n_split in (1, 5):
-        monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, n=n_split: n)
+        monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
         outs.append(_k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset,
                                     temperature=0.9, return_mixture=return_mixture))
     (t1, p1, m1, l1), (t5, p5, m5, l5) = outs
