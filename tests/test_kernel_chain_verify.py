@@ -220,11 +220,14 @@ def test_gpu_sampling_is_lossless():
 # ---- V split (few requests): forced chunk counts on small and odd vocabularies.
 
 def test_split_count_from_shapes(monkeypatch):
-    monkeypatch.setattr(_common, "target_programs", lambda device: 8 * 132)  # an H100 / H200
+    monkeypatch.setattr(_common, "target_programs", lambda device, per_sm=8: per_sm * 132)  # an H100 / H200
     assert _k._n_vsplit(1, 32064, "cuda") == 32      # the engine's verify: 32 chunks of ~1K
-    assert _k._n_vsplit(64, 32064, "cuda") == 17     # ~8 programs per SM
+    assert _k._n_vsplit(64, 32064, "cuda") == 17     # ~8 programs per SM (sampling)
     assert _k._n_vsplit(256, 32064, "cuda") == 5
     assert _k._n_vsplit(1, 173, "cuda") == 1
+    per_sm = _k._GREEDY_PROGRAMS_PER_SM              # greedy: ~2 programs per SM
+    assert _k._n_vsplit(1, 32064, "cuda", per_sm) == 32
+    assert _k._n_vsplit(64, 32064, "cuda", per_sm) == 5
 
 
 @pytest.mark.parametrize("n_split", [2, 5, 24])
@@ -233,7 +236,7 @@ def test_split_count_from_shapes(monkeypatch):
     (2, 3, 1000, torch.bfloat16),
 ])
 def test_split_greedy_matches_reference(B, gamma, V, dtype, n_split, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: n_split)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
     draft, logits, want, target = _greedy_case(B, gamma, V, dtype, kernel_device, seed=n_split)
     n_acc, nxt = _k.chain_verify(draft, None, logits, greedy=True)
     assert torch.equal(n_acc.cpu(), want)
@@ -241,7 +244,7 @@ def test_split_greedy_matches_reference(B, gamma, V, dtype, n_split, kernel_devi
 
 
 def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: 7)  # V = 173: chunks of 32
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 7)  # V = 173: chunks of 32
     logits = torch.zeros(1, 3, 173)
     logits[0, 0, [150, 64, 40]] = 5.0                        # across chunks -> 40
     logits[0, 1, [33, 63, 32]] = 5.0                         # one chunk -> 32
@@ -255,7 +258,7 @@ def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
 @pytest.mark.parametrize("B, gamma, V, sharp", [(8, 4, 173, 2.0), (6, 2, 1000, 2.0),
                                                 (4, 0, 1000, 2.0), (8, 3, 173, 6.0)])
 def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: n_split)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
     draft, q, p, u = _sampling_case(B, gamma, V, kernel_device, seed=n_split, sharp=sharp)
     q_wide = torch.zeros(B, gamma, V + 5, device=kernel_device)
     q_wide[..., :V] = q
@@ -267,7 +270,7 @@ def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, kernel_de
 def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatch):
     """The 6-token scenario spread over V = 173 (one token per chunk of 32), extreme
     uniforms included: chunk prefix + in-chunk scan must pick what the reference picks."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device: 6)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 6)
     draft, q6, p6, u = _scenario(60, seed=6)
     u[:4, -1] = torch.tensor([0.0, 1.0 - 2 ** -24, 0.5, 0.25])
     spots = torch.arange(6) * 32 + 5
