@@ -260,7 +260,9 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_PROGRAMS_PER_SM) if greedy else _n_vsplit(B, V, dev))
     SP = triton.next_power_of_2(S)
     if greedy:
-        BLOCK = max(16, min(triton.next_power_of_2(chunk), _TILE_GREEDY // GP))
+        # a chunk of <= 1024 columns (the engine's B = 1) stays one step
+        BLOCK = triton.next_power_of_2(chunk) if chunk <= 1024 else \
+            max(16, min(triton.next_power_of_2(chunk), _TILE_GREEDY // GP))
         part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
         _argmax_partial_kernel[(B, S)](
