@@ -151,8 +151,11 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
         raise ValueError(f"out must be contiguous fp32 [{B}, {K}], got {w.dtype} {tuple(w.shape)}")
     new_cursor = torch.empty(1, device=dev, dtype=torch.long)
     GP = triton.next_power_of_2(max(G, 1))
-    # [GP, BLOCK_H] tiles of two grid statistics per step: ~4K elements each
-    BLOCK_H = max(2, min(64, 4096 // GP)) if has_grid else 64
+    # One program reads a request's whole history: [GP, BLOCK_H] tiles of two grid statistics
+    # per step, 16K elements each with 16 warps for a large grid (G = 286: 0.75 MB over ~10
+    # steps), so that enough loads are in flight on the one SM.
+    BLOCK_H = max(2, min(64, 16384 // GP)) if has_grid else 64
+    num_warps = 16 if has_grid and GP * BLOCK_H >= 8192 else 4
     dummy = div_new
     _history_kernel[(B,)](
         div_new, match_new.view(torch.uint8) if has_grid else dummy, gkl_new if has_grid else dummy,
@@ -160,6 +163,6 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
         grid if has_grid else dummy, w, new_cursor,
         K, P, G, CAP, window, 1.0 / temperature, clip,
         POLICY=policy, ALL_POS=all_positions, HAS_WINDOW=window > 0,
-        KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P), GP=GP, BLOCK_H=BLOCK_H, num_warps=4,
+        KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P), GP=GP, BLOCK_H=BLOCK_H, num_warps=num_warps,
     )
     return w, new_cursor
