@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
-from bench_rope_kv_write import add_common_args, graph_ms, print_row, write_result  # noqa: E402
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, graph_ms,  # noqa: E402
+                                 print_row, write_result)
 from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
 from tabed_engine.model import rms_norm  # noqa: E402
 from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
@@ -49,23 +50,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
+    device, out_path = device_and_out(args, "add_rms_norm")
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
-        device, args.hidden, args.rows, args.no_compile, args.reps = "cpu", 96, [1, 3], True, 3
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("needs a CUDA GPU (or --smoke on CPU)")
-        device = "cuda"
+        args.hidden, args.rows, args.no_compile, args.reps = 96, [1, 3], True, 3
     N, dtype = args.hidden, torch.bfloat16
-    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        "add_rms_norm_smoke.json" if args.smoke else "add_rms_norm.json")
-    compiled = None
-    if not args.no_compile:
-        for name in ("cache_size_limit", "recompile_limit"):  # one static graph per row count
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 64)
-        compiled = torch.compile(eager_path, dynamic=False, fullgraph=True)
+    compiled = None if args.no_compile else compile_static(eager_path)  # one static graph per row count
 
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
     print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")

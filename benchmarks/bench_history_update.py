@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
-from bench_rope_kv_write import add_common_args, graph_ms, print_row, write_result  # noqa: E402
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, graph_ms,  # noqa: E402
+                                 print_row, write_result)
 from tabed_engine.ensemble import HEDGE_CLIP, EnsembleConfig  # noqa: E402
 from tabed_engine.kernels import history_update as _k  # noqa: E402
 from tabed_engine.ops.history_update import (POLICY_DIV, POLICY_GRID, POLICY_HEDGE,  # noqa: E402
@@ -53,22 +54,10 @@ def main(argv=None):
     add_common_args(ap, "history_update")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    device, out_path = device_and_out(args, "history_update")
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
-        device, args.capacity, args.no_compile, args.reps, args.views = "cpu", 40, True, 3, [2, 3]
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("needs a CUDA GPU (or --smoke on CPU)")
-        device = "cuda"
-    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        "history_update_smoke.json" if args.smoke else "history_update.json")
-    compiled = None
-    if not args.no_compile:
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 64)
-        compiled = torch.compile(history_update_reference, dynamic=False)
+        args.capacity, args.no_compile, args.reps, args.views = 40, True, 3, [2, 3]
+    compiled = None if args.no_compile else compile_static(history_update_reference, fullgraph=False)
 
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
     print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")

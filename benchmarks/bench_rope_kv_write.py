@@ -88,24 +88,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
+    device, out_path = device_and_out(args, "rope_kv_write")
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
-        device, H, D, S, args.kv_heads, args.tokens, args.no_compile = "cpu", 4, 16, 64, 2, [1, 3], True
-        args.reps = 3
+        H, D, S, args.kv_heads, args.tokens, args.no_compile, args.reps = 4, 16, 64, 2, [1, 3], True, 3
     else:
-        if not torch.cuda.is_available():
-            sys.exit("needs a CUDA GPU (or --smoke on CPU)")
-        device, H, D, S = "cuda", 32, 128, 2048
+        H, D, S = 32, 128, 2048
     KV, R, dtype = args.kv_heads, args.rows, torch.bfloat16
-    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        "rope_kv_write_smoke.json" if args.smoke else "rope_kv_write.json")
-    compiled = None
-    if not args.no_compile:
-        for name in ("cache_size_limit", "recompile_limit"):  # one static graph per T
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 64)
-        compiled = torch.compile(eager_path, dynamic=False, fullgraph=True)
+    compiled = None if args.no_compile else compile_static(eager_path)  # one static graph per T
 
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
     print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
@@ -154,6 +143,31 @@ def main(argv=None):
         print_row(f"{R:>2} {T:>2}", stream, graph, gbs, copy_gbs, err)
 
     write_result("rope_kv_write", args, device, copy_gbs, rows, out_path, t_start)
+
+
+def device_and_out(args, name: str):
+    """(device, JSON path) of a layer-kernel benchmark run: the CPU interpreter for --smoke
+    (TRITON_INTERPRET=1 required), else a CUDA GPU; exits with the reason otherwise."""
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernel under the interpreter: set TRITON_INTERPRET=1")
+        device = "cpu"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU (or --smoke on CPU)")
+        device = "cuda"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"{name}_smoke.json" if args.smoke else f"{name}.json")
+    return device, out
+
+
+def compile_static(fn, limit: int = 64, fullgraph: bool = True):
+    """torch.compile(fn) with static shapes and the recompile cap raised to `limit` (one
+    graph per benchmarked shape, none silently falling back to eager)."""
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, limit)
+    return torch.compile(fn, dynamic=False, fullgraph=fullgraph)
 
 
 def add_common_args(ap, name: str):
