@@ -23,9 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, graph_ms,  # noqa: E402
-                                 print_row, write_result)
+from _common import copy_bandwidth_gbs, provenance  # noqa: E402
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_row,  # noqa: E402
+                                 time_variants, write_result)
 from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
 from tabed_engine.model import rms_norm  # noqa: E402
 from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
@@ -78,15 +78,7 @@ def main(argv=None):
         err = max((s_out.float() - s_ref.float()).abs().max().item(),
                   (out.float() - out_ref.float()).abs().max().item())
 
-        stream, graph = {}, {}
-        for name, fn in fns.items():
-            for _ in range(5):  # warm-up: compile, caches, allocator
-                fn()
-            if device == "cuda":
-                stream[name] = event_ms(fn, args.reps, args.inner) * 1e3
-                graph[name] = graph_ms(fn, args.inner, args.reps) * 1e3
-            else:
-                stream[name] = median_ms(fn, device, args.reps) * 1e3
+        stream, graph = time_variants(fns, device, args)
         nbytes = (4 * M * N + N) * x.element_size()
         base = graph.get("fused", stream["fused"])
         gbs = nbytes / (base * 1e-6) / 1e9

@@ -24,9 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, graph_ms,  # noqa: E402
-                                 print_row, write_result)
+from _common import copy_bandwidth_gbs, provenance  # noqa: E402
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_row,  # noqa: E402
+                                 time_variants, write_result)
 from tabed_engine.ensemble import HEDGE_CLIP, EnsembleConfig  # noqa: E402
 from tabed_engine.kernels import history_update as _k  # noqa: E402
 from tabed_engine.ops.history_update import (POLICY_DIV, POLICY_GRID, POLICY_HEDGE,  # noqa: E402
@@ -84,18 +84,7 @@ def main(argv=None):
             fns["fused"]()
             w_ref, _ = history_update_reference(*pos, **kw)
             err = (w_out - w_ref).abs().max().item()
-            stream, graph = {}, {}
-            for vname, fn in fns.items():
-                try:
-                    for _ in range(3):
-                        fn()
-                    if device == "cuda":
-                        stream[vname] = event_ms(fn, args.reps, args.inner) * 1e3
-                        graph[vname] = graph_ms(fn, args.inner, args.reps) * 1e3
-                    else:
-                        stream[vname] = median_ms(fn, device, args.reps) * 1e3
-                except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
-                    print(f"  {vname} failed: {type(e).__name__}: {str(e)[:120]}")
+            stream, graph = time_variants(fns, device, args)
             nbytes = cap + 4 * K * (cursor + P) + 8 * G * (cursor + P) + 4 * (K + G) * P
             base = graph.get("fused", stream["fused"])
             gbs = nbytes / (base * 1e-6) / 1e9

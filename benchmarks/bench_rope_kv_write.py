@@ -124,15 +124,7 @@ def main(argv=None):
                   (k_cache.float() - ref_k.float()).abs().max().item(),
                   (v_cache.float() - ref_v.float()).abs().max().item())
 
-        stream, graph = {}, {}
-        for name, fn in fns.items():
-            for _ in range(5):  # warm-up: compile, autotune caches, allocator
-                fn()
-            if device == "cuda":
-                stream[name] = event_ms(fn, args.reps, args.inner) * 1e3
-                graph[name] = graph_ms(fn, args.inner, args.reps) * 1e3
-            else:
-                stream[name] = median_ms(fn, device, args.reps) * 1e3
+        stream, graph = time_variants(fns, device, args)
         elt = qkv.element_size()
         nbytes = qkv.numel() * elt + 2 * cos3.numel() * 4 + R * T * (H + 2 * KV) * D * elt
         base = graph.get("fused", stream["fused"])
@@ -168,6 +160,25 @@ def compile_static(fn, limit: int = 64, fullgraph: bool = True):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, limit)
     return torch.compile(fn, dynamic=False, fullgraph=fullgraph)
+
+
+def time_variants(fns: dict, device, args) -> tuple[dict, dict]:
+    """(plain-launch us, graph-replay us) per variant after 5 warm-up calls (compile,
+    autotune caches, allocator); graph times on CUDA only. A variant that fails is reported
+    and left out, not fatal."""
+    stream, graph = {}, {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(5):
+                fn()
+            if device == "cuda":
+                stream[name] = event_ms(fn, args.reps, args.inner) * 1e3
+                graph[name] = graph_ms(fn, args.inner, args.reps) * 1e3
+            else:
+                stream[name] = median_ms(fn, device, args.reps) * 1e3
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:120]}")
+    return stream, graph
 
 
 def add_common_args(ap, name: str):
