@@ -180,21 +180,22 @@ def _counters(device, n):
 def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
     """Split-K factor, from shapes only (lengths stay on the device, no sync).
 
-    Reasoning, not yet a measurement: a BLOCK_N=64, D=128 bf16 K+V tile pair is 32 KB of
-    smem per pipeline stage, so 2 programs fit per SM (3 stages) and keep ~128 KB of loads
-    in flight per SM, well past what HBM latency x bandwidth needs (~30 KB/SM on H100/H200).
-    With fewer programs than 2 per SM the idle SMs' bandwidth is lost, so split until ~2 per
-    SM. Each split writes and the combine reads R*N*H*D fp32 partials; capping splits at
+    About one program per SM: with fewer, the idle SMs' bandwidth is lost. A sweep on an
+    H200 (one row, 32 heads, D = 128, bf16, graph replays with L2 flushed; splits 4-32 x
+    BLOCK_N 16-64 x warps x stages) had 4-8 splits fastest for a 616-key prefix (10.2-10.5
+    us vs 11.4 us with the earlier ~2 programs per SM, 9 splits) and 4 for 2000 keys (16.8
+    vs 18.9 us): a one-row call is latency-bound and more splits only add partials. Each
+    split writes and the combine reads R*N*H*D fp32 partials; capping splits at
     512 / (N*group) keeps that traffic under the K/V bytes of a 1024-key prefix (N=64 -> 8
     splits, N=1 -> 16). Splits beyond a short row's block count just write m=-1e30, l=0.
     """
     if device.type != "cuda":
         return 1
-    target = 2 * _sm_count(device)
-    if base_programs * 2 > target:
+    sms = _sm_count(device)
+    if base_programs > sms:
         return 1
     cap = min(16, max(1, 512 // queries_per_kv), max_blocks)
-    return max(1, min(triton.cdiv(target, base_programs), cap))
+    return max(1, min(triton.cdiv(sms, base_programs), cap))
 
 
 def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=None, num_splits=None):
