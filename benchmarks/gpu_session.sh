@@ -39,6 +39,7 @@ for stage in "$@"; do
       timeout 240 $PY benchmarks/bench_tree_attention.py --rows 1 8 --prefix 600 2000 --nodes 1 8 32 64 \
         --out "$OUT/tree_attention.json" 2>&1 | tail -25
       timeout 120 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -12
+      timeout 100 $PY benchmarks/bench_history_update.py --out "$OUT/history_update.json" 2>&1 | tail -8
       ;;
     layer-kernels)
       timeout 120 $PY benchmarks/bench_rope_kv_write.py --out "$OUT/rope_kv_write.json" 2>&1 | tail -14
