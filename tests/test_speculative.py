@@ -266,3 +266,28 @@ def test_hedge_weights_exponentiate_clipped_kl_over_all_drafted_positions():
     loss = d0.clamp(max=HEDGE_CLIP) + kl(p1, q1).clamp(max=HEDGE_CLIP).sum(-1)
     assert torch.allclose(w.double(), torch.softmax(-loss, -1), atol=1e-5)
     assert int(cur) == 1 + P and bool(st.valid[:, :1 + P].all())
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_stop_at_eos_mid_generation(engine, speculative):
+    """A token of an unstopped greedy run made the EOS: AR (pipelined one step deep, so one
+    queued step is discarded at the EOS) and SD stop right after its first occurrence, count
+    one target forward per decode/verify step, and the engine's next generation is unaffected."""
+    text, imgs = prompt(1)
+    full = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=12, stop_at_eos=False),
+                           speculative=False).token_ids
+    stop = full[4]
+    saved = engine.eos_ids
+    try:
+        engine.eos_ids = {stop}
+        out = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=12),
+                              speculative=speculative)
+    finally:
+        engine.eos_ids = saved
+    cut = full[: full.index(stop) + 1]
+    assert out.token_ids == cut
+    if not speculative:
+        assert out.stats.target_forwards == len(cut) - 1
+    again = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=12, stop_at_eos=False),
+                            speculative=speculative).token_ids
+    assert again == full
