@@ -273,6 +273,7 @@ def test_stop_at_eos_mid_generation(engine, speculative):
     """A token of an unstopped greedy run made the EOS: AR (pipelined one step deep, so one
     queued step is discarded at the EOS) and SD stop right after its first occurrence, count
     one target forward per decode/verify step, and the engine's next generation is unaffected."""
+    configure(engine, ("M", "T"), "hedge", 3)   # the module's engine is reconfigured by other tests
     text, imgs = prompt(1)
     full = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=12, stop_at_eos=False),
                            speculative=False).token_ids
