@@ -51,6 +51,21 @@ def event_ms(fn: Callable, reps: int, inner: int = 1) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, inner, reps):
+    """CUDA: milliseconds per fn() when `inner` calls are replayed from one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return event_ms(graph.replay, reps) / inner
+
+
 def copy_bandwidth_gbs(device, nbytes: int, reps: int = 10) -> float:
     """Device-to-device copy bandwidth (bytes read + written / time, median), GB/s."""
     device = torch.device(device)

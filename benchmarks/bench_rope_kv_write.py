@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth_gbs, event_ms, median_ms, provenance  # noqa: E402
+from _common import copy_bandwidth_gbs, event_ms, graph_ms, median_ms, provenance  # noqa: E402
 from tabed_engine.kernels import rope_kv_write as _k  # noqa: E402
 from tabed_engine.model import apply_rope, rope_tables  # noqa: E402
 from tabed_engine.ops.rope_kv_write import rope_reference  # noqa: E402
@@ -62,21 +62,6 @@ def make_inputs(R, T, H, KV, D, S, length, dtype, device):
     qkv = torch.randn(R, T, (H + 2 * KV) * D, generator=g).to(device=device, dtype=dtype)
     cache = torch.zeros(2, R, KV, S, D, device=device, dtype=dtype)
     return qkv, cos, sin, cache[0], cache[1], lengths, torch.arange(R, device=device)[:, None], slots
-
-
-def graph_ms(fn, inner, reps):
-    """CUDA: milliseconds per fn() when `inner` calls are replayed from one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    return event_ms(graph.replay, reps) / inner
 
 
 def main(argv=None):

@@ -66,7 +66,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import copy_bandwidth_gbs, event_ms, provenance, wall_ms  # noqa: E402
+from _common import copy_bandwidth_gbs, event_ms, graph_ms, provenance, wall_ms  # noqa: E402
 
 CLIP_L336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                  image_size=336, patch_size=14, projection_dim=768)
@@ -486,14 +486,7 @@ class Bench:
         w = torch.full((1, K), 1.0 / K, device=self.device)
         seed = torch.zeros(1, dtype=torch.long, device=self.device)
         fn = functools.partial(ensemble_mix, logits, w, greedy=True, seed=seed, offset=seed)
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(10):
-                fn()
-        return event_ms(graph.replay, self.p.replay_reps) / 10
+        return graph_ms(fn, 10, self.p.replay_reps)
 
     # ------------------------------------------------------------------ transformers
     def hf_gen(self, n: int, **kw) -> int:

@@ -69,6 +69,17 @@ def chunking(V, S):
     return triton.cdiv(V, chunk), chunk
 
 
+ONE_STEP = 1024
+
+
+def chunk_block(chunk, cap):
+    """Columns per loop step over a V chunk: the whole chunk when it has at most ONE_STEP
+    columns (B = 1 at V = 32064: chunks of 1008, one step), else the chunk's power of two
+    capped at `cap` (the large-B tile), at least 16."""
+    n = triton.next_power_of_2(chunk)
+    return n if chunk <= ONE_STEP else max(16, min(n, cap))
+
+
 def tile_warps(elements, per_thread=16):
     """Warps for a tile of `elements`, about `per_thread` each (16: no spills with 2-3
     element-wise accumulators): a power of two from 4 to 16."""

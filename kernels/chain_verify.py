@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import best_combine, chunking, load_rows, n_vsplit as _n_vsplit, tile_warps
+from ._common import best_combine, chunk_block, chunking, load_rows, n_vsplit as _n_vsplit, tile_warps
 
 # Elements per tile: greedy [GP, BLOCK] tiles of 4K (gamma + 1 <= 8 rows of 512), with
 # ~2 programs per SM: in an H200 sweep (graph replays, all drafts accepted, tiles
@@ -260,9 +260,7 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_PROGRAMS_PER_SM) if greedy else _n_vsplit(B, V, dev))
     SP = triton.next_power_of_2(S)
     if greedy:
-        # a chunk of <= 1024 columns (the engine's B = 1) stays one step
-        BLOCK = triton.next_power_of_2(chunk) if chunk <= 1024 else \
-            max(16, min(triton.next_power_of_2(chunk), _TILE_GREEDY // GP))
+        BLOCK = chunk_block(chunk, _TILE_GREEDY // GP)
         part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
         _argmax_partial_kernel[(B, S)](

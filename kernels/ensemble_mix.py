@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LN2, LOG2E, NEG_BIG, best_combine, best_step, chunking, exp2, load_rows,
-                      log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pick_score, tile_warps)
+from ._common import (LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, exp2,
+                      load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pick_score, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements per [KP, BLOCK] tile (4 KiB of bf16 per program and step, 16 per thread at 4
@@ -42,7 +42,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # K = 4: 23.9 vs 29.9 us. At B <= 16 the split (32 chunks of 1008) does not change.
 _TILE = 2048
 _PROGRAMS_PER_SM = 4
-_ONE_STEP = 1024
 
 
 @triton.jit
@@ -263,9 +262,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     picked = KP == 1  # one view: argmax q_v / E_v = argmax x_v - log E_v, no normaliser
     # One-view sampling keeps 5 accumulators per element and Philox state: 8 per thread.
     per_thread = 8 if picked and not greedy else 16
-    # a chunk of <= 1024 columns (B <= 16 at V = 32064) stays one step, as with larger tiles
-    BLOCK = triton.next_power_of_2(chunk) if chunk <= _ONE_STEP else \
-        max(16, min(triton.next_power_of_2(chunk), _TILE * per_thread // 16 // KP))
+    BLOCK = chunk_block(chunk, _TILE * per_thread // 16 // KP)
     num_warps = tile_warps(KP * BLOCK, per_thread)
     SP = triton.next_power_of_2(S)
     part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)

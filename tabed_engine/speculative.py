@@ -85,7 +85,8 @@ def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
 
 def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, sp, kv_len=None):
     """Target forward on vin = [last token, d_1..d_γ] and the lossless acceptance, one graph:
-    returns (target logits [B, γ+1, V], accepted drafts n_acc [B], next token [B]).
+    returns (target logits [B, γ+1, V], accepted drafts n_acc [B], next token [B], and
+    [n_acc, next token, d_1..d_γ] packed as [B, 2+γ] for the block's one host read).
     Greedy: the target's argmax chain. Sampling (sp.temperature > 0): mixture [γ, B, V] is the
     draft distribution each d_i was drawn from, uniforms [B, γ+1] the acceptance draws."""
     tlogits = verify_forward(target_lm, cache, vin, tlens, kv_len=kv_len)
@@ -95,7 +96,12 @@ def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, s
     else:
         n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp),
                                   greedy=False, uniforms=uniforms)
-    return tlogits, n_acc, nxt
+    return tlogits, n_acc, nxt, pack_head(n_acc, nxt, drafted)
+
+
+def pack_head(n_acc, nxt, drafted):
+    """[B, 2+γ] int64: accepted count, next token, drafted tokens per request."""
+    return torch.cat([n_acc[:, None], nxt[:, None], drafted], dim=1)
 
 
 def run_speculative(eng, prep, sp, gen, caption):
@@ -175,19 +181,21 @@ def run_speculative(eng, prep, sp, gen, caption):
         inputs = dict(vin=vin, tlens=tlens)
         if not greedy:
             inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
-        tlogits, n_acc, nxt = eng.run_graph(verify_key, verify_fn, inputs,
-                                            kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
+        tlogits, n_acc, nxt, packed = eng.run_graph(verify_key, verify_fn, inputs,
+                                                    kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
         if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
             n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
             nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
-        head.copy_(torch.cat([n_acc[:1], nxt[:1], drafted[0]]), non_blocking=True)
+            packed = pack_head(n_acc, nxt, drafted)
+        head.copy_(packed[0], non_blocking=True)
         if head_ready is not None:
             head_ready.record()
         stats.target_forwards += 1
         timer.lap("time_verify")
 
-        # ---- history: divergences at the accepted positions + the first rejected one, and
-        # the next block's weights (one graph on the GPU, queued before the host waits)
+        # ---- history: divergences at the block's positions (the accepted ones + the first
+        # rejected; all drafted ones with hedge) and the next block's weights (one graph on the
+        # GPU, queued before the host waits)
         if state.adaptive:
             w_rec[block].copy_(w[0])                                     # before w is replaced
             w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
