@@ -76,6 +76,16 @@ def cases(smoke, device):
                     {"greedy": True}, True))
         out.append(("ensemble_mix", f"sample B={B} K={K} V={V}", nbytes, (logits, w),
                     {"greedy": False, "seed": seed, "offset": off}, False))
+    # Independent random views (above) rarely share an argmax, so greedy K > 1 takes the
+    # second pass there. The draft's views are one model on views of one request and mostly
+    # agree: "agree" rows are a shared random row plus 0.3-scale noise per view, where pass
+    # 1's certificate decides the token (the row reports the certified fraction).
+    for B, K in ([(1, 4)] if smoke else [(1, 2), (1, 4), (16, 4), (128, 4), (256, 2)]):
+        base = torch.randn(B, 1, V, generator=g) * 2.0
+        logits = (base + 0.3 * torch.randn(B, K, V, generator=g)).reshape(B * K, V).to(dt).to(device)
+        w = torch.full((B, K), 1.0 / K, device=device)
+        out.append(("ensemble_mix", f"greedy agree B={B} K={K} V={V}", B * K * V * es, (logits, w),
+                    {"greedy": True}, True))
     # window_divergence: P history positions of the [P, B, K(+1), V] buffer, as the engine
     # passes them; grid = the w-grid policy's 0.1-step simplex grid.
     wd_shapes = [(1, 2, 5, False), (1, 2, 5, True)] if smoke else [
@@ -88,6 +98,9 @@ def cases(smoke, device):
         tag = f" G={grid.shape[0]}" if with_grid else ""
         out.append(("window_divergence", f"B={B} K={K} P={P} V={V}{tag}", B * (K + 1) * P * V * es,
                     (p_l, q_l), {"grid": grid}, True))
+        if not with_grid and (smoke or K > 1 or B > 1):  # KL alone (kld/hedge): one pass
+            out.append(("window_divergence", f"KL only B={B} K={K} P={P} V={V}", B * (K + 1) * P * V * es,
+                        (p_l, q_l), {"grid": None, "tv": False}, True))
     # chain_verify: greedy on bf16 logits with every token accepted (all gamma+1 rows read);
     # sampling on fp32 probabilities with q == p (all accepted, bonus drawn from p_gamma).
     cv_shapes = [(1, 5)] if smoke else [(1, 5), (1, 6), (64, 5), (256, 6)]
@@ -184,6 +197,10 @@ def main():
                 row[f"{name}_GBs"] = nbytes / (us * 1e-6) / 1e9
                 if cuda and (name == "triton" or spent < 0.8):
                     row[f"{name}_graph_us"] = graph_time_us(fn)
+        if op == "ensemble_mix" and kw["greedy"] and a[1].shape[1] > 1:
+            certified = torch.zeros(a[1].shape[0], dtype=torch.int32, device=device)
+            launcher(*a, **kw, certified_out=certified)
+            row["certified_fraction"] = certified.float().mean().item()
         if isinstance(row.get("triton_graph_us"), float):
             row["triton_graph_GBs"] = nbytes / (row["triton_graph_us"] * 1e-6) / 1e9
             row["triton_graph_pct_of_copy"] = 100 * row["triton_graph_GBs"] / copy_gbs

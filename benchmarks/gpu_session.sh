@@ -35,7 +35,7 @@ for stage in "$@"; do
       done
       ;;
     kernels)
-      timeout 200 $PY benchmarks/bench_ensemble_ops.py --out "$OUT/ensemble_ops.json" 2>&1 | tail -28
+      timeout 280 $PY benchmarks/bench_ensemble_ops.py --time-budget 230 --out "$OUT/ensemble_ops.json" 2>&1 | tail -40
       timeout 240 $PY benchmarks/bench_tree_attention.py --rows 1 8 --prefix 600 2000 --nodes 1 8 32 64 \
         --out "$OUT/tree_attention.json" 2>&1 | tail -25
       timeout 120 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -12

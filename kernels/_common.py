@@ -55,6 +55,24 @@ def target_programs(device, per_sm=_PROGRAMS_PER_SM):
     return per_sm * _num_sms(index)
 
 
+COUNTERS = {}   # device -> int32 arrival counters, all zero between launches
+
+
+def counters(device, n):
+    """n zeroed int32 arrival counters of `device`'s workspace, for kernels whose last
+    program to arrive combines the others' partials and resets its counter (every launch
+    leaves them zero; launches on one stream share them). Grown outside CUDA-graph capture
+    only (a graph's warm-up call runs first); during a capture that needs more, the graph
+    gets its own zeroed buffer (a captured memset)."""
+    buf = COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    COUNTERS[device] = buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 def n_vsplit(B, V, device, per_sm=_PROGRAMS_PER_SM):
     """Requested number of V chunks per request (shapes and device only: no sync)."""
     want = triton.cdiv(target_programs(device, per_sm), max(B, 1))

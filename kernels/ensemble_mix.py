@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, exp2,
+from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, exp2,
                       load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pick_score, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,6 +42,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # K = 4: 23.9 vs 29.9 us. At B <= 16 the split (32 chunks of 1008) does not change.
 _TILE = 2048
 _PROGRAMS_PER_SM = 4
+# Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
+# (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
+_CERTIFY = True
 
 
 @triton.jit
@@ -62,15 +65,17 @@ def _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V, stride_logits,
 
 @triton.jit
 def _mix_partial_kernel(
-    logits_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
+    logits_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr, PICK: tl.constexpr,
-    FAST: tl.constexpr,
+    CERT: tl.constexpr, FAST: tl.constexpr,
 ):
-    """Pass 1: per (row, chunk) max and sum-exp; with PICK (one view) the chunk's pick.
+    """Pass 1: per (row, chunk) max and sum-exp; with PICK (one view) the chunk's pick;
+    with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest logit.
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
-    logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units).
+    logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
+    cert_idx rows (b, s) of KP: second-largest logit / argmax index per view.
     """
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -86,10 +91,16 @@ def _mix_partial_kernel(
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_v0 = tl.zeros([BLOCK], tl.int32) + start  # index of a chunk without a pick: start
     best_y = tl.zeros([BLOCK], tl.float32)
+    m2 = tl.full([KP, BLOCK], NEG_BIG, tl.float32)       # CERT: element-wise second largest
+    arg_v0 = tl.zeros([KP, BLOCK], tl.int32) + start     # CERT: step of the element-wise max
     for v0 in range(start, end, BLOCK):
         offs = v0 + cols
         x = load_rows(rows_ptr, offs, kmask, offs < end)  # [KP, BLOCK], -inf outside
+        if CERT:
+            m2 = tl.where(x > m, m, tl.maximum(m2, x))
         m, s, take = lse_step(x, m, s, scale, FAST)
+        if CERT:
+            arg_v0 = tl.where(take, v0, arg_v0)           # strict: the earlier step keeps ties
         if PICK:  # KP == 1: [1, BLOCK] is the row itself
             if GREEDY:  # the pick is the running max: only its step is new
                 best_v0 = tl.where(tl.reshape(take, [BLOCK]), v0, best_v0)
@@ -97,6 +108,16 @@ def _mix_partial_kernel(
                 y = tl.reshape(x, [BLOCK]) * scale  # log2 units; -inf outside
                 score = pick_score(y, v0, seed, rng_base, BLOCK, GREEDY, True, FAST)
                 best, best_v0, best_y = best_step(score, y, v0, best, best_v0, best_y)
+    if CERT:
+        # per view: the chunk's max (lowest index on ties) and its second-largest value
+        # (equal to the max when the max occurs twice)
+        c_top = tl.max(m, axis=1)
+        lane_idx = arg_v0 + cols[None, :]
+        c_idx = tl.min(tl.where(m == c_top[:, None], lane_idx, BIG_IDX), axis=1)
+        c_2nd = tl.maximum(tl.max(m2, axis=1),
+                           tl.max(tl.where(lane_idx == c_idx[:, None], NEG_BIG, m), axis=1))
+        tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
+        tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
     top, tot = lse_reduce(m, s, scale, 1, FAST)
     row = part_ptr + (b * S + sp) * (2 * KP + 2)
     tl.store(row + ks, top, mask=kmask)
@@ -113,13 +134,20 @@ def _mix_partial_kernel(
 
 @triton.jit
 def _mix_chunk_kernel(
-    logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
-    token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
+    logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
+    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
-    GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, FAST: tl.constexpr,
+    GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
+    REPORT: tl.constexpr, FAST: tl.constexpr,
 ):
     """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
+
+    CERT (greedy, K > 1, no mixture row): first the candidates, each view's argmax c_j. A
+    token that is no view's argmax has q_v <= bound = sum_k w_k q_k(second largest of view
+    k), so when the best candidate's q exceeds the bound it is the argmax of q and the pass
+    over the chunk is skipped (views that agree on their argmax always certify). Otherwise
+    the chunk pass below runs as without CERT.
 
     Programs run in the reverse of pass 1's order, so the chunks pass 1 read last (the
     likeliest to be still in L2 when the logits exceed it) are read first."""
@@ -140,6 +168,33 @@ def _mix_chunk_kernel(
         tl.store(lse_ptr + b * K + ks, lse2 * LN2, mask=kmask)
     w = tl.load(weights_ptr + b * stride_wb + ks * stride_wk, mask=kmask, other=0.0)
 
+    run_chunk = 1
+    if CERT:
+        crow = (b * S + ss[:, None]) * KP + ks[None, :]           # [SP, KP]
+        c_idx = tl.load(cert_idx_ptr + crow, mask=pmask, other=BIG_IDX)
+        top_k = tl.max(pm, axis=0)                                 # [KP] each view's max
+        arg_k = tl.min(tl.where(pmask & (pm == top_k[None, :]), c_idx, BIG_IDX), axis=0)
+        second = tl.maximum(
+            tl.max(tl.load(cert_ptr + crow, mask=pmask, other=NEG_BIG), axis=0),
+            tl.max(tl.where(pmask & (c_idx != arg_k[None, :]), pm, NEG_BIG), axis=0))
+        bound = tl.sum(tl.where(kmask, w * exp2(second * scale - lse2, FAST), 0.0), axis=0)
+        # q at the candidates: x[k, j] = logit of view k at view j's argmax
+        cand = tl.where(kmask, arg_k, 0)
+        x = tl.load(logits_ptr + (b * K + ks[:, None]).to(tl.int64) * stride_logits + cand[None, :],
+                    mask=kmask[:, None] & kmask[None, :], other=float("-inf")).to(tl.float32)
+        q_c = tl.sum(w[:, None] * exp2(x * scale - lse2[:, None], FAST), axis=0)   # [KP]
+        q_c = tl.where(kmask, q_c, -1.0)
+        q_best = tl.max(q_c, axis=0)
+        tok = tl.min(tl.where(q_c == q_best, cand, BIG_IDX), axis=0)
+        run_chunk = (q_best <= bound).to(tl.int32)    # NaN: not certified
+        if REPORT and sp == 0:
+            tl.store(certified_ptr + b, 1 - run_chunk)
+        if run_chunk == 0:  # certified: chunk 0 carries the pick, the others none
+            row = part_ptr + (b * S + sp) * W
+            tl.store(row + 2 * KP, tl.where(sp == 0, q_best, float("-inf")))
+            tl.store(row + 2 * KP + 1, q_best)
+            tl.store(part_idx_ptr + b * S + sp, tl.where(sp == 0, tok, V))
+
     if PICKED:  # one view: pass 1 found the pick, program (b, 0) finishes it
         if sp == 0:
             bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"))
@@ -153,43 +208,44 @@ def _mix_chunk_kernel(
             tl.store(token_prob_ptr + b, q_tok)
 
     if WRITE_MIX or not PICKED:
-        start = sp * CHUNK
-        end = tl.minimum(start + CHUNK, V)
-        cols = tl.arange(0, BLOCK)
-        _, seed, rng_base = _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V,
-                                          stride_logits, KP, not PICKED and not GREEDY)
-        # The views one [BLOCK] row at a time (K is a constexpr here): the sum over views
-        # stays inside each thread; a [KP, BLOCK] tile spreads the views over warps and
-        # its sum costs a shared-memory exchange and barriers every step.
-        rows = ()
-        wk = ()
-        lk = ()
-        for k in tl.static_range(K):
-            rows = rows + (logits_ptr + (b * K + k) * stride_logits,)
-            wk = wk + (tl.sum(tl.where(ks == k, w, 0.0), axis=0),)
-            lk = lk + (tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_v0 = tl.zeros([BLOCK], tl.int32) + start
-        best_q = tl.zeros([BLOCK], tl.float32)
-        for v0 in range(start, end, BLOCK):
-            offs = v0 + cols
-            vmask = offs < end
-            q = tl.zeros([BLOCK], tl.float32)
+        if run_chunk != 0:
+            start = sp * CHUNK
+            end = tl.minimum(start + CHUNK, V)
+            cols = tl.arange(0, BLOCK)
+            _, seed, rng_base = _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V,
+                                              stride_logits, KP, not PICKED and not GREEDY)
+            # The views one [BLOCK] row at a time (K is a constexpr here): the sum over views
+            # stays inside each thread; a [KP, BLOCK] tile spreads the views over warps and
+            # its sum costs a shared-memory exchange and barriers every step.
+            rows = ()
+            wk = ()
+            lk = ()
             for k in tl.static_range(K):
-                x = tl.load(rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-                q += wk[k] * exp2(x * scale - lk[k], FAST)
-            if WRITE_MIX:
-                tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
-            if not PICKED:  # q_v / E_v, E_v ~ Exp(1)
-                score = pick_score(q, v0, seed, rng_base, BLOCK, GREEDY, False, FAST)
-                score = tl.where(vmask, score, float("-inf"))
-                best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
-        if not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
-            best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
-            row = part_ptr + (b * S + sp) * W
-            tl.store(row + 2 * KP, best)
-            tl.store(row + 2 * KP + 1, q_best)
-            tl.store(part_idx_ptr + b * S + sp, idx)
+                rows = rows + (logits_ptr + (b * K + k) * stride_logits,)
+                wk = wk + (tl.sum(tl.where(ks == k, w, 0.0), axis=0),)
+                lk = lk + (tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),)
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
+            best_v0 = tl.zeros([BLOCK], tl.int32) + start
+            best_q = tl.zeros([BLOCK], tl.float32)
+            for v0 in range(start, end, BLOCK):
+                offs = v0 + cols
+                vmask = offs < end
+                q = tl.zeros([BLOCK], tl.float32)
+                for k in tl.static_range(K):
+                    x = tl.load(rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+                    q += wk[k] * exp2(x * scale - lk[k], FAST)
+                if WRITE_MIX:
+                    tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
+                if not PICKED:  # q_v / E_v, E_v ~ Exp(1)
+                    score = pick_score(q, v0, seed, rng_base, BLOCK, GREEDY, False, FAST)
+                    score = tl.where(vmask, score, float("-inf"))
+                    best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
+            if not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
+                best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
+                row = part_ptr + (b * S + sp) * W
+                tl.store(row + 2 * KP, best)
+                tl.store(row + 2 * KP + 1, q_best)
+                tl.store(part_idx_ptr + b * S + sp, idx)
 
 
 @triton.jit
@@ -210,11 +266,14 @@ def _mix_pick_kernel(part_ptr, part_idx_ptr, token_ptr, token_prob_ptr, V, S,
 
 
 def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature=1.0,
-                 return_mixture=False, mixture_out=None):
+                 return_mixture=False, mixture_out=None, certified_out=None):
     """Triton launcher; see `tabed_engine.ops.ensemble_mix.ensemble_mix` for the contract.
 
     `mixture_out` ([B, V] fp32, unit last stride, any row stride) is written in place when
     given (e.g. a slice of the engine's [B, gamma, V] buffer) and implies return_mixture.
+    `certified_out` ([B] int32, optional): for greedy K > 1 without the mixture row, 1
+    where pass 1's certificate decided the token (no second pass), else 0; untouched
+    otherwise (benchmarks report the rate).
     Does no host synchronisation, so it can be captured in a CUDA graph.
     """
     if logits.dim() != 2 or weights.dim() != 2:
@@ -267,18 +326,21 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     SP = triton.next_power_of_2(S)
     part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)
     part_idx = torch.empty(B * S, dtype=torch.int32, device=dev)
+    cert = _CERTIFY and greedy and not picked and not write_mix
+    cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
+    cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
     _mix_partial_kernel[(B, S)](
-        logits, seed_arg, offset_arg, part, part_idx,
+        logits, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, FAST=fast, num_warps=num_warps,
+        KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, CERT=cert, FAST=fast, num_warps=num_warps,
     )
     _mix_chunk_kernel[(B, S if (write_mix or not picked) else 1)](
-        logits, weights, seed_arg, offset_arg, part, part_idx,
-        token, token_prob, mix_arg, lse,
+        logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
+        certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse,
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
-        FAST=fast, num_warps=num_warps,
+        CERT=cert, REPORT=cert and certified_out is not None, FAST=fast, num_warps=num_warps,
     )
     if not picked:
         _mix_pick_kernel[(B,)](part, part_idx, token, token_prob, V, S, KP=KP, SP=SP,

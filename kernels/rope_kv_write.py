@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NUM_WARPS = 2
 
 
 @triton.jit
@@ -152,6 +153,6 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, num_kv_he
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         T, S,
         H=H, KV=KV, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=2, enable_fp_fusion=False,
+        num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )
     return out

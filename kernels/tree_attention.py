@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import COUNTERS as _COUNTERS, counters as _counters  # noqa: F401 (tests read _COUNTERS)
+
 _MAX_NODES = 64  # tree_mask is one int64 word per node
 _SM_COUNT = {}
-_COUNTERS = {}   # device -> int32 arrival counters, all zero between launches
 
 
 @triton.jit
@@ -162,19 +163,6 @@ def _sm_count(device):
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
-
-
-def _counters(device, n):
-    """n zeroed int32 arrival counters of `device`'s workspace (every launch leaves them zero).
-    Grown outside CUDA-graph capture only (a graph's warm-up call runs first); during a
-    capture that needs more, the graph gets its own zeroed buffer (a captured memset)."""
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    _COUNTERS[device] = buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
 
 
 def _pick_splits(device, base_programs, queries_per_kv, max_blocks):

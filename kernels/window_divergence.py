@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LN2, LOG2E, NEG_BIG, best_combine, exp2, log2, lse_reduce, lse_step,
+from ._common import (LN2, LOG2E, NEG_BIG, best_combine, counters, exp2, log2, lse_reduce, lse_step,
                       target_programs, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -236,8 +236,101 @@ def _wd_div_kernel(
             tl.store(gkl_ptr + gout, tl.sum(vkl, axis=0), mask=gs < G)
 
 
-def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
-    """Triton launcher; see `tabed_engine.ops.window_divergence.window_divergence`."""
+@triton.jit
+def _wd_kl_kernel(
+    p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
+    P, V, CH, NS, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
+    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+):
+    """KL only (no TV, no grid): one pass over the logits, grid (B*P, NS).
+
+    KL(p || q_k) = sum_v p_v (y_p - y_k) - lse_p + lse_k (y = x * scale, log2 units), and
+    sum_v p_v (y_p - y_k) = A_k / S with S = sum exp2(y_p - m) and A_k = sum exp2(y_p - m)
+    (x_p - x_k): A_k is rescaled with S whenever the running max m moves, so neither
+    normaliser is needed before the sums.  Element-wise running values as in `_common`;
+    the views are a static loop of [BLOCK] vectors (each thread keeps its columns' sums for
+    every view, no cross-warp exchange).  Partials per (row, split): [m, S, A_k | m_k, s_k];
+    the last program of a row to arrive folds them in split order and resets the counter."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    b = row64 // P
+    pos = row64 % P
+    p_row = p_ptr + b * stride_pb + pos * stride_pp
+    v_start = split * CH
+    v_end = tl.minimum(v_start + CH, V)
+    cols = tl.arange(0, BLOCK)
+    mp = tl.full([BLOCK], NEG_BIG, tl.float32)
+    sp = tl.zeros([BLOCK], tl.float32)
+    q_rows = ()
+    mq = ()
+    sq = ()
+    acc = ()
+    for k in tl.static_range(K):
+        q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + k * stride_qk,)
+        mq = mq + (tl.full([BLOCK], NEG_BIG, tl.float32),)
+        sq = sq + (tl.zeros([BLOCK], tl.float32),)
+        acc = acc + (tl.zeros([BLOCK], tl.float32),)
+    for v0 in range(v_start, v_end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < v_end
+        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        e = exp2(-tl.abs(mp - xp) * scale, FAST)
+        take = xp > mp
+        rescale = tl.where(take, e, 1.0)   # old sums move to the new max
+        w_new = tl.where(take, 1.0, e)     # this column's exp2(y_p - m); 0 where p_v = 0
+        mp = tl.where(take, xp, mp)
+        sp = sp * rescale + w_new
+        n_mq = ()
+        n_sq = ()
+        n_acc = ()
+        for k in tl.static_range(K):
+            xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+            m_k, s_k, _ = lse_step(xq, mq[k], sq[k], scale, FAST)
+            n_mq = n_mq + (m_k,)
+            n_sq = n_sq + (s_k,)
+            n_acc = n_acc + (acc[k] * rescale + tl.where(w_new > 0, w_new * (xp - xq), 0.0),)
+        mq = n_mq
+        sq = n_sq
+        acc = n_acc
+    # fold the tile: factors exp2((m - top) * scale) per element
+    top = tl.max(mp, axis=0)
+    f = exp2((mp - top) * scale, FAST)
+    W: tl.constexpr = 2 + 3 * K
+    part = part_ptr + (row64 * NS + split) * W
+    tl.store(part, top)
+    tl.store(part + 1, tl.sum(sp * f, axis=0))
+    for k in tl.static_range(K):
+        tl.store(part + 2 + k, tl.sum(acc[k] * f, axis=0))
+        top_k, tot_k = lse_reduce(mq[k], sq[k], scale, 0, FAST)
+        tl.store(part + 2 + K + k, top_k)
+        tl.store(part + 2 + 2 * K + k, tot_k)
+
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    arrived = tl.atomic_add(cnt_ptr + row64, 1, sem="acq_rel", scope="gpu")
+    if arrived == NS - 1:
+        ss = tl.arange(0, NSP)
+        smask = ss < NS
+        prow = part_ptr + (row64 * NS + ss) * W
+        pm = tl.load(prow, mask=smask, other=NEG_BIG, cache_modifier=".cg")
+        top = tl.max(pm, axis=0)
+        f = exp2((pm - top) * scale, FAST)
+        tot = tl.sum(tl.load(prow + 1, mask=smask, other=0.0, cache_modifier=".cg") * f, axis=0)
+        lse_p = top * scale + log2(tot, FAST)
+        for k in tl.static_range(K):
+            a = tl.sum(tl.load(prow + 2 + k, mask=smask, other=0.0, cache_modifier=".cg") * f, axis=0)
+            top_k, tot_k = lse_reduce(tl.load(prow + 2 + K + k, mask=smask, other=NEG_BIG, cache_modifier=".cg"),
+                                      tl.load(prow + 2 + 2 * K + k, mask=smask, other=0.0, cache_modifier=".cg"),
+                                      scale, 0, FAST)
+            lse_k = top_k * scale + log2(tot_k, FAST)
+            tl.store(kl_ptr + (b * K + k) * P + pos, (a * scale / tot - lse_p + lse_k) * LN2)
+        tl.store(cnt_ptr + row64, 0)  # every split has arrived: ready for the next launch
+
+
+def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True):
+    """Triton launcher; see `tabed_engine.ops.window_divergence.window_divergence`.
+    KL alone (tv=False, no grid) is one launch and one pass over the logits; TV or a grid
+    needs both normalisers first: two launches, two passes."""
     if p_logits.dim() != 3 or q_logits.dim() != 4:
         raise ValueError(f"p_logits must be [B, P, V] and q_logits [B, K, P, V], got "
                          f"{tuple(p_logits.shape)} and {tuple(q_logits.shape)}")
@@ -256,6 +349,10 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dev = p_logits.device
     kl = torch.empty(B, K, P, dtype=torch.float32, device=dev)
+    if grid is None and not tv:
+        if B * P and K and V:
+            _kl_only(p_logits, q_logits, kl, temperature)
+        return kl, None, None, None
     tv = torch.empty(B, K, P, dtype=torch.float32, device=dev)
     if grid is not None:
         if grid.dim() != 2 or grid.shape[1] != K or grid.dtype != torch.float32 or grid.device != dev:
@@ -330,3 +427,24 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
     if match is not None:
         match = match.view(torch.bool)
     return kl, tv, match, gkl
+
+
+# Columns per step of the KL-only pass: [BLOCK] vectors of the target and each view, ~4
+# columns per thread at 4 warps (each column keeps 2 + 3K running values).
+_KL_BLOCK = 512
+
+
+def _kl_only(p_logits, q_logits, kl, temperature):
+    B, P, V = p_logits.shape
+    K = q_logits.shape[1]
+    dev = p_logits.device
+    R = B * P
+    chunk, ns = _split(V, _KL_BLOCK, R, _target_programs(dev))
+    block = max(16, min(_KL_BLOCK, triton.next_power_of_2(chunk)))
+    part = torch.empty(R * ns * (2 + 3 * K), dtype=torch.float32, device=dev)
+    _wd_kl_kernel[(R, ns)](
+        p_logits, q_logits, part, counters(dev, R), kl,
+        P, V, chunk, ns, p_logits.stride(0), p_logits.stride(1),
+        q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
+        K=K, NSP=triton.next_power_of_2(ns), BLOCK=block, FAST=dev.type == "cuda", num_warps=4,
+    )

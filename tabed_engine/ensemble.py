@@ -92,13 +92,15 @@ class EnsembleState:
         p_logits [B, P, V] target, q_logits [B, K, P, V] views, n_acc [B] accepted drafts:
         positions 0..n_acc (the accepted ones plus the first rejected) are recorded; all P with
         `hedge`. Idempotent in its inputs (rewrites the same slots), as graph warm-up requires.
-        Two launches on the GPU: `window_divergence` and `history_update`."""
+        Two or three launches on the GPU: `window_divergence` (one pass for KL alone) and
+        `history_update`."""
         from .ops.history_update import POLICY_DIV, POLICY_GRID, POLICY_HEDGE, history_update
         from .ops.window_divergence import window_divergence
 
         if not self.adaptive:
             return self.uniform, cursor + p_logits.shape[1]
-        kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid)
+        kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid,
+                                            tv=self.cfg.policy == "tvd")
         policy = {"w-grid": POLICY_GRID, "hedge": POLICY_HEDGE}.get(self.cfg.policy, POLICY_DIV)
         return history_update(tv if self.cfg.policy == "tvd" else kl, gm, gkl, n_acc, cursor, self.valid,
                               self.div, self.match, self.gkl, self.grid, policy=policy, window=self.cfg.window,

@@ -285,3 +285,76 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device,
     if return_mixture:
         torch.testing.assert_close(m5, ref[2], atol=1e-6, rtol=1e-5)
     assert len(set(t5.tolist())) > 1
+
+
+# ---- greedy K > 1: the argmax certified from pass 1's per-view top-2 (second pass skipped)
+
+def _agreeing(B, K, V, dtype, device, noise, seed):
+    """Views of one distribution plus per-view noise: with small noise the views share their
+    argmax (the draft's usual case), with large noise they disagree."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, 1, V, generator=g) * 3.0
+    logits = (base + noise * torch.randn(B, K, V, generator=g)).reshape(B * K, V).to(dtype)
+    w = torch.rand(B, K, generator=g) + 0.05
+    return logits.to(device), (w / w.sum(1, keepdim=True)).to(device)
+
+
+@pytest.mark.parametrize("n_split", [1, 7])
+@pytest.mark.parametrize("B, K, V, dtype", [
+    (5, 2, 1000, torch.float32), (3, 4, 32064, torch.bfloat16), (4, 3, 173, torch.float16),
+])
+def test_certified_greedy_matches_reference(B, K, V, dtype, n_split, kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+    for noise in (0.05, 0.6, 3.0):  # agreeing views (certified) .. disagreeing (second pass)
+        logits, w = _agreeing(B, K, V, dtype, kernel_device, noise, seed=B * K + n_split)
+        ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+        outs = {}
+        for certify in (True, False):
+            monkeypatch.setattr(_k, "_CERTIFY", certify)
+            outs[certify] = _k.ensemble_mix(logits, w, greedy=True)
+        token, token_prob, _, lse = outs[True]
+        _check_token(token, token_prob, ref[2], 1e-6)
+        top2 = ref[2].topk(2, dim=1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-5
+        assert torch.equal(token[clear], ref[0][clear])
+        assert torch.equal(token, outs[False][0])
+        torch.testing.assert_close(token_prob, outs[False][1], atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
+
+
+def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 4)
+    certified = torch.full((3,), -1, dtype=torch.int32, device=kernel_device)
+    logits, w = _agreeing(3, 4, 1000, torch.float32, kernel_device, 0.05, seed=1)
+    token, *_ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    assert certified.tolist() == [1, 1, 1]                   # agreeing views: one pass
+    assert torch.equal(token, ensemble_mix_reference(logits, w, greedy=True)[0])
+    # two views, each with a near-tie at the top: q(10) = 0.6 p(10) + ..., while a token that
+    # is no view's argmax may reach 0.6 p(11) + 0.4 p(21) > q(10): not certified
+    logits = torch.full((6, 1000), -3.0)
+    for b in range(3):
+        logits[2 * b, [10, 11]] = torch.tensor([4.0, 3.9])
+        logits[2 * b + 1, [20, 21]] = torch.tensor([4.0, 3.9])
+    logits = logits.to(kernel_device)
+    w = torch.tensor([[0.6, 0.4]] * 3, device=kernel_device)
+    token, *_ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    assert certified.tolist() == [0, 0, 0]                   # the chunk pass decided
+    assert token.tolist() == [10, 10, 10]
+    assert torch.equal(token, ensemble_mix_reference(logits, w, greedy=True)[0])
+
+
+@pytest.mark.parametrize("n_split", [1, 5])
+def test_certified_tie_between_candidates_takes_the_lower_index(n_split, kernel_device, monkeypatch):
+    # Two views peaked at different tokens with equal weights: q(20) == q(50), both far
+    # above any other token's bound, so the certificate holds and the lower index wins.
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+    logits = torch.full((2, 300), -4.0)
+    logits[0, 50], logits[1, 20] = 6.0, 6.0
+    logits[0, 20], logits[1, 50] = 1.0, 1.0
+    w = torch.full((1, 2), 0.5)
+    certified = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    token, prob, *_ = _k.ensemble_mix(logits.to(kernel_device), w.to(kernel_device), greedy=True,
+                                      certified_out=certified)
+    assert token.item() == 20 and certified.item() == 1
+    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+    torch.testing.assert_close(prob.cpu(), ref[1], atol=1e-7, rtol=1e-6)

@@ -64,6 +64,10 @@ def test_divergences_match_reference(B, K, P, V, temperature, dtype, atol, rtol,
     torch.testing.assert_close(kl, ref[0], atol=atol, rtol=rtol)
     torch.testing.assert_close(tv, ref[1], atol=atol, rtol=rtol)
     assert (kl > 0).all() and (tv > 0).all() and (tv < 1).all()
+    # KL alone: the one-pass kernel
+    kl1, tv1, match1, gkl1 = _k.window_divergence(p_logits, q_logits, temperature=temperature, tv=False)
+    assert tv1 is None and match1 is None and gkl1 is None
+    torch.testing.assert_close(kl1, ref[0], atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
@@ -118,6 +122,9 @@ def test_small_vocab_engine_layout(B, K, P, V, steps, dtype, many_splits, kernel
         torch.testing.assert_close(tv, ref[1], atol=2e-5, rtol=1e-4)
         if gr is None:
             assert match is None and gkl is None
+            kl1, tv1, _, _ = _k.window_divergence(p_logits, q_logits, temperature=0.9, tv=False)
+            assert tv1 is None
+            torch.testing.assert_close(kl1, ref[0], atol=2e-5, rtol=1e-4)
         else:
             torch.testing.assert_close(gkl, ref[3], atol=2e-5, rtol=1e-4)
             _check_match(match, ref[2], p_logits, q_logits, grid, 0.9)
@@ -189,6 +196,34 @@ def test_neg_inf_logits_are_masked_vocabulary(kernel_device):
     torch.testing.assert_close(kl, ref[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(tv, ref[1], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(gkl, ref[3], atol=2e-5, rtol=1e-4)
+    kl1, _, _, _ = _k.window_divergence(p_logits, q_logits, tv=False)
+    torch.testing.assert_close(kl1, ref[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("many_splits", [False, True])
+def test_kl_only_one_pass(kernel_device, monkeypatch, many_splits):
+    # The one-pass KL: outputs NaN-poisoned, large logit ranges (the running sums are
+    # rescaled many times), a masked column range, identical rows giving 0, repeat calls
+    # bitwise equal, and the arrival counters left at zero for the next launch.
+    from tabed_engine.kernels import _common
+    if many_splits:
+        monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+    B, K, P, V = 2, 3, 3, 4099
+    p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.8, seed=5)
+    p_logits = (p_logits * 6.0).contiguous()           # logits over a ~100-nat range
+    q_logits = q_logits.clone()
+    p_logits[0, 1, 1000:3000] = float("-inf")          # p_v = 0 there: no KL term
+    q_logits[1, 2] = p_logits[1]                       # an identical view: KL 0
+    outs = []
+    for _ in range(2):
+        kl = torch.full((B, K, P), float("nan"), device=kernel_device)
+        _k._kl_only(p_logits, q_logits, kl, 1.3)
+        outs.append(kl)
+    ref = window_divergence_reference(p_logits, q_logits, temperature=1.3, tv=False)[0]
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
+    assert outs[0][1, 2].abs().max() < 1e-5 and (outs[0][0] > 1e-3).all()
+    assert int(_common.COUNTERS[torch.device(kernel_device)].abs().sum()) == 0
 
 
 def test_dispatch_cpu_uses_reference():

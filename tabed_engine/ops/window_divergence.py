@@ -14,7 +14,7 @@ except ImportError:  # triton missing: the reference serves every device
 _GRID_CHUNK = 16  # weight vectors per step of the reference: bounds B*16*P*V memory
 
 
-def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=None):
+def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True):
     """Plain-PyTorch window divergences (ground truth for tests; CPU path of the engine)."""
     logp = torch.log_softmax(p_logits.float() / temperature, dim=-1)     # [B, P, V]
     logq = torch.log_softmax(q_logits.float() / temperature, dim=-1)     # [B, K, P, V]
@@ -22,7 +22,7 @@ def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=Non
     q = logq.exp()
     p4 = p[:, None]
     kl = torch.where(p4 > 0, p4 * (logp[:, None] - logq), 0.0).sum(-1)  # [B, K, P]
-    tv = 0.5 * (p4 - q).abs().sum(-1)
+    tv = 0.5 * (p4 - q).abs().sum(-1) if tv or grid is not None else None
     if grid is None:
         return kl, tv, None, None
     p_arg = p_logits.argmax(dim=-1)[:, None]                             # [B, 1, P]
@@ -34,7 +34,7 @@ def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=Non
     return kl, tv, torch.cat(match, dim=1), torch.cat(gkl, dim=1)
 
 
-def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
+def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True):
     """Divergences between the target and each draft view at P window positions.
 
     Parameters
@@ -47,14 +47,17 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None):
         Both sides are softmax(logits / temperature).
     grid : Tensor [G, K] fp32, optional
         Mixture weight vectors (simplex grid) for the `w-grid` policy.
+    tv : bool
+        Also compute TV. Without TV and grid the GPU kernel makes one pass over the logits
+        (KL needs no normaliser up front); TV needs both normalisers first (two passes).
 
     Returns
     -------
     kl : Tensor [B, K, P] fp32, KL(p || q_k)
-    tv : Tensor [B, K, P] fp32, 0.5 * sum |p - q_k|
+    tv : Tensor [B, K, P] fp32, 0.5 * sum |p - q_k|; None when tv=False and no grid
     grid_match : Tensor [B, G, P] bool or None, argmax(sum_k g_k q_k) == argmax(p)
     grid_kl : Tensor [B, G, P] fp32 or None, KL(p || sum_k g_k q_k)
     """
     cuda = p_logits.is_cuda and _k is not None
     fn = _k.window_divergence if cuda else window_divergence_reference
-    return fn(p_logits, q_logits, temperature=temperature, grid=grid)
+    return fn(p_logits, q_logits, temperature=temperature, grid=grid, tv=tv)
