@@ -178,22 +178,23 @@ def _mix_chunk_kernel(
             tl.max(tl.load(cert_ptr + crow, mask=pmask, other=NEG_BIG), axis=0),
             tl.max(tl.where(pmask & (c_idx != arg_k[None, :]), pm, NEG_BIG), axis=0))
         bound = tl.sum(tl.where(kmask, w * exp2(second * scale - lse2, FAST), 0.0), axis=0)
-        # q at the candidates: x[k, j] = logit of view k at view j's argmax
+        # q at the candidates: x_c[k, j] = logit of view k at view j's argmax
         cand = tl.where(kmask, arg_k, 0)
-        x = tl.load(logits_ptr + (b * K + ks[:, None]).to(tl.int64) * stride_logits + cand[None, :],
-                    mask=kmask[:, None] & kmask[None, :], other=float("-inf")).to(tl.float32)
-        q_c = tl.sum(w[:, None] * exp2(x * scale - lse2[:, None], FAST), axis=0)   # [KP]
+        x_c = tl.load(logits_ptr + (b * K + ks[:, None]).to(tl.int64) * stride_logits + cand[None, :],
+                      mask=kmask[:, None] & kmask[None, :], other=float("-inf")).to(tl.float32)
+        q_c = tl.sum(w[:, None] * exp2(x_c * scale - lse2[:, None], FAST), axis=0)   # [KP]
         q_c = tl.where(kmask, q_c, -1.0)
-        q_best = tl.max(q_c, axis=0)
-        tok = tl.min(tl.where(q_c == q_best, cand, BIG_IDX), axis=0)
-        run_chunk = (q_best <= bound).to(tl.int32)    # NaN: not certified
-        if REPORT and sp == 0:
-            tl.store(certified_ptr + b, 1 - run_chunk)
+        q_cert = tl.max(q_c, axis=0)
+        tok_c = tl.min(tl.where(q_c == q_cert, cand, BIG_IDX), axis=0)
+        run_chunk = (q_cert <= bound).to(tl.int32)    # NaN: not certified
+        if REPORT:
+            if sp == 0:
+                tl.store(certified_ptr + b, 1 - run_chunk)
         if run_chunk == 0:  # certified: chunk 0 carries the pick, the others none
-            row = part_ptr + (b * S + sp) * W
-            tl.store(row + 2 * KP, tl.where(sp == 0, q_best, float("-inf")))
-            tl.store(row + 2 * KP + 1, q_best)
-            tl.store(part_idx_ptr + b * S + sp, tl.where(sp == 0, tok, V))
+            row_c = part_ptr + (b * S + sp) * W
+            tl.store(row_c + 2 * KP, tl.where(sp == 0, q_cert, float("-inf")))
+            tl.store(row_c + 2 * KP + 1, q_cert)
+            tl.store(part_idx_ptr + b * S + sp, tl.where(sp == 0, tok_c, V))
 
     if PICKED:  # one view: pass 1 found the pick, program (b, 0) finishes it
         if sp == 0:

@@ -313,17 +313,17 @@ def _wd_kl_kernel(
         smask = ss < NS
         prow = part_ptr + (row64 * NS + ss) * W
         pm = tl.load(prow, mask=smask, other=NEG_BIG, cache_modifier=".cg")
-        top = tl.max(pm, axis=0)
-        f = exp2((pm - top) * scale, FAST)
-        tot = tl.sum(tl.load(prow + 1, mask=smask, other=0.0, cache_modifier=".cg") * f, axis=0)
-        lse_p = top * scale + log2(tot, FAST)
+        g_top = tl.max(pm, axis=0)
+        g_f = exp2((pm - g_top) * scale, FAST)
+        g_tot = tl.sum(tl.load(prow + 1, mask=smask, other=0.0, cache_modifier=".cg") * g_f, axis=0)
+        lse_p = g_top * scale + log2(g_tot, FAST)
         for k in tl.static_range(K):
-            a = tl.sum(tl.load(prow + 2 + k, mask=smask, other=0.0, cache_modifier=".cg") * f, axis=0)
-            top_k, tot_k = lse_reduce(tl.load(prow + 2 + K + k, mask=smask, other=NEG_BIG, cache_modifier=".cg"),
-                                      tl.load(prow + 2 + 2 * K + k, mask=smask, other=0.0, cache_modifier=".cg"),
-                                      scale, 0, FAST)
-            lse_k = top_k * scale + log2(tot_k, FAST)
-            tl.store(kl_ptr + (b * K + k) * P + pos, (a * scale / tot - lse_p + lse_k) * LN2)
+            a = tl.sum(tl.load(prow + 2 + k, mask=smask, other=0.0, cache_modifier=".cg") * g_f, axis=0)
+            g_top_k, g_tot_k = lse_reduce(
+                tl.load(prow + 2 + K + k, mask=smask, other=NEG_BIG, cache_modifier=".cg"),
+                tl.load(prow + 2 + 2 * K + k, mask=smask, other=0.0, cache_modifier=".cg"), scale, 0, FAST)
+            lse_k = g_top_k * scale + log2(g_tot_k, FAST)
+            tl.store(kl_ptr + (b * K + k) * P + pos, (a * scale / g_tot - lse_p + lse_k) * LN2)
         tl.store(cnt_ptr + row64, 0)  # every split has arrived: ready for the next launch
 
 
