@@ -45,6 +45,7 @@ _PROGRAMS_PER_SM = 4
 # Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
 # (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
 _CERTIFY = True
+_STAGES = 3   # software-pipelining stages of pass 1's loop (Triton's default for the launch)
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def _mix_partial_kernel(
     logits_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr, PICK: tl.constexpr,
-    CERT: tl.constexpr, FAST: tl.constexpr,
+    CERT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (one view) the chunk's pick;
     with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest logit.
@@ -93,7 +94,7 @@ def _mix_partial_kernel(
     best_y = tl.zeros([BLOCK], tl.float32)
     m2 = tl.full([KP, BLOCK], NEG_BIG, tl.float32)       # CERT: element-wise second largest
     arg_v0 = tl.zeros([KP, BLOCK], tl.int32) + start     # CERT: step of the element-wise max
-    for v0 in range(start, end, BLOCK):
+    for v0 in tl.range(start, end, BLOCK, num_stages=STAGES):
         offs = v0 + cols
         x = load_rows(rows_ptr, offs, kmask, offs < end)  # [KP, BLOCK], -inf outside
         if CERT:
@@ -333,7 +334,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     _mix_partial_kernel[(B, S)](
         logits, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, CERT=cert, FAST=fast, num_warps=num_warps,
+        KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
     )
     _mix_chunk_kernel[(B, S if (write_mix or not picked) else 1)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,

@@ -240,7 +240,7 @@ def _wd_div_kernel(
 def _wd_kl_kernel(
     p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
     P, V, CH, NS, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
-    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr,
 ):
     """KL only (no TV, no grid): one pass over the logits, grid (B*P, NS).
 
@@ -271,7 +271,7 @@ def _wd_kl_kernel(
         mq = mq + (tl.full([BLOCK], NEG_BIG, tl.float32),)
         sq = sq + (tl.zeros([BLOCK], tl.float32),)
         acc = acc + (tl.zeros([BLOCK], tl.float32),)
-    for v0 in range(v_start, v_end, BLOCK):
+    for v0 in tl.range(v_start, v_end, BLOCK, num_stages=STAGES):
         offs = v0 + cols
         vmask = offs < v_end
         xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
@@ -432,6 +432,9 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
 # Columns per step of the KL-only pass: [BLOCK] vectors of the target and each view, ~4
 # columns per thread at 4 warps (each column keeps 2 + 3K running values).
 _KL_BLOCK = 512
+_KL_STAGES = 3
+_KL_WARPS = 4
+_KL_PER_SM = 8     # programs per SM the V split aims at
 
 
 def _kl_only(p_logits, q_logits, kl, temperature):
@@ -439,12 +442,13 @@ def _kl_only(p_logits, q_logits, kl, temperature):
     K = q_logits.shape[1]
     dev = p_logits.device
     R = B * P
-    chunk, ns = _split(V, _KL_BLOCK, R, _target_programs(dev))
+    chunk, ns = _split(V, _KL_BLOCK, R, _target_programs(dev) // 8 * _KL_PER_SM)
     block = max(16, min(_KL_BLOCK, triton.next_power_of_2(chunk)))
     part = torch.empty(R * ns * (2 + 3 * K), dtype=torch.float32, device=dev)
     _wd_kl_kernel[(R, ns)](
         p_logits, q_logits, part, counters(dev, R), kl,
         P, V, chunk, ns, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
-        K=K, NSP=triton.next_power_of_2(ns), BLOCK=block, FAST=dev.type == "cuda", num_warps=4,
+        K=K, NSP=triton.next_power_of_2(ns), BLOCK=block, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
+        num_warps=_KL_WARPS,
     )
