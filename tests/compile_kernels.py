@@ -1,0 +1,179 @@
+"""Compile every Triton kernel launch for an NVIDIA sm_90 target, on a machine without a GPU.
+
+The interpreter (how CPU CI runs the kernels) accepts programs the compiler rejects, e.g. a
+name re-bound to a different shape inside a loop or a runtime branch. This script closes
+that gap in two steps, run as separate processes by `tests/test_kernel_compile.py`:
+
+    TRITON_INTERPRET=1 python tests/compile_kernels.py record launches.json
+        calls every launcher (each op and mode, small shapes) and records each kernel launch:
+        argument types, constexpr values and launch options;
+    python tests/compile_kernels.py compile launches.json
+        compiles each distinct launch to PTX and cubin with Triton's CUDA backend
+        (`triton.compile` on an `ASTSource`, target sm_90, ptxas included), also with the
+        constexprs a GPU launch sets differently (FAST math, bf16 dots).
+"""
+import inspect
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+_PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int64": "*i64", "int32": "*i32",
+        "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def _arg_type(v):
+    import torch
+    if isinstance(v, torch.Tensor):
+        return _PTR[str(v.dtype).replace("torch.", "")]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"unsupported kernel argument {type(v).__name__}")
+
+
+def record(path):
+    """Run every launcher under the interpreter, recording each launch."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "record runs under TRITON_INTERPRET=1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = {}
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        params = list(inspect.signature(fn).parameters.values())
+        bound = dict(zip([p.name for p in params], args))
+        bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+        sig, consts = {}, {}
+        for p in params:
+            v = bound.get(p.name, p.default)
+            if "constexpr" in str(p.annotation):
+                sig[p.name] = "constexpr"
+                consts[p.name] = v
+            else:
+                sig[p.name] = _arg_type(v)
+        opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+        entry = {"module": fn.__module__, "name": fn.__name__, "signature": sig, "constexprs": consts,
+                 "options": opts}
+        launches[json.dumps(entry, sort_keys=True)] = entry
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+    try:
+        _exercise()
+    finally:
+        InterpretedFunction.run = run
+    with open(path, "w") as f:
+        json.dump(list(launches.values()), f, indent=1)
+    print(f"recorded {len(launches)} distinct launches")
+
+
+def _exercise():
+    """Every op in each of its modes, on small shapes (the kernels' constexpr branches)."""
+    import torch
+
+    from tabed_engine.kernels import (add_rms_norm, chain_verify, ensemble_mix, history_update,
+                                      rope_kv_write, tree_attention, window_divergence)
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    V = 300
+    for K in (1, 3):
+        logits = torch.randn(2 * K, V, generator=g).to(bf)
+        w = torch.full((2, K), 1.0 / K)
+        seed, off = torch.tensor([1]), torch.tensor([0])
+        for greedy in (True, False):
+            for mix in (False, True):
+                ensemble_mix.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=off, return_mixture=mix)
+    ensemble_mix.ensemble_mix(logits, w, greedy=True, certified_out=torch.zeros(2, dtype=torch.int32))
+
+    p = torch.randn(1, 3, V, generator=g).to(bf)
+    q = torch.randn(1, 2, 3, V, generator=g).to(bf)
+    grid = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 1.0]])
+    window_divergence.window_divergence(p, q)
+    window_divergence.window_divergence(p, q, tv=False)
+    window_divergence.window_divergence(p, q, grid=grid)
+
+    B, gamma = 2, 3
+    plog = torch.randn(B, gamma + 1, V, generator=g)
+    drafted = plog[:, :gamma].argmax(-1)
+    chain_verify.chain_verify(drafted, None, plog.to(bf), greedy=True)
+    probs = torch.softmax(plog, -1)
+    chain_verify.chain_verify(drafted, probs[:, :gamma].contiguous(), probs, greedy=False,
+                              uniforms=torch.rand(B, gamma + 1, generator=g))
+
+    from tabed_engine.ops.history_update import POLICY_DIV, POLICY_GRID, POLICY_HEDGE
+    Bh, K, P, C = 1, 2, 3, 16
+    for policy in (POLICY_DIV, POLICY_HEDGE, POLICY_GRID):
+        G = 3 if policy == POLICY_GRID else 0
+        history_update.history_update(
+            torch.rand(Bh, K, P), torch.zeros(Bh, G, P, dtype=torch.bool) if G else None,
+            torch.rand(Bh, G, P) if G else None, torch.tensor([1]), torch.zeros(1, dtype=torch.long),
+            torch.zeros(Bh, C, dtype=torch.bool), torch.zeros(Bh, K, C), torch.zeros(Bh, G, C),
+            torch.zeros(Bh, G, C), grid if G else None, policy=policy, window=0, temperature=1.0, clip=1.0,
+            all_positions=policy == POLICY_HEDGE)
+
+    R, N, H, Hkv, D, S = 1, 3, 4, 2, 16, 40
+    qa = torch.randn(R, N, H, D, generator=g).to(bf)
+    kc = torch.randn(R, Hkv, S, D, generator=g).to(bf)
+    vc = torch.randn(R, Hkv, S, D, generator=g).to(bf)
+    lengths = torch.tensor([20], dtype=torch.int32)
+    mask = torch.tensor([[1, 3, 5]], dtype=torch.int64)
+    for splits in (1, 2):
+        tree_attention.tree_attention(qa, kc, vc, lengths, mask, num_splits=splits)
+
+    x = torch.randn(3, 64, generator=g).to(bf)
+    add_rms_norm.add_rms_norm(x, x.clone(), torch.ones(64, dtype=bf), 1e-6)
+    add_rms_norm.add_rms_norm(x, None, torch.ones(64, dtype=bf), 1e-6)
+
+    qkv = torch.randn(1, 2, (H + 2 * Hkv) * D, generator=g).to(bf)
+    cs = torch.randn(1, 2, D, generator=g)
+    rope_kv_write.rope_kv_write(qkv, cs, cs, kc, vc, lengths, H, Hkv)
+
+
+def compile_all(path):
+    """Compile every recorded launch for sm_90; print one line each, exit 1 on any failure."""
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compile runs without the interpreter"
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    with open(path) as f:
+        launches = json.load(f)
+    # the recording ran on the CPU: also compile each launch as a GPU would make it (fast
+    # exp2/log2 through inline PTX, bf16/fp16 dots)
+    gpu = {"FAST": True, "FAST_MATH": True, "DOT_FP32": False}
+    variants = []
+    for e in launches:
+        variants.append(e)
+        flipped = {k: gpu.get(k, v) for k, v in e["constexprs"].items()}
+        if flipped != e["constexprs"]:
+            variants.append(dict(e, constexprs=flipped))
+    launches = variants
+    failed = 0
+    for e in launches:
+        fn = getattr(importlib.import_module(e["module"]), e["name"])
+        try:
+            src = ASTSource(fn=fn, signature=e["signature"], constexprs=e["constexprs"])
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=e["options"])
+            assert kernel.asm.get("cubin"), "no cubin"
+            print(f"ok   {e['name']} {e['constexprs']}")
+        except Exception as exc:  # report every failure, not just the first
+            failed += 1
+            msg = str(exc).strip().splitlines()
+            print(f"FAIL {e['name']} {e['constexprs']}: {type(exc).__name__}: {' | '.join(msg[-6:])}")
+    print(f"{len(launches) - failed}/{len(launches)} compiled for sm_90")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    mode, path = sys.argv[1], sys.argv[2]
+    record(path) if mode == "record" else compile_all(path)
