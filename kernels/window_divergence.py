@@ -17,10 +17,11 @@ V=32064: B*P is tiny, so the vocabulary itself is split over programs.  Two laun
 Two passes over the logits: TV needs both normalisers before any |p - q_k| term. KL
 alone (the kld and hedge policies) does not: `_wd_kl_kernel` is one launch and one pass,
 sum_v p_v (y_p - y_k) accumulated against the running max of the target and rescaled
-with its sum-exp, the last program of each row folding the splits.  Both keep element-wise running values (max / sum-exp, partial KL and
-TV, see `_common`) and reduce across the tile once per program; exponentials are exp2
-with temperature and log2(e) folded into one scale, and the divergences are summed in
-log2 units and scaled by ln 2 once.
+with its sum-exp, the last program of each row folding the splits.  All passes keep
+element-wise running values (max / sum-exp, partial KL and TV, see `_common`) and reduce
+across the tile once per program; exponentials are exp2 with temperature and log2(e)
+folded into one scale, and the divergences are summed in log2 units and scaled by ln 2
+once.
 
 Everything accumulates in fp32; argmax ties resolve to the lowest index (torch.argmax);
 split counts depend on shapes and the SM count only (no host sync: the launcher runs in
