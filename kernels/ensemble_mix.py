@@ -121,11 +121,9 @@ def _mix_partial_kernel(
     if CERT:
         # per view: the chunk's max (lowest index on ties) and its second-largest value
         # (equal to the max when the max occurs twice)
-        c_top = tl.max(m, axis=1)
-        lane_idx = arg_v0 + cols[None, :]
-        c_idx = tl.min(tl.where(m == c_top[:, None], lane_idx, BIG_IDX), axis=1)
+        _, c_idx, _ = best_combine(m, arg_v0, m, cols[None, :], 1)
         c_2nd = tl.maximum(tl.max(m2, axis=1),
-                           tl.max(tl.where(lane_idx == c_idx[:, None], NEG_BIG, m), axis=1))
+                           tl.max(tl.where(arg_v0 + cols[None, :] == c_idx[:, None], NEG_BIG, m), axis=1))
         tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
     top, tot = lse_reduce(m, s, scale, 1, FAST)

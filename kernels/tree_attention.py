@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import COUNTERS as _COUNTERS, counters as _counters  # noqa: F401 (tests read _COUNTERS)
+from ._common import counters as _counters
 
 _MAX_NODES = 64  # tree_mask is one int64 word per node
 _SM_COUNT = {}
