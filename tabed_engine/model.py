@@ -18,6 +18,7 @@ from torch import nn
 
 from .config import LMConfig
 from .ops.add_rms_norm import add_rms_norm, rms_norm_reference
+from .ops.gemv import linear, use_gemv
 from .ops.rope_kv_write import rope_kv_write, rope_reference
 from .ops.tree_attention import tree_attention
 
@@ -64,6 +65,13 @@ def silu_mul(gate_up):
     return F.silu(gate) * up
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row calls on CUDA run the Triton GEMV (`ops.gemv.linear`)."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -100,8 +108,8 @@ class Attention(nn.Module):
         hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         # q, k, v in one matrix: one GEMV per decode step instead of three (the loader
         # concatenates the checkpoint's q_proj/k_proj/v_proj)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * kv) * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (h + 2 * kv) * hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(h * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: "ForwardContext"):
         # x: [R, T, hidden]; k_cache/v_cache: [R, kv, S, hd] (this layer)
@@ -136,11 +144,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LMConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if use_gemv(gate_up, self.down_proj.weight):  # the GEMV applies the SiLU gate as it reads
+            return linear(gate_up, self.down_proj.weight, gated=True)
+        return self.down_proj(silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -229,7 +240,7 @@ class LlamaLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope = None
 
     def rope(self, max_pos: int, device):

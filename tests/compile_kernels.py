@@ -79,7 +79,7 @@ def _exercise():
     """Every op in each of its modes, on small shapes (the kernels' constexpr branches)."""
     import torch
 
-    from tabed_engine.kernels import (add_rms_norm, chain_verify, ensemble_mix, history_update,
+    from tabed_engine.kernels import (add_rms_norm, chain_verify, ensemble_mix, gemv, history_update,
                                       rope_kv_write, tree_attention, window_divergence)
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -135,6 +135,12 @@ def _exercise():
     qkv = torch.randn(1, 2, (H + 2 * Hkv) * D, generator=g).to(bf)
     cs = torch.randn(1, 2, D, generator=g)
     rope_kv_write.rope_kv_write(qkv, cs, cs, kc, vc, lengths, H, Hkv)
+
+    for K in (300, 1024):       # ragged and whole K tiles
+        for M in (1, 3):        # CUDA-core and tensor-core kernels
+            w, b = torch.randn(40, K, generator=g).to(bf), torch.randn(40, generator=g).to(bf)
+            gemv.gemv(torch.randn(M, K, generator=g).to(bf), w, b)
+            gemv.gemv(torch.randn(M, 2 * K, generator=g).to(bf), w, gated=True)
 
 
 def compile_all(path):

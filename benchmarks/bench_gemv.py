@@ -1,0 +1,118 @@
+"""Benchmark: skinny linear layers (Triton GEMV) vs cuBLAS and torch.compile at decode shapes.
+
+    python benchmarks/bench_gemv.py [--out benchmarks/results/gemv.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke   # CPU, tiny, no claims
+
+Shapes: the LLaVA-1.5-7B target's projections (q/k/v 12288x4096, o 4096x4096, gate/up
+22016x4096, down 4096x11008 with the SiLU gate fused, lm_head 32064x4096) at 1 row (AR
+decode) and 6 rows (verification of gamma + 1 = 6 tokens), and the LLaVA-68M-shape draft's
+projections wide enough for the GEMV path (q/k/v 2304x768, gate/up 6144x768, lm_head
+32064x768) at 1, 2 and 4 rows (K views). bf16. Each timed call runs the projection over
+several copies of the weight (>= 400 MB in all), so every byte comes from HBM, not L2.
+Columns (us per projection, medians):
+  fused     tabed_engine.kernels.gemv
+  eager     the reference: F.linear (cuBLAS), after an eager SiLU*up for the gated one
+  model     what the decoder ran before: F.linear after the torch.compile'd SiLU*up
+  compiled  torch.compile of the reference (static shapes)
+GB/s counts the weight bytes over the graph time, next to a 1 GiB device-to-device copy
+measured in the same run. The summary line adds up one decode step's projections (32
+layers + lm_head) for the GEMV and for cuBLAS.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth_gbs, provenance  # noqa: E402
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_row,  # noqa: E402
+                                 time_variants, write_result)
+from tabed_engine.kernels import gemv as _k  # noqa: E402
+from tabed_engine.model import silu_mul  # noqa: E402
+from tabed_engine.ops.gemv import linear_reference  # noqa: E402
+
+TARGET = [("qkv", 12288, 4096, False), ("o", 4096, 4096, False), ("gate_up", 22016, 4096, False),
+          ("down", 4096, 11008, True), ("lm_head", 32064, 4096, False)]
+DRAFT = [("draft_qkv", 2304, 768, False), ("draft_gate_up", 6144, 768, False), ("draft_lm_head", 32064, 768, False)]
+
+
+def model_path(x, w, gated):
+    return torch.nn.functional.linear(silu_mul(x) if gated else x, w)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(ap, "gemv")
+    ap.set_defaults(inner=4, reps=15)
+    ap.add_argument("--min-bytes", type=int, default=400 << 20, help="weight bytes per timed call")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    device, out_path = device_and_out(args, "gemv")
+    cases = [(n, N, K, g, M) for (n, N, K, g) in TARGET for M in (1, 6)] + \
+            [(n, N, K, g, M) for (n, N, K, g) in DRAFT for M in (1, 2, 4)]
+    if args.smoke:
+        cases = [("small", 96, 130, False, 1), ("small_gated", 64, 70, True, 3)]
+        args.no_compile, args.reps, args.inner, args.min_bytes = True, 3, 1, 0
+    dtype = torch.bfloat16
+    compiled = None if args.no_compile else compile_static(lambda x, w, g: linear_reference(x, w, gated=g))
+
+    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (1 << 30))
+    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'shape':>22} | {'stream us: fused':>16} {'eager':>7} {'model':>7} {'compiled':>8} "
+          f"| {'graph us: fused':>15} {'eager':>7} {'model':>7} {'compiled':>8} | {'GB/s':>5} {'%copy':>5}")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for name, N, K, gated, M in cases:
+        nbytes = N * K * 2
+        copies = max(1, -(-args.min_bytes // nbytes))
+        ws = [(torch.randn(N, K, generator=g) / K ** 0.5).to(device=device, dtype=dtype) for _ in range(copies)]
+        x = torch.randn(M, 2 * K if gated else K, generator=g).to(device=device, dtype=dtype)
+        out = torch.empty(M, N, device=device, dtype=dtype)
+
+        def each(fn):
+            def run():
+                for w in ws:
+                    fn(w)
+            return run
+        fns = {"fused": each(lambda w: _k.gemv(x, w, gated=gated, out=out)),
+               "eager": each(lambda w: linear_reference(x, w, gated=gated))}
+        if gated and not args.smoke:
+            fns["model"] = each(lambda w: model_path(x, w, gated))
+        if compiled is not None:
+            fns["compiled"] = each(lambda w: compiled(x, w, gated))
+
+        _k.gemv(x, ws[0], gated=gated, out=out)
+        err = (out.float() - linear_reference(x, ws[0], gated=gated).float()).abs().max().item()
+        stream, graph = time_variants(fns, device, args)
+        stream = {k: v / copies for k, v in stream.items()}
+        graph = {k: v / copies for k, v in graph.items()}
+        base = graph.get("fused", stream["fused"])
+        gbs = nbytes / (base * 1e-6) / 1e9
+        rows.append(dict(name=name, rows=M, N=N, K=K, gated=gated, dtype=str(dtype), weight_bytes=nbytes,
+                         copies=copies, stream_us=stream, graph_us=graph, fused_gbs=gbs,
+                         pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err))
+        print_row(f"{name + ' M=' + str(M):>22}", stream, graph, gbs, copy_gbs, err)
+        del ws
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    summary = {}
+    for M in (1, 6):
+        sel = [r for r in rows if r["rows"] == M and r["name"] in {n for n, *_ in TARGET}]
+        if len(sel) == len(TARGET) and all("eager" in r["graph_us"] for r in sel):
+            step = {v: sum(r["graph_us"][v] * (1 if r["name"] == "lm_head" else 32) for r in sel) / 1e3
+                    for v in ("fused", "eager")}
+            summary[f"target_step_rows{M}_ms"] = step
+            print(f"one target step at {M} row(s), 32 layers + lm_head: GEMV {step['fused']:.3f} ms, "
+                  f"cuBLAS {step['eager']:.3f} ms ({step['eager'] / step['fused']:.2f}x)")
+    rows.append(dict(name="summary", **summary))
+    write_result("gemv", args, device, copy_gbs, rows, out_path, t_start)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Linear layers of the decoder, with a skinny-matrix fast path for decode and verification.
+
+`linear(x, weight, bias)` is `F.linear`; with `gated=True` its input is the MLP's
+[gate | up] pair and the product uses silu(gate) * up. On CUDA, calls with at most
+`MAX_ROWS` rows (decode, γ+1-token verification, the draft's B×K view rows) and at least
+`MIN_FEATURES` output features run the Triton GEMV (`tabed_engine.kernels.gemv`), which
+streams the weight at close to HBM bandwidth in one launch and fuses the SiLU gate into
+the down projection; everything else (prefill, CPU) runs the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 16
+# Fewer output features leave most SMs idle without a split over K (the draft's 768-wide
+# projections); cuBLAS's split-K kernels serve those.
+MIN_FEATURES = 2048
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] on the last dim, computed in float32 and
+    rounded once to the input dtype (what the fused pointwise kernels do)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias), with x = silu_mul_reference(x) first when `gated`."""
+    return F.linear(silu_mul_reference(x) if gated else x, weight, bias)
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
+    """Whether `linear` takes the Triton GEMV for these arguments (device, rows, width, dtypes)."""
+    return (x.is_cuda and weight.shape[0] >= MIN_FEATURES and x.numel() // x.shape[-1] <= MAX_ROWS
+            and x.numel() > 0 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and weight.stride(-1) == 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
+    """y = x @ weight^T (+ bias); `gated`: x is [..., 2K] = [gate | up] and the product
+    uses silu(gate) * up.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [..., K] activations ([..., 2K] when gated).
+    weight : torch.Tensor
+        [N, K].
+    bias : torch.Tensor or None
+        [N].
+    gated : bool
+        Apply the SwiGLU gate to x first.
+
+    Returns
+    -------
+    torch.Tensor
+        [..., N] in x's dtype.
+    """
+    if use_gemv(x, weight, bias):
+        from tabed_engine.kernels.gemv import gemv
+
+        return gemv(x, weight, bias, gated=gated)
+    return linear_reference(x, weight, bias, gated=gated)

@@ -1,0 +1,120 @@
+"""gemv (skinny linear layers): Triton kernels (interpreter on CPU) against F.linear in
+float64, the engine's dispatch, and the decoder using it.
+
+Tolerance: the kernel's error against a float64 product must be within twice the
+reference's own error (F.linear in the same dtype) plus one rounding of the output.
+Outputs are NaN-poisoned, shapes are not multiples of the block sizes.
+"""
+import pytest
+import torch
+
+from tabed_engine.kernels import gemv as _k
+from tabed_engine.ops import gemv as ops
+
+EPS_OF = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def make_case(M, N, K, dtype, device, *, gated=False, bias=False, seed=0, lead=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, 2 * K if gated else K, generator=gen)
+    w = torch.randn(N, K, generator=gen) / K ** 0.5
+    b = torch.randn(N, generator=gen) if bias else None
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    x = to(x)
+    if lead is not None:
+        x = x.view(*lead, x.shape[-1])
+    return x, to(w), to(b)
+
+
+def check(y, x, w, b, gated):
+    y = y.cpu()
+    assert not y.isnan().any(), "NaN left (unwritten output)"
+    xc, wc = x.cpu(), w.cpu()
+    bc = None if b is None else b.cpu()
+    a = ops.silu_mul_reference(xc) if gated else xc   # the kernel's rounded activations
+    truth = torch.nn.functional.linear(a.double(), wc.double(), None if bc is None else bc.double())
+    ref = ops.linear_reference(xc, wc, bc, gated=gated)
+    ref_err = (ref.double() - truth).abs().max().item()
+    err = (y.double() - truth).abs().max().item()
+    slack = EPS_OF[x.dtype] * truth.abs().max().item()
+    assert err <= 2 * ref_err + slack, f"max err {err:.3g} vs reference {ref_err:.3g} (slack {slack:.3g})"
+
+
+CASES = [(M, N, K, dt) for (M, N, K) in [(1, 37, 300), (1, 1000, 517), (2, 173, 1031), (5, 96, 2048),
+                                         (9, 1000, 300), (16, 61, 77)]
+         for dt in (torch.bfloat16, torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize("M,N,K,dtype", CASES)
+def test_kernel_matches_reference(M, N, K, dtype, kernel_device):
+    for gated, bias in ((False, False), (False, True), (True, False)):
+        x, w, b = make_case(M, N, K, dtype, kernel_device, gated=gated, bias=bias, seed=M * N + K)
+        out = torch.full((M, N), float("nan"), device=kernel_device, dtype=dtype)
+        y = _k.gemv(x, w, b, gated=gated, out=out)
+        assert y is out
+        check(y, x, w, b, gated)
+
+
+def test_kernel_leading_dims_and_strided_rows(kernel_device):
+    # x [R, T, K] as a column slice of a wider buffer (row stride != K); T = 3 rows of 2
+    x, w, b = make_case(6, 50, 130, torch.float32, kernel_device, bias=True, seed=7)
+    wide = torch.zeros(6, 200, device=kernel_device)
+    wide[:, 33:163] = x
+    xs = wide[:, 33:163].view(2, 3, 130)
+    y = _k.gemv(xs, w, b)
+    assert y.shape == (2, 3, 50)
+    check(y.reshape(6, 50), x, w, b, False)
+    y1 = _k.gemv(wide[:1, 33:163], w, b)   # one strided row
+    check(y1, x[:1], w, b, False)
+
+
+def test_kernel_rejects_bad_input(kernel_device):
+    x, w, _ = make_case(2, 40, 64, torch.float32, kernel_device)
+    with pytest.raises(ValueError, match="last dim"):
+        _k.gemv(x[:, :60], w)
+    with pytest.raises(ValueError, match="2 \\* weight"):
+        _k.gemv(x, w, gated=True)
+    with pytest.raises(ValueError, match="rows"):
+        _k.gemv(torch.zeros(17, 64, device=kernel_device), w)
+    with pytest.raises(TypeError, match="dtype"):
+        _k.gemv(x.half(), w)
+    with pytest.raises(ValueError, match="bias"):
+        _k.gemv(x, w, torch.zeros(39, device=kernel_device))
+    with pytest.raises(ValueError, match="out"):
+        _k.gemv(x, w, out=torch.empty(2, 41, device=kernel_device))
+    y = _k.gemv(x, w)   # still usable
+    check(y, x, w, None, False)
+
+
+def test_dispatch():
+    x, w, b = make_case(3, 4096, 64, torch.bfloat16, "cpu", bias=True)
+    assert not ops.use_gemv(x, w, b)                          # CPU: reference
+    assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    xg, _, _ = make_case(3, 4096, 64, torch.bfloat16, "cpu", gated=True)
+    assert torch.equal(ops.linear(xg, w, gated=True),
+                       torch.nn.functional.linear(ops.silu_mul_reference(xg), w))
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
+    # the rule, checked on shapes alone: few rows and wide outputs on CUDA only
+    assert not ops.use_gemv(meta(1, 64), meta(4096, 64))   # meta is not CUDA
+
+
+@pytest.mark.gpu
+def test_dispatch_gpu_rule():
+    dev = "cuda"
+    x1, w, _ = make_case(1, 4096, 256, torch.bfloat16, dev)
+    assert ops.use_gemv(x1, w)
+    assert not ops.use_gemv(torch.zeros(17, 256, device=dev, dtype=torch.bfloat16), w)   # prefill: cuBLAS
+    assert not ops.use_gemv(x1, w[:ops.MIN_FEATURES - 1])                                 # narrow: cuBLAS
+    assert not ops.use_gemv(x1.float(), w)                                                # mixed dtypes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 6])
+def test_kernel_real_shapes_gpu(M, dtype):
+    # the Llama-7B projections (q/k/v, o, gate/up, down with the gate fused, lm_head)
+    for N, K, gated in [(12288, 4096, False), (4096, 4096, False), (22016, 4096, False),
+                        (4096, 11008, True), (32064, 4096, False)]:
+        x, w, _ = make_case(M, N, K, dtype, "cuda", gated=gated, seed=N)
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        check(_k.gemv(x, w, gated=gated, out=out), x, w, None, gated)
