@@ -94,10 +94,12 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
                         eviction_policy="evict_first")
         x = _load_x(xrow, offs_k[None, :], k_ok[None, :], K, GATED, EVEN_K)
         # padded rows repeat row 0 (clamped pointers, no mask in the loop); they are not stored
+        # each tile's product is summed on its own, then added to the total (two-level
+        # summation: fp32 error grows with BLOCK_K + K / BLOCK_K terms, not K)
         if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong; the same values in fp32
-            acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision=PRECISION, out_dtype=tl.float32)
+            acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision=PRECISION, out_dtype=tl.float32)
         else:
-            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION, out_dtype=tl.float32)
+            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
