@@ -12,9 +12,12 @@ fill every SM.
 * 2-16 rows (`_gemv_dot_kernel`): the rows padded to 16 and the tile product on tensor
   cores (tl.dot, fp32 accumulate; exact fp32 for fp32 inputs).
 
-Optionally the input is a gate/up pair, x = [gate | up] of width 2K, and the kernel feeds
+For one row the input may be a gate/up pair, x = [gate | up] of width 2K: the kernel feeds
 silu(gate) * up (fp32, rounded once to x's dtype like the fused pointwise kernel it
-replaces) to the product: the MLP's down projection then needs no separate SiLU launch.
+replaces) to the product, so the MLP's down projection needs no separate SiLU launch. Every
+program recomputes the gate over all of K, which is cheap for one row and was not for more
+(six rows padded to 16, 128 programs: the down projection ran 7x slower than unfused), so
+the tensor-core kernel takes its rows already gated.
 
 Block shapes from a sweep on an H200 (graph replays, weights larger than L2, bf16): at the
 Llama-7B decode shapes these ran 5-20% faster than cuBLAS (one row: q/k/v 31.8 -> 26.9 us,
@@ -73,9 +76,10 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                     TWO_LEVEL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -92,14 +96,16 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
         else:
             w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=k_ok[None, :], other=0.0,
                         eviction_policy="evict_first")
-        x = _load_x(xrow, offs_k[None, :], k_ok[None, :], K, GATED, EVEN_K)
+        x = _load_x(xrow, offs_k[None, :], k_ok[None, :], K, False, EVEN_K)
         # padded rows repeat row 0 (clamped pointers, no mask in the loop); they are not stored
-        # each tile's product is summed on its own, then added to the total (two-level
-        # summation: fp32 error grows with BLOCK_K + K / BLOCK_K terms, not K)
         if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong; the same values in fp32
-            acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision=PRECISION, out_dtype=tl.float32)
+            x, w = x, w.to(tl.float32)
         else:
-            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
+            x = x.to(w.dtype)
+        if TWO_LEVEL:  # fp32: each tile's product summed on its own, then added to the total
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
+        else:          # 16-bit inputs: accumulate in place (the output rounding dominates)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION, out_dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -139,6 +145,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fals
     M = x2.shape[0]
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"gemv: 1..{MAX_ROWS} rows, got {M}")
+    if gated and M != 1:
+        raise ValueError(f"gemv: the fused SiLU gate takes one row, got {M} (gate the rows first)")
     if out is not None and (out.shape != (*lead, N) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"gemv: out must be a contiguous {x.dtype} tensor of shape {(*lead, N)}")
     y = out if out is not None else torch.empty(*lead, N, device=x.device, dtype=x.dtype)
@@ -152,8 +160,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fals
                                num_warps=warps)
     else:
         _gemv_dot_kernel[grid](x2, weight, b, y2, M, N, K, x2.stride(0), weight.stride(0), y2.stride(0),
-                               HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=16, BLOCK_N=BN, BLOCK_K=BK,
+                               HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=BN, BLOCK_K=BK,
                                STAGES=stages, EVEN_K=K % BK == 0,
                                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                               DOT_FP32=x.device.type != "cuda", num_warps=warps)
+                               DOT_FP32=x.device.type != "cuda", TWO_LEVEL=x.dtype == torch.float32,
+                               num_warps=warps)
     return y

@@ -149,8 +149,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if use_gemv(gate_up, self.down_proj.weight):  # the GEMV applies the SiLU gate as it reads
-            return linear(gate_up, self.down_proj.weight, gated=True)
+        if gate_up.numel() == gate_up.shape[-1] and use_gemv(gate_up, self.down_proj.weight):
+            return linear(gate_up, self.down_proj.weight, gated=True)   # one row: the GEMV gates as it reads
         return self.down_proj(silu_mul(gate_up))
 
 

@@ -48,6 +48,8 @@ CASES = [(M, N, K, dt) for (M, N, K) in [(1, 37, 300), (1, 1000, 517), (2, 173, 
 @pytest.mark.parametrize("M,N,K,dtype", CASES)
 def test_kernel_matches_reference(M, N, K, dtype, kernel_device):
     for gated, bias in ((False, False), (False, True), (True, False)):
+        if gated and M > 1:
+            continue
         x, w, b = make_case(M, N, K, dtype, kernel_device, gated=gated, bias=bias, seed=M * N + K)
         out = torch.full((M, N), float("nan"), device=kernel_device, dtype=dtype)
         y = _k.gemv(x, w, b, gated=gated, out=out)
@@ -73,7 +75,9 @@ def test_kernel_rejects_bad_input(kernel_device):
     with pytest.raises(ValueError, match="last dim"):
         _k.gemv(x[:, :60], w)
     with pytest.raises(ValueError, match="2 \\* weight"):
-        _k.gemv(x, w, gated=True)
+        _k.gemv(x[:1], w, gated=True)
+    with pytest.raises(ValueError, match="one row"):
+        _k.gemv(torch.zeros(2, 128, device=kernel_device), w, gated=True)
     with pytest.raises(ValueError, match="rows"):
         _k.gemv(torch.zeros(17, 64, device=kernel_device), w)
     with pytest.raises(TypeError, match="dtype"):
@@ -90,7 +94,7 @@ def test_dispatch():
     x, w, b = make_case(3, 4096, 64, torch.bfloat16, "cpu", bias=True)
     assert not ops.use_gemv(x, w, b)                          # CPU: reference
     assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
-    xg, _, _ = make_case(3, 4096, 64, torch.bfloat16, "cpu", gated=True)
+    xg, _, _ = make_case(3, 4096, 64, torch.bfloat16, "cpu", gated=True)   # gated rows: reference
     assert torch.equal(ops.linear(xg, w, gated=True),
                        torch.nn.functional.linear(ops.silu_mul_reference(xg), w))
     meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
@@ -101,11 +105,16 @@ def test_dispatch():
 @pytest.mark.gpu
 def test_dispatch_gpu_rule():
     dev = "cuda"
-    x1, w, _ = make_case(1, 4096, 256, torch.bfloat16, dev)
+    x1, w, _ = make_case(1, 4096, 2048, torch.bfloat16, dev)
     assert ops.use_gemv(x1, w)
     assert not ops.use_gemv(torch.zeros(17, 256, device=dev, dtype=torch.bfloat16), w)   # prefill: cuBLAS
     assert not ops.use_gemv(x1, w[:ops.MIN_FEATURES - 1])                                 # narrow: cuBLAS
+    assert not ops.use_gemv(x1[:, :128], w[:, :128])                                      # short K: cuBLAS
     assert not ops.use_gemv(x1.float(), w)                                                # mixed dtypes
+    # gated rows through the dispatch: one row fused in the kernel, six gated first
+    for M in (1, 6):
+        xg, wg, _ = make_case(M, 4096, 2048, torch.bfloat16, dev, gated=True, seed=M)
+        check(ops.linear(xg, wg, gated=True), xg, wg, None, True)
 
 
 @pytest.mark.gpu
@@ -114,7 +123,7 @@ def test_dispatch_gpu_rule():
 def test_kernel_real_shapes_gpu(M, dtype):
     # the Llama-7B projections (q/k/v, o, gate/up, down with the gate fused, lm_head)
     for N, K, gated in [(12288, 4096, False), (4096, 4096, False), (22016, 4096, False),
-                        (4096, 11008, True), (32064, 4096, False)]:
+                        (4096, 11008, M == 1), (32064, 4096, False)]:
         x, w, _ = make_case(M, N, K, dtype, "cuda", gated=gated, seed=N)
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         check(_k.gemv(x, w, gated=gated, out=out), x, w, None, gated)
