@@ -66,7 +66,7 @@ def silu_mul(gate_up):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row calls on CUDA run the Triton GEMV (`ops.gemv.linear`)."""
+    """nn.Linear whose one-row calls on CUDA run the Triton GEMV (`ops.gemv.linear`)."""
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
@@ -149,8 +149,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if gate_up.numel() == gate_up.shape[-1] and use_gemv(gate_up, self.down_proj.weight):
-            return linear(gate_up, self.down_proj.weight, gated=True)   # one row: the GEMV gates as it reads
+        if use_gemv(gate_up, self.down_proj.weight):  # the GEMV applies the SiLU gate as it reads
+            return linear(gate_up, self.down_proj.weight, gated=True)
         return self.down_proj(silu_mul(gate_up))
 
 

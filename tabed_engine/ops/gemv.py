@@ -1,19 +1,17 @@
-"""Linear layers of the decoder, with a skinny-matrix fast path for decode and verification.
+"""Linear layers of the decoder, with a matrix-vector fast path for AR decode.
 
 `linear(x, weight, bias)` is `F.linear`; with `gated=True` its input is the MLP's
-[gate | up] pair and the product uses silu(gate) * up. On CUDA, calls with at most
-`MAX_ROWS` rows (decode, γ+1-token verification) and weights of at least `MIN_FEATURES`
-outputs × `MIN_FEATURES` inputs run the Triton GEMV (`tabed_engine.kernels.gemv`), which
-streams the weight at close to HBM bandwidth in one launch and, for one row, applies the
-SiLU gate as it reads; everything else (prefill, small draft matrices, CPU) runs the
-reference.
+[gate | up] pair and the product uses silu(gate) * up. On CUDA, one-row calls (an AR decode
+step) with weights of at least `MIN_FEATURES` outputs × `MIN_FEATURES` inputs run the Triton
+GEMV (`tabed_engine.kernels.gemv`), which streams the weight at close to HBM bandwidth in
+one launch and applies the SiLU gate as it reads; everything else (verification, prefill,
+the small draft matrices, CPU) runs the reference (cuBLAS on the GPU).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 16
 # Narrower matrices (the LLaVA-68M-shape draft: hidden 768) were as fast or faster on
 # cuBLAS in the H200 benchmark (benchmarks/bench_gemv.py): fewer outputs leave SMs idle
 # without a split over K, and a short K is latency-bound either way.
@@ -34,8 +32,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated:
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
     """Whether `linear` takes the Triton GEMV for these arguments (device, rows, width, dtypes)."""
-    return (x.is_cuda and min(weight.shape) >= MIN_FEATURES and x.numel() // x.shape[-1] <= MAX_ROWS
-            and x.numel() > 0 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    return (x.is_cuda and min(weight.shape) >= MIN_FEATURES and x.numel() == x.shape[-1]
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
             and weight.stride(-1) == 1)
 
 
@@ -62,7 +60,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
     if use_gemv(x, weight, bias):
         from tabed_engine.kernels.gemv import gemv
 
-        if gated and x.numel() != x.shape[-1]:   # the fused gate takes one row
-            x, gated = silu_mul_reference(x), False
         return gemv(x, weight, bias, gated=gated)
     return linear_reference(x, weight, bias, gated=gated)
