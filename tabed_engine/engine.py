@@ -70,7 +70,8 @@ class Engine:
                  window: int = 0, gamma: int = 5, tree=None, max_len: Optional[int] = None,
                  escape_token: Optional[int] = None, pool_size: Optional[int] = None,
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
-                 grid_step: float = 0.1, timing: bool = True, cuda_graphs: bool = True):
+                 grid_step: float = 0.1, timing: bool = True, cuda_graphs: bool = True,
+                 view_tree: bool = True):
         from .ensemble import EnsembleConfig
 
         self.target, self.draft, self.processor = target, draft, processor
@@ -87,6 +88,10 @@ class Engine:
             # loop only drafts chains: refuse rather than silently decode something else
             raise ValueError("draft trees (tree=...) are not supported by the engine yet; use chains")
         self.tree = None
+        # greedy first block with several views and a divergence policy: verify every view's
+        # own chain as a branch of one tree (speculative.view_tree_block) instead of a mixture
+        # chain drafted with weights that have no evidence yet
+        self.view_tree = bool(view_tree)
         self.timing = timing
         views = tuple(views)
         if not views or any(v not in VIEW_NAMES for v in views) or len(set(views)) != len(views):
@@ -121,7 +126,7 @@ class Engine:
         """Load local HF LLaVA checkpoints (no network). device defaults to CUDA when present;
         dtype to bfloat16 on CUDA and float32 on the CPU. Other keyword arguments: views,
         policy, window, gamma, tree, max_len, escape_token, pool_size, captioner,
-        weight_temperature, grid_step (see the README)."""
+        weight_temperature, grid_step, view_tree (see the README)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -107,6 +107,28 @@ class EnsembleState:
                               temperature=self.cfg.temperature or 1.0, clip=HEDGE_CLIP,
                               all_positions=self.cfg.policy == "hedge")
 
+    def step_views(self, p_logits, q_logits, cursor, temperature: float = 1.0):
+        """Record P positions where each view has its own target distributions and return
+        (next weights [B, K], new cursor): the first block's view tree, where view k drafted its
+        own chain and p_logits[:, k] are the target's logits along that chain. All P positions
+        count for every view (each compares view k with the target on the same context).
+        p_logits, q_logits: [B, K, P, V]. Divergence policies (kld, tvd, hedge) only."""
+        from .ops.history_update import POLICY_DIV, POLICY_HEDGE, history_update
+        from .ops.window_divergence import window_divergence
+
+        if self.cfg.policy not in ("kld", "tvd", "hedge"):
+            raise ValueError(f"per-view history needs a divergence policy, not {self.cfg.policy!r}")
+        B, K, P, V = q_logits.shape
+        # each (request, view) as a request with one view
+        kl, tv, _, _ = window_divergence(p_logits.reshape(B * K, P, V), q_logits.reshape(B * K, 1, P, V),
+                                         temperature=temperature, tv=self.cfg.policy == "tvd")
+        div = (tv if self.cfg.policy == "tvd" else kl).view(B, K, P)
+        n_all = torch.full((B,), P - 1, dtype=torch.long, device=div.device)
+        return history_update(div, None, None, n_all, cursor, self.valid, self.div, self.match, self.gkl, None,
+                              policy=POLICY_HEDGE if self.cfg.policy == "hedge" else POLICY_DIV,
+                              window=self.cfg.window, temperature=self.cfg.temperature or 1.0, clip=HEDGE_CLIP,
+                              all_positions=True)
+
 
 def history_step(state: EnsembleState, tlogits, q_logits, n_acc, cursor, *, temperature: float,
                  kv_len=None):

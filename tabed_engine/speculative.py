@@ -49,15 +49,19 @@ def prefill_draft(eng, rows):
 
 
 def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, gamma: int,
-                greedy: bool, temperature: float, confidence: bool, kv_len=None):
+                greedy: bool, temperature: float, confidence: bool, kv_len=None, per_view: bool = False):
     """γ draft steps for B requests × K views (rows of one batch), fixed shapes, no host sync
     (captured as one CUDA graph on the GPU).
 
     inp2: [B*K, 2] the rows' last two tokens, written at slots lens, lens+1; lens: [B*K];
     w: [B, K] ensemble weights; seed/offset: [1] int64 RNG state for the mixture samples.
     Returns drafted [B, γ], per-view logits [γ, B*K, V] and mixtures [γ, B, V] (sampling).
+    per_view (greedy): every row follows its own argmax instead of the mixture's token, and
+    drafted is [B*K, γ] (the first block's view tree).
     """
     R, dev = B * K, inp2.device
+    if per_view:
+        B, K, w = R, 1, torch.ones(R, 1, device=dev)
     logits = draft_lm(cache, lens[:, None] + torch.arange(2, device=dev), input_ids=inp2, lengths=lens,
                       logits_index=torch.ones(R, 1, dtype=torch.long, device=dev), kv_len=kv_len)[:, -1]
     lens = lens + 2
@@ -102,6 +106,75 @@ def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, s
 def pack_head(n_acc, nxt, drafted):
     """[B, 2+γ] int64: accepted count, next token, drafted tokens per request."""
     return torch.cat([n_acc[:, None], nxt[:, None], drafted], dim=1)
+
+
+def view_tree_mask(K: int, gamma: int, device) -> torch.Tensor:
+    """[1 + Kγ, 1 + Kγ] bool: node 0 is the root (the last committed token), node 1 + kγ + i
+    is view k's i-th drafted token; every node sees the root and its own branch up to itself."""
+    T = 1 + K * gamma
+    branch = torch.cat([torch.tensor([-1]), torch.arange(K).repeat_interleave(gamma)])
+    depth = torch.cat([torch.tensor([-1]), torch.arange(gamma).repeat(K)])
+    mask = (branch[:, None] == branch[None, :]) & (depth[None, :] <= depth[:, None])
+    mask[:, 0] = True
+    return mask.to(device)
+
+
+def walk_view_tree(drafted, argmax):
+    """Greedy acceptance over K branches that share the root.
+
+    drafted [K, γ] (branch k's tokens), argmax [1 + Kγ] (the target's argmax at every node).
+    Returns (branch, accepted count, next token): the branch with the longest prefix equal to
+    the target's greedy chain (the lowest index on ties) and the target's token after it."""
+    K, gamma = drafted.shape
+    node = 1 + torch.arange(K)[:, None] * gamma + torch.arange(gamma)[None]    # [K, γ] node ids
+    parent = torch.cat([torch.zeros(K, 1, dtype=torch.long), node[:, :-1]], 1)
+    ok = (drafted == argmax[parent]).long().cumprod(1)
+    n = ok.sum(1)
+    k = int(n.argmax())                        # first maximum: the lowest branch on ties
+    nk = int(n[k])
+    return k, nk, int(argmax[node[k, nk - 1]] if nk > 0 else argmax[0])
+
+
+def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, *, K: int, gamma: int, longest: int):
+    """The first block with several views (greedy): each view drafts its own greedy chain (rows
+    of one batch, as always), the target verifies all K chains as branches of one tree in one
+    forward, and the longest match wins, so the first block, which has no evidence for the
+    weights yet, accepts as much as the best view would have. Runs eagerly (once per
+    generation). Returns (new tokens, accepted count, per-view target logits [1, K, γ, V] at
+    the positions where each view drafted, per-view logits [1, K, γ, V])."""
+    from .ops.compact_kv import compact_kv
+
+    dev, V = eng.device, eng.draft.lm.cfg.vocab_size
+    zero = torch.zeros(1, dtype=torch.long, device=dev)           # no RNG: greedy
+    drafted, q_logits, _ = draft_block(eng.draft.lm, dcache, inp2, lens, None, zero, zero, B=1, K=K,
+                                       gamma=gamma, greedy=True, temperature=1.0, confidence=False,
+                                       kv_len=eng.kv_bucket(longest + len(out) + gamma), per_view=True)
+    T = 1 + K * gamma
+    root = n_prompt + len(out) - 1
+    tlens = torch.full((1,), root, dtype=torch.int32, device=dev)
+    vin = torch.cat([torch.full((1,), out[-1], device=dev, dtype=torch.long), drafted.flatten()])[None]
+    depth = torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.arange(gamma).repeat(K)]).to(dev)
+    tlogits = eng.target.lm(tcache, root + depth[None], input_ids=vin, lengths=tlens,
+                            tree_mask=view_tree_mask(K, gamma, dev)[None], kv_len=eng.kv_bucket(root + T))
+    k, n, t_next = walk_view_tree(drafted.cpu(), tlogits[0].argmax(-1).cpu())
+    # the accepted branch's KV to the slots right after the root (all layers, one launch)
+    path = torch.full((1, gamma + 1), -1, dtype=torch.long)
+    path[0, : n + 1] = torch.tensor([0] + [1 + k * gamma + i for i in range(n)])
+    compact_kv(tcache.k, tcache.v, tlens, path.to(dev), torch.tensor([n], device=dev))
+    # every view's drafting positions: the root, then its own branch's nodes
+    parents = torch.tensor([[0] + [1 + j * gamma + i for i in range(gamma - 1)] for j in range(K)], device=dev)
+    p_views = tlogits[0][parents][None]                                    # [1, K, γ, V]
+    q_views = q_logits.view(gamma, K, V).permute(1, 0, 2)[None]           # [1, K, γ, V]
+    new = drafted[k, :n].tolist() + [t_next]
+    # the draft rows' KV must hold the new tokens but the last two (the next block feeds
+    # those): row k drafted them, the others feed them once (re-writing identical KV is harmless)
+    if n >= 2:
+        lens2 = lens + 2
+        catch = torch.tensor(new[: n - 1], device=dev)[None].expand(K, -1)
+        eng.draft.lm(dcache, lens2[:, None] + torch.arange(n - 1, device=dev), input_ids=catch, lengths=lens2,
+                     logits_index=torch.zeros(K, 1, dtype=torch.long, device=dev),
+                     kv_len=eng.kv_bucket(longest + len(out) + gamma))
+    return new, n, p_views, q_views
 
 
 def run_speculative(eng, prep, sp, gen, caption):
@@ -163,12 +236,32 @@ def run_speculative(eng, prep, sp, gen, caption):
     prompt_tail = [r.ids[-1] for r in rows]   # per row: the token before the first generated one
     n_prompt = len(prep.ids)
     block = 0
+    # the first block's view tree (see view_tree_block): greedy, several views, a divergence
+    # policy (w-grid scores mixtures, which a tree of single-view chains does not give), and
+    # room in the target cache for the K·γ tree nodes
+    use_tree = (eng.view_tree and greedy and K > 1 and schedule is None
+                and eng.ensemble.policy in ("kld", "tvd", "hedge")
+                and n_prompt + K * gamma + 2 <= eng.max_len)
     while not _finished(eng, sp, out):
         # ---- draft: γ steps, all views as rows of one batch per step
         G = len(out)
         prev = [out[-2]] * K if G >= 2 else prompt_tail
         inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
         lens = view_len + (G - 2)                                          # [B*K]
+        if use_tree and block == 0:
+            new, n, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, K=K,
+                                                       gamma=gamma, longest=longest)
+            stats.target_forwards += 1
+            w_rec[block].copy_(w[0])
+            w, new_cursor = state.step_views(p_views, q_views, state.cursor, temperature=temp)
+            state.cursor.copy_(new_cursor)
+            stats.accepted_lengths.append(n)
+            new = _truncate(eng, sp, out, new)
+            out += new
+            block += 1
+            yield new
+            timer.lap("time_verify")
+            continue
         drafted, q_logits, mixture = eng.run_graph(
             draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
             kv_len=eng.kv_bucket(longest + G + gamma))

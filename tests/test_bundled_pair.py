@@ -50,3 +50,27 @@ def test_m_view_block_efficiency_s1(pair):
         new += s.new_tokens - 1
         fwd += s.target_forwards
     assert fwd > 0 and new / fwd > 1.5, new / max(fwd, 1)
+
+
+@pytest.mark.parametrize("policy", ["kld", "hedge"])
+def test_view_tree_first_block_accepts_the_best_views_chain(pair, policy):
+    """With several views the first block verifies each view's own greedy chain as a branch
+    of one tree: it accepts exactly as many drafts as the better view would alone (single-view
+    engines, same draft), output stays token-identical to AR and to the mixture-chain engine."""
+    base, _ = pair
+    mk = lambda views, pol, **kw: Engine(base.target, base.processor, draft=base.draft, device=base.device,  # noqa: E731
+                                        dtype=base.dtype, views=views, policy=pol, gamma=5, **kw)
+    eng, chain = mk(("M", "T"), policy), mk(("M", "T"), policy, view_tree=False)
+    single = {v: mk((v,), "uniform") for v in ("M", "T")}
+    sp = SamplingParams(max_new_tokens=24)
+    differed = 0
+    for sc in ("S1", "S3", "S4"):
+        for ex in examples(sc, 2, seed=0):
+            kw = dict(images=ex.images, sampling=sp)
+            out = eng.generate(ex.prompt, **kw)
+            assert out.token_ids == eng.generate(ex.prompt, speculative=False, **kw).token_ids
+            assert out.token_ids == chain.generate(ex.prompt, **kw).token_ids
+            firsts = [single[v].generate(ex.prompt, **kw).stats.accepted_lengths[0] for v in ("M", "T")]
+            assert out.stats.accepted_lengths[0] == max(firsts), (sc, out.stats.accepted_lengths, firsts)
+            differed += firsts[0] != firsts[1]
+    assert differed, "M and T accepted the same in every first block: the test shows nothing"

@@ -292,3 +292,20 @@ def test_stop_at_eos_mid_generation(engine, speculative):
     again = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=12, stop_at_eos=False),
                             speculative=speculative).token_ids
     assert again == full
+
+
+def test_view_tree_mask_and_walk():
+    from tabed_engine.speculative import view_tree_mask, walk_view_tree
+
+    m = view_tree_mask(2, 3, "cpu")                       # root, branch 0 (nodes 1-3), branch 1 (4-6)
+    assert m.shape == (7, 7) and m[:, 0].all() and m.diagonal().all()
+    assert m[3, 1] and m[3, 2] and not m[3, 4] and not m[2, 3]    # a node sees its ancestors only
+    assert m[6].tolist() == [True, False, False, False, True, True, True]
+    drafted = torch.tensor([[5, 6, 7], [5, 6, 9]])
+    # target argmax per node: root -> 5, node 1 -> 6, node 2 -> 8 (branch 0 stops at 2),
+    # branch 1: node 4 -> 6, node 5 -> 9, node 6 -> 4 (all 3 accepted, bonus 4)
+    argmax = torch.tensor([5, 6, 8, 0, 6, 9, 4])
+    assert walk_view_tree(drafted, argmax) == (1, 3, 4)
+    assert walk_view_tree(drafted, torch.tensor([5, 6, 8, 0, 6, 1, 4])) == (0, 2, 8)   # tie 2-2: lowest
+    assert walk_view_tree(drafted, torch.tensor([2, 6, 8, 0, 6, 1, 4])) == (0, 0, 2)   # nothing: root's
+
