@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ensemble policy: uniform, kld, tvd, w-grid, hedge (default), confidence")
     g.add_argument("--window", type=int, default=0, help="history window in positions (0 = all)")
     g.add_argument("--gamma", type=int, default=5, help="draft tokens per block (default 5)")
+    g.add_argument("--no-view-tree", action="store_true",
+                   help="draft the first block as a mixture chain instead of verifying every view's own chain "
+                        "as a branch of one tree (kld/tvd/hedge, greedy, several views)")
     g.add_argument("--caption", default=None, help="image caption for the C view")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -64,7 +67,8 @@ def main(argv=None) -> int:
         engine = Engine.from_pretrained(args.target, args.draft, device=args.device,
                                         dtype=getattr(torch, args.dtype) if args.dtype else None,
                                         views=tuple(v.strip() for v in args.views.split(",") if v.strip()),
-                                        policy=args.policy, window=args.window, gamma=args.gamma)
+                                        policy=args.policy, window=args.window, gamma=args.gamma,
+                                        view_tree=not args.no_view_tree)
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         out = engine.generate(prompt, images=images, sampling=sp, caption=args.caption,

@@ -165,6 +165,10 @@ def test_cli_generate_json(tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 6 and out["stats"]["speculative"]
+    rc = main(["generate", "--target", model_dir("mha"), "--draft", model_dir("mha", perturb=0.6),
+               "--image", str(img), "--prompt", "w1 w2 w3", "--max-new-tokens", "6", "--json",
+               "--device", "cpu", "--no-view-tree"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
     # bad input: a clear error and exit code 2, no traceback
     rc = main(["generate", "--target", model_dir("mha"), "--prompt", "<image> w1", "--device", "cpu"])
     assert rc == 2 and "placeholder" in capsys.readouterr().err

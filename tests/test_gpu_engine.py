@@ -45,7 +45,7 @@ def assert_same_or_fp_tie(engine, text, imgs, a, b, tol=1e-4):
 
 
 @pytest.mark.parametrize("views", [("M",), ("M", "T"), ("M", "T", "P", "C")])
-@pytest.mark.parametrize("policy", ["uniform", "w-grid", "kld", "confidence"])
+@pytest.mark.parametrize("policy", ["uniform", "w-grid", "kld", "hedge", "confidence"])  # kld, hedge: first-block view tree
 def test_graph_sd_equals_ar_fp32(engine, views, policy):
     _configure(engine, views, policy)
     for n in (1, 2):
