@@ -14,6 +14,13 @@ divergence sharpens the weights as evidence accumulates (1/Σ KL stays flat: w_T
 views after a whole S4 answer), and the clip keeps one confidently wrong token from zeroing
 a view. On the prefill position alone the absolute KLs are tiny and exponential weights
 would be uniform, so that first block uses 1/KL like `kld`.
+
+That one position is weak evidence: every view usually predicts the target's first token
+almost exactly (KL ~ 1e-3), so 1/KL there ranks the views by noise. With greedy decoding and
+a divergence policy the engine therefore runs the first block as a view tree
+(`speculative.view_tree_block`): each view drafts its own chain and the target verifies all
+of them at once; `EnsembleState.step_views` then records each view against the target along
+its own chain, γ positions per view, before the first mixture is drafted.
 """
 from __future__ import annotations
 

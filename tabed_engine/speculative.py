@@ -1,5 +1,7 @@
 """One speculative block (chain), repeated: batched multi-view drafting with an adaptive
 ensemble, one target verification of γ+1 tokens, lossless acceptance, history update.
+With greedy decoding, several views and a divergence policy, the first block is a view
+tree instead (`view_tree_block`): every view's own chain verified in one target forward.
 
 Row bookkeeping: every row's sequence is its prompt (the view's prompt for draft rows)
 followed by the G generated tokens. A row's KV cache holds at least all but its last two
@@ -49,7 +51,8 @@ def prefill_draft(eng, rows):
 
 
 def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, gamma: int,
-                greedy: bool, temperature: float, confidence: bool, kv_len=None, per_view: bool = False):
+                greedy: bool, temperature: float, confidence: bool, kv_len=None,
+                per_view: bool = False):
     """γ draft steps for B requests × K views (rows of one batch), fixed shapes, no host sync
     (captured as one CUDA graph on the GPU).
 
@@ -248,58 +251,53 @@ def run_speculative(eng, prep, sp, gen, caption):
         prev = [out[-2]] * K if G >= 2 else prompt_tail
         inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
         lens = view_len + (G - 2)                                          # [B*K]
-        if use_tree and block == 0:
+        if use_tree and block == 0:   # ---- first block: every view's chain, one tree verification
             new, n, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, K=K,
                                                        gamma=gamma, longest=longest)
             stats.target_forwards += 1
             w_rec[block].copy_(w[0])
             w, new_cursor = state.step_views(p_views, q_views, state.cursor, temperature=temp)
             state.cursor.copy_(new_cursor)
-            stats.accepted_lengths.append(n)
-            new = _truncate(eng, sp, out, new)
-            out += new
-            block += 1
-            yield new
             timer.lap("time_verify")
-            continue
-        drafted, q_logits, mixture = eng.run_graph(
-            draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
-            kv_len=eng.kv_bucket(longest + G + gamma))
-        offset += gamma * B * V
-        timer.lap("time_draft")
+        else:
+            drafted, q_logits, mixture = eng.run_graph(
+                draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
+                kv_len=eng.kv_bucket(longest + G + gamma))
+            offset += gamma * B * V
+            timer.lap("time_draft")
 
-        # ---- verify: target forward on [last, d_1..d_γ] and acceptance (one graph)
-        tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
-        vin = torch.cat([torch.full((B, 1), out[-1], device=dev, dtype=torch.long), drafted], dim=1)
-        inputs = dict(vin=vin, tlens=tlens)
-        if not greedy:
-            inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
-        tlogits, n_acc, nxt, packed = eng.run_graph(verify_key, verify_fn, inputs,
-                                                    kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
-        if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
-            n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
-            nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
-            packed = pack_head(n_acc, nxt, drafted)
-        head.copy_(packed[0], non_blocking=True)
-        if head_ready is not None:
-            head_ready.record()
-        stats.target_forwards += 1
-        timer.lap("time_verify")
+            # ---- verify: target forward on [last, d_1..d_γ] and acceptance (one graph)
+            tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
+            vin = torch.cat([torch.full((B, 1), out[-1], device=dev, dtype=torch.long), drafted], dim=1)
+            inputs = dict(vin=vin, tlens=tlens)
+            if not greedy:
+                inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
+            tlogits, n_acc, nxt, packed = eng.run_graph(verify_key, verify_fn, inputs,
+                                                        kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
+            if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
+                n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
+                nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
+                packed = pack_head(n_acc, nxt, drafted)
+            head.copy_(packed[0], non_blocking=True)
+            if head_ready is not None:
+                head_ready.record()
+            stats.target_forwards += 1
+            timer.lap("time_verify")
 
-        # ---- history: divergences at the block's positions (the accepted ones + the first
-        # rejected; all drafted ones with hedge) and the next block's weights (one graph on the
-        # GPU, queued before the host waits)
-        if state.adaptive:
-            w_rec[block].copy_(w[0])                                     # before w is replaced
-            w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
-                                                                   n_acc=n_acc, cursor=state.cursor))
-            state.cursor.copy_(new_cursor)
-        timer.lap("time_ensemble")
+            # ---- history: divergences at the block's positions (the accepted ones + the first
+            # rejected; all drafted ones with hedge) and the next block's weights (one graph on the
+            # GPU, queued before the host waits)
+            if state.adaptive:
+                w_rec[block].copy_(w[0])                                     # before w is replaced
+                w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
+                                                                       n_acc=n_acc, cursor=state.cursor))
+                state.cursor.copy_(new_cursor)
+            timer.lap("time_ensemble")
 
-        if head_ready is not None:
-            head_ready.synchronize()                                     # the block's one host sync
-        n, t_next, *d = head.tolist()
-        new = d[:n] + [t_next]
+            if head_ready is not None:
+                head_ready.synchronize()                                     # the block's one host sync
+            n, t_next, *d = head.tolist()
+            new = d[:n] + [t_next]
         stats.accepted_lengths.append(n)
         new = _truncate(eng, sp, out, new)
         out += new

@@ -58,8 +58,11 @@ def test_view_tree_first_block_accepts_the_best_views_chain(pair, policy):
     of one tree: it accepts exactly as many drafts as the better view would alone (single-view
     engines, same draft), output stays token-identical to AR and to the mixture-chain engine."""
     base, _ = pair
-    mk = lambda views, pol, **kw: Engine(base.target, base.processor, draft=base.draft, device=base.device,  # noqa: E731
-                                        dtype=base.dtype, views=views, policy=pol, gamma=5, **kw)
+
+    def mk(views, pol, **kw):
+        return Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
+                      views=views, policy=pol, gamma=5, **kw)
+
     eng, chain = mk(("M", "T"), policy), mk(("M", "T"), policy, view_tree=False)
     single = {v: mk((v,), "uniform") for v in ("M", "T")}
     sp = SamplingParams(max_new_tokens=24)
@@ -70,7 +73,8 @@ def test_view_tree_first_block_accepts_the_best_views_chain(pair, policy):
             out = eng.generate(ex.prompt, **kw)
             assert out.token_ids == eng.generate(ex.prompt, speculative=False, **kw).token_ids
             assert out.token_ids == chain.generate(ex.prompt, **kw).token_ids
-            firsts = [single[v].generate(ex.prompt, **kw).stats.accepted_lengths[0] for v in ("M", "T")]
+            firsts = [single[v].generate(ex.prompt, **kw).stats.accepted_lengths[0]
+                      for v in ("M", "T")]
             assert out.stats.accepted_lengths[0] == max(firsts), (sc, out.stats.accepted_lengths, firsts)
             differed += firsts[0] != firsts[1]
     assert differed, "M and T accepted the same in every first block: the test shows nothing"

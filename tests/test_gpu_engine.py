@@ -45,7 +45,8 @@ def assert_same_or_fp_tie(engine, text, imgs, a, b, tol=1e-4):
 
 
 @pytest.mark.parametrize("views", [("M",), ("M", "T"), ("M", "T", "P", "C")])
-@pytest.mark.parametrize("policy", ["uniform", "w-grid", "kld", "hedge", "confidence"])  # kld, hedge: first-block view tree
+# kld and hedge start with the first-block view tree (eager tree verification + KV compaction)
+@pytest.mark.parametrize("policy", ["uniform", "w-grid", "kld", "hedge", "confidence"])
 def test_graph_sd_equals_ar_fp32(engine, views, policy):
     _configure(engine, views, policy)
     for n in (1, 2):
