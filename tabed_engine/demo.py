@@ -73,7 +73,12 @@ def main(argv=None) -> int:
     print(f"tokens: {s.new_tokens}   identical to AR: {sd.token_ids == ar.token_ids}")
     print(f"block efficiency: {s.block_efficiency:.2f} tokens per target forward "
           f"(accepted per block: {s.accepted_lengths})")
-    print(f"view weights ({', '.join(views)}): first block {s.weights[0] if s.weights else '-'}, "
+    if s.view_tree_view is not None:   # the first block verified every view's own chain
+        print(f"first block: view tree, {s.view_tree_view}'s chain accepted ({s.accepted_lengths[0]} drafts)")
+        first = ("after the first block", s.weights[1] if len(s.weights) > 1 else "-")
+    else:
+        first = ("first block", s.weights[0] if s.weights else "-")
+    print(f"view weights ({', '.join(views)}): {first[0]} {first[1]}, "
           f"last block {s.weights[-1] if s.weights else '-'}")
     print(f"walltime: speculative {t_sd * 1e3:.1f} ms vs autoregressive {t_ar * 1e3:.1f} ms "
           f"({t_ar / t_sd:.2f}x) on {engine.device}")

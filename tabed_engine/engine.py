@@ -30,6 +30,9 @@ class GenerationStats:
     target_forwards: int = 0          # decode/verify forwards after the prefill
     accepted_lengths: list[int] = field(default_factory=list)   # drafted tokens accepted per block
     weights: list[list[float]] = field(default_factory=list)    # ensemble weights per block
+    # the view whose own chain the first block's view tree accepted (None: no view tree; the
+    # first block then drafted the mixture with weights[0])
+    view_tree_view: Optional[str] = None
     views: tuple[str, ...] = ()
     time_prefill: float = 0.0
     time_draft: float = 0.0

@@ -143,8 +143,9 @@ def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, *, K: int, g
     of one batch, as always), the target verifies all K chains as branches of one tree in one
     forward, and the longest match wins, so the first block, which has no evidence for the
     weights yet, accepts as much as the best view would have. Runs eagerly (once per
-    generation). Returns (new tokens, accepted count, per-view target logits [1, K, γ, V] at
-    the positions where each view drafted, per-view logits [1, K, γ, V])."""
+    generation). Returns (new tokens, accepted count, the accepted view's index, per-view
+    target logits [1, K, γ, V] at the positions where each view drafted, per-view logits
+    [1, K, γ, V])."""
     from .ops.compact_kv import compact_kv
 
     dev, V = eng.device, eng.draft.lm.cfg.vocab_size
@@ -177,7 +178,7 @@ def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, *, K: int, g
         eng.draft.lm(dcache, lens2[:, None] + torch.arange(n - 1, device=dev), input_ids=catch, lengths=lens2,
                      logits_index=torch.zeros(K, 1, dtype=torch.long, device=dev),
                      kv_len=eng.kv_bucket(longest + len(out) + gamma))
-    return new, n, p_views, q_views
+    return new, n, k, p_views, q_views
 
 
 def run_speculative(eng, prep, sp, gen, caption):
@@ -252,8 +253,9 @@ def run_speculative(eng, prep, sp, gen, caption):
         inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
         lens = view_len + (G - 2)                                          # [B*K]
         if use_tree and block == 0:   # ---- first block: every view's chain, one tree verification
-            new, n, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, K=K,
-                                                       gamma=gamma, longest=longest)
+            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, K=K,
+                                                          gamma=gamma, longest=longest)
+            stats.view_tree_view = eng.views[k]
             stats.target_forwards += 1
             w_rec[block].copy_(w[0])
             w, new_cursor = state.step_views(p_views, q_views, state.cursor, temperature=temp)
