@@ -12,10 +12,10 @@ The input may be a gate/up pair, x = [gate | up] of width 2K: the kernel feeds
 silu(gate) * up (fp32, rounded once to x's dtype like the fused pointwise kernel it
 replaces) to the product, so the MLP's down projection needs no separate SiLU launch.
 
-Block shapes from a sweep on an H200 (graph replays, weights larger than L2, bf16): at the
-Llama-7B decode shapes these ran 5-20% faster than cuBLAS (q/k/v 28.4 -> 26.1 us, o 13.2 ->
-10.6, gate/up 47.0 -> 43.9, down 29.8 (after the SiLU kernel) -> 25.2 gated, lm_head 66.4 ->
-62.8). For 2-16 rows (verification) a tensor-core variant of the same loop did not beat
+Block shapes from a sweep on an H200 (graph replays, weights larger than L2, bf16). At the
+Llama-7B decode shapes (`benchmarks/bench_gemv.py`, results/gemv.json) they run 5-21% faster
+than cuBLAS: q/k/v 28.9 -> 26.8 us, o 13.2 -> 10.4, gate/up 46.3 -> 44.0, down 30.5 (after
+the SiLU kernel) -> 25.2 with the gate fused, lm_head 65.6 -> 62.6. For 2-16 rows (verification) a tensor-core variant of the same loop did not beat
 cuBLAS reliably (between 3% faster and 5% slower across two runs), so those stay on cuBLAS.
 """
 import torch
