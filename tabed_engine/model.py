@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import LMConfig
 from .ops.add_rms_norm import add_rms_norm, rms_norm_reference
-from .ops.gemv import linear, use_gemv
+from .ops.gemv import linear, silu_mul_reference, use_gemv
 from .ops.rope_kv_write import rope_kv_write, rope_reference
 from .ops.tree_attention import tree_attention
 
@@ -59,10 +59,9 @@ def fused_on_cuda(fn):
 rms_norm = fused_on_cuda(rms_norm_reference)
 
 
-@fused_on_cuda
-def silu_mul(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+# silu(gate) * up for gate_up = [gate | up]: one generated kernel on CUDA (the one-row decode
+# path fuses it into the down projection's GEMV instead)
+silu_mul = fused_on_cuda(silu_mul_reference)
 
 
 class Linear(nn.Linear):
