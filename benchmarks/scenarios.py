@@ -207,9 +207,9 @@ def markdown(rep: dict) -> str:
          "Block efficiency = Σ(new tokens − 1) / Σ target forwards over the scenario's prompts "
          "(tokens per target forward; the prefill token excluded).", "",
          "kld and hedge run as the engine does by default: their first block verifies every view's own "
-         "greedy chain as a branch of one tree, 1 + Kγ tokens in that forward (11 with two views, 21 with "
-         "four) instead of γ + 1 = 6 (the draft work is the same: the views are rows of one batch either "
-         "way); block efficiency counts forwards. `hedge-chain` is hedge with a mixture chain from the "
+         "greedy chain as a branch of one tree (shared prefixes merged), at most 1 + Kγ tokens in that "
+         "forward (11 with two views, 21 with four) instead of γ + 1 = 6 (the draft work is the same: the "
+         "views are rows of one batch either way); block efficiency counts forwards. `hedge-chain` is hedge with a mixture chain from the "
          "first block. uniform and w-grid draft mixture chains throughout.", "",
          f"Headline ensemble set (fixed before running): **{'+'.join(SETS[st['headline_set']])}**; "
          "the M+T ensembles are reported with the same checks.", "",

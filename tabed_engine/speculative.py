@@ -111,65 +111,65 @@ def pack_head(n_acc, nxt, drafted):
     return torch.cat([n_acc[:, None], nxt[:, None], drafted], dim=1)
 
 
-def view_tree_mask(K: int, gamma: int, device) -> torch.Tensor:
-    """[1 + Kγ, 1 + Kγ] bool: node 0 is the root (the last committed token), node 1 + kγ + i
-    is view k's i-th drafted token; every node sees the root and its own branch up to itself."""
-    T = 1 + K * gamma
-    branch = torch.cat([torch.tensor([-1]), torch.arange(K).repeat_interleave(gamma)])
-    depth = torch.cat([torch.tensor([-1]), torch.arange(gamma).repeat(K)])
-    mask = (branch[:, None] == branch[None, :]) & (depth[None, :] <= depth[:, None])
-    mask[:, 0] = True
-    return mask.to(device)
+def view_trie(drafted):
+    """The K views' chains as one tree with shared prefixes merged.
 
-
-def walk_view_tree(drafted, argmax):
-    """Greedy acceptance over K branches that share the root.
-
-    drafted [K, γ] (branch k's tokens), argmax [1 + Kγ] (the target's argmax at every node).
-    Returns (branch, accepted count, next token): the branch with the longest prefix equal to
-    the target's greedy chain (the lowest index on ties) and the target's token after it."""
+    drafted: [K, γ] host tensor, view k's tokens. Returns (tokens [N] with tokens[0] a
+    placeholder for the root, the last committed token; parents [N], parents[0] = 0 for the
+    root; node_of [K, γ], the node of view k's i-th token). Children of a node carry distinct
+    tokens, so `verify_tree`'s greedy walk (first child equal to the target's argmax) finds
+    the longest branch the target accepts, and views that agree are verified once."""
     K, gamma = drafted.shape
-    node = 1 + torch.arange(K)[:, None] * gamma + torch.arange(gamma)[None]    # [K, γ] node ids
-    parent = torch.cat([torch.zeros(K, 1, dtype=torch.long), node[:, :-1]], 1)
-    ok = (drafted == argmax[parent]).long().cumprod(1)
-    n = ok.sum(1)
-    k = int(n.argmax())                        # first maximum: the lowest branch on ties
-    nk = int(n[k])
-    return k, nk, int(argmax[node[k, nk - 1]] if nk > 0 else argmax[0])
+    tokens, parents, index = [0], [0], {}
+    node_of = torch.empty(K, gamma, dtype=torch.long)
+    for k in range(K):
+        node = 0
+        for i, t in enumerate(drafted[k].tolist()):
+            if (node, t) not in index:
+                index[node, t] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+            node = node_of[k, i] = index[node, t]
+    return tokens, parents, node_of
 
 
 def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, *, K: int, gamma: int, longest: int):
     """The first block with several views (greedy): each view drafts its own greedy chain (rows
-    of one batch, as always), the target verifies all K chains as branches of one tree in one
-    forward, and the longest match wins, so the first block, which has no evidence for the
-    weights yet, accepts as much as the best view would have. Runs eagerly (once per
-    generation). Returns (new tokens, accepted count, the accepted view's index, per-view
-    target logits [1, K, γ, V] at the positions where each view drafted, per-view logits
-    [1, K, γ, V])."""
+    of one batch, as always), the target verifies the chains merged into one tree
+    (`view_trie`) in one forward, and `verify_tree` walks it, so the first block, which has no
+    evidence for the weights yet, accepts as much as the best view would have. Runs eagerly
+    (once per generation; two host reads). Returns (new tokens, accepted count, the index of
+    a view whose chain was accepted, per-view target logits [1, K, γ, V] at the positions
+    where each view drafted, per-view logits [1, K, γ, V])."""
     from .ops.compact_kv import compact_kv
+    from .ops.verify_tree import verify_tree
 
     dev, V = eng.device, eng.draft.lm.cfg.vocab_size
     zero = torch.zeros(1, dtype=torch.long, device=dev)           # no RNG: greedy
     drafted, q_logits, _ = draft_block(eng.draft.lm, dcache, inp2, lens, None, zero, zero, B=1, K=K,
                                        gamma=gamma, greedy=True, temperature=1.0, confidence=False,
                                        kv_len=eng.kv_bucket(longest + len(out) + gamma), per_view=True)
-    T = 1 + K * gamma
+    tokens, parents, node_of = view_trie(drafted.cpu())
+    tokens[0] = out[-1]
+    N = len(tokens)
+    depth, mask = [0] * N, torch.eye(N, dtype=torch.bool)
+    for i in range(1, N):                      # parents come before children
+        depth[i] = depth[parents[i]] + 1
+        mask[i] |= mask[parents[i]]            # a node sees its ancestors and itself
     root = n_prompt + len(out) - 1
     tlens = torch.full((1,), root, dtype=torch.int32, device=dev)
-    vin = torch.cat([torch.full((1,), out[-1], device=dev, dtype=torch.long), drafted.flatten()])[None]
-    depth = torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.arange(gamma).repeat(K)]).to(dev)
-    tlogits = eng.target.lm(tcache, root + depth[None], input_ids=vin, lengths=tlens,
-                            tree_mask=view_tree_mask(K, gamma, dev)[None], kv_len=eng.kv_bucket(root + T))
-    k, n, t_next = walk_view_tree(drafted.cpu(), tlogits[0].argmax(-1).cpu())
-    # the accepted branch's KV to the slots right after the root (all layers, one launch)
-    path = torch.full((1, gamma + 1), -1, dtype=torch.long)
-    path[0, : n + 1] = torch.tensor([0] + [1 + k * gamma + i for i in range(n)])
-    compact_kv(tcache.k, tcache.v, tlens, path.to(dev), torch.tensor([n], device=dev))
-    # every view's drafting positions: the root, then its own branch's nodes
-    parents = torch.tensor([[0] + [1 + j * gamma + i for i in range(gamma - 1)] for j in range(K)], device=dev)
-    p_views = tlogits[0][parents][None]                                    # [1, K, γ, V]
+    tok = torch.tensor([tokens], device=dev)
+    tlogits = eng.target.lm(tcache, root + torch.tensor([depth], device=dev), input_ids=tok, lengths=tlens,
+                            tree_mask=mask[None].to(dev), kv_len=eng.kv_bucket(root + N))
+    path, n_acc, nxt = verify_tree(tok, torch.tensor([parents], device=dev), tlogits, greedy=True)
+    compact_kv(tcache.k, tcache.v, tlens, path, n_acc)   # the accepted nodes next to the root
+    path, n, t_next = path[0].tolist(), int(n_acc), int(nxt)
+    k = next(j for j in range(K) if n == 0 or int(node_of[j, n - 1]) == path[n])
+    # every view's drafting positions: the root, then its own chain's nodes
+    at = torch.cat([torch.zeros(K, 1, dtype=torch.long), node_of[:, :-1]], 1).to(dev)
+    p_views = tlogits[0][at][None]                                         # [1, K, γ, V]
     q_views = q_logits.view(gamma, K, V).permute(1, 0, 2)[None]           # [1, K, γ, V]
-    new = drafted[k, :n].tolist() + [t_next]
+    new = [tokens[j] for j in path[1:n + 1]] + [t_next]
     # the draft rows' KV must hold the new tokens but the last two (the next block feeds
     # those): row k drafted them, the others feed them once (re-writing identical KV is harmless)
     if n >= 2:
@@ -242,7 +242,7 @@ def run_speculative(eng, prep, sp, gen, caption):
     block = 0
     # the first block's view tree (see view_tree_block): greedy, several views, a divergence
     # policy (w-grid scores mixtures, which a tree of single-view chains does not give), and
-    # room in the target cache for the K·γ tree nodes
+    # room in the target cache for up to K·γ tree nodes
     use_tree = (eng.view_tree and greedy and K > 1 and schedule is None
                 and eng.ensemble.policy in ("kld", "tvd", "hedge")
                 and n_prompt + K * gamma + 2 <= eng.max_len)

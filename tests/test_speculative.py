@@ -294,18 +294,25 @@ def test_stop_at_eos_mid_generation(engine, speculative):
     assert again == full
 
 
-def test_view_tree_mask_and_walk():
-    from tabed_engine.speculative import view_tree_mask, walk_view_tree
+def test_view_trie_and_its_greedy_walk():
+    """The views' chains merge their shared prefixes; verify_tree's walk over the merged tree
+    finds the longest branch the target accepts, also when branches part late."""
+    from tabed_engine.ops.verify_tree import verify_tree
+    from tabed_engine.speculative import view_trie
 
-    m = view_tree_mask(2, 3, "cpu")                       # root, branch 0 (nodes 1-3), branch 1 (4-6)
-    assert m.shape == (7, 7) and m[:, 0].all() and m.diagonal().all()
-    assert m[3, 1] and m[3, 2] and not m[3, 4] and not m[2, 3]    # a node sees its ancestors only
-    assert m[6].tolist() == [True, False, False, False, True, True, True]
-    drafted = torch.tensor([[5, 6, 7], [5, 6, 9]])
-    # target argmax per node: root -> 5, node 1 -> 6, node 2 -> 8 (branch 0 stops at 2),
-    # branch 1: node 4 -> 6, node 5 -> 9, node 6 -> 4 (all 3 accepted, bonus 4)
-    argmax = torch.tensor([5, 6, 8, 0, 6, 9, 4])
-    assert walk_view_tree(drafted, argmax) == (1, 3, 4)
-    assert walk_view_tree(drafted, torch.tensor([5, 6, 8, 0, 6, 1, 4])) == (0, 2, 8)   # tie 2-2: lowest
-    assert walk_view_tree(drafted, torch.tensor([2, 6, 8, 0, 6, 1, 4])) == (0, 0, 2)   # nothing: root's
+    drafted = torch.tensor([[5, 6, 7], [5, 6, 9], [3, 6, 9]])
+    tokens, parents, node_of = view_trie(drafted)
+    # root, 5, 6, 7 | 9 (under 6) | 3, 6, 9 (a second branch from the root)
+    assert tokens[1:] == [5, 6, 7, 9, 3, 6, 9] and parents == [0, 0, 1, 2, 2, 0, 5, 6]
+    assert node_of.tolist() == [[1, 2, 3], [1, 2, 4], [5, 6, 7]]
 
+    def walk(argmax):   # target argmax per node -> (accepted path, count, next token)
+        p = torch.nn.functional.one_hot(torch.tensor(argmax), 12).float()[None]
+        path, n, nxt = verify_tree(torch.tensor([tokens]), torch.tensor([parents]), p, greedy=True)
+        return path[0, : int(n) + 1].tolist(), int(n), int(nxt)
+
+    # branch 1 parts from branch 0 at depth 3 and is the one accepted in full, bonus 4
+    assert walk([5, 6, 9, 0, 4, 0, 0, 0]) == ([0, 1, 2, 4], 3, 4)
+    assert walk([5, 6, 8, 0, 4, 0, 0, 0]) == ([0, 1, 2], 2, 8)     # neither 7 nor 9
+    assert walk([3, 0, 0, 0, 0, 6, 9, 11]) == ([0, 5, 6, 7], 3, 11)  # the third view's chain
+    assert walk([2, 0, 0, 0, 0, 0, 0, 0]) == ([0], 0, 2)           # nothing: the root's token
