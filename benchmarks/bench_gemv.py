@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_row,  # noqa: E402
-                                 time_variants, write_result)
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_header,  # noqa: E402
+                                 print_row, time_variants, write_result)
 from tabed_engine.kernels import gemv as _k  # noqa: E402
 from tabed_engine.model import silu_mul  # noqa: E402
 from tabed_engine.ops.gemv import linear_reference  # noqa: E402
@@ -60,8 +60,7 @@ def main(argv=None):
 
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (1 << 30))
     print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'shape':>22} | {'stream us: fused':>16} {'eager':>7} {'model':>7} {'compiled':>8} "
-          f"| {'graph us: fused':>15} {'eager':>7} {'model':>7} {'compiled':>8} | {'GB/s':>5} {'%copy':>5}")
+    print_header(f"{'shape':>22}")
     rows = []
     g = torch.Generator().manual_seed(0)
     for name, N, K, gated, M in cases:

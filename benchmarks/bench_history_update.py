@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_row,  # noqa: E402
-                                 time_variants, write_result)
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_header,  # noqa: E402
+                                 print_row, time_variants, write_result)
 from tabed_engine.ensemble import HEDGE_CLIP, EnsembleConfig  # noqa: E402
 from tabed_engine.kernels import history_update as _k  # noqa: E402
 from tabed_engine.ops.history_update import (POLICY_DIV, POLICY_GRID, POLICY_HEDGE,  # noqa: E402
@@ -61,8 +61,7 @@ def main(argv=None):
 
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
     print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'case':>16} | {'stream us: fused':>16} {'eager':>7} {'model':>7} {'compiled':>8} "
-          f"| {'graph us: fused':>15} {'eager':>7} {'model':>7} {'compiled':>8} | {'GB/s':>5} {'%copy':>5}")
+    print_header(f"{'case':>16}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     B, P, cap = 1, args.gamma, args.capacity

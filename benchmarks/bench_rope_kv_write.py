@@ -83,8 +83,7 @@ def main(argv=None):
 
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
     print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'R':>2} {'T':>2} | {'stream us: fused':>16} {'eager':>7} {'model':>7} {'compiled':>8} "
-          f"| {'graph us: fused':>15} {'eager':>7} {'model':>7} {'compiled':>8} | {'GB/s':>5} {'%copy':>5}")
+    print_header(f"{'R':>2} {'T':>2}")
     rows = []
     for T in args.tokens:
         qkv, cos, sin, k_cache, v_cache, lengths, row_index, slots = make_inputs(
@@ -173,6 +172,12 @@ def add_common_args(ap, name: str):
     ap.add_argument("--inner", type=int, default=50, help="calls per timed CUDA-event window / graph")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true", help="skip the two torch.compile columns")
+
+
+def print_header(label: str):
+    """The table header matching `print_row`, with `label` (already padded) as the first column."""
+    print(f"{label} | {'stream us: fused':>16} {'eager':>7} {'model':>7} {'compiled':>8} "
+          f"| {'graph us: fused':>15} {'eager':>7} {'model':>7} {'compiled':>8} | {'GB/s':>5} {'%copy':>5}")
 
 
 def print_row(label: str, stream: dict, graph: dict, gbs: float, copy_gbs: float, err: float):
