@@ -12,6 +12,7 @@ identical KV for the first is harmless) and later steps feed one; the target ver
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -133,36 +134,66 @@ def view_trie(drafted):
     return tokens, parents, node_of
 
 
-def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, *, K: int, gamma: int, longest: int):
-    """The first block with several views (greedy): each view drafts its own greedy chain (rows
-    of one batch, as always), the target verifies the chains merged into one tree
-    (`view_trie`) in one forward, and `verify_tree` walks it, so the first block, which has no
-    evidence for the weights yet, accepts as much as the best view would have. Runs eagerly
-    (once per generation; two host reads). Returns (new tokens, accepted count, the index of
-    a view whose chain was accepted, per-view target logits [1, K, γ, V] at the positions
-    where each view drafted, per-view logits [1, K, γ, V])."""
+def tree_verify_block(target_lm, cache, tok, pos, parents, mask, tlens, kv_len=None):
+    """The view tree's verification, fixed shapes (one CUDA graph on the GPU): the target
+    forward on the tree's nodes tok [1, N] at positions pos under the ancestor mask [1, N, N]
+    (written at slots tlens..), the greedy `verify_tree` walk, and `compact_kv` moving the
+    accepted path's KV next to the root. Padding nodes carry parent -1 (never visited) and
+    see only themselves. Returns (target logits [1, N, V], path [1, N], accepted [1], next
+    token [1])."""
     from .ops.compact_kv import compact_kv
     from .ops.verify_tree import verify_tree
 
+    tlogits = target_lm(cache, pos, input_ids=tok, lengths=tlens, tree_mask=mask, kv_len=kv_len)
+    path, n_acc, nxt = verify_tree(tok, parents, tlogits, greedy=True)
+    compact_kv(cache.k, cache.v, tlens, path, n_acc)
+    return tlogits, path, n_acc, nxt
+
+
+def catch_up_forward(draft_lm, cache, toks, lens, kv_len=None):
+    """Draft rows take tokens toks [R, T] at slots lens.. (KV only; fixed shapes)."""
+    pos = lens[:, None] + torch.arange(toks.shape[1], device=toks.device)
+    zero = torch.zeros(toks.shape[0], 1, dtype=torch.long, device=toks.device)
+    return draft_lm(cache, pos, input_ids=toks, lengths=lens, logits_index=zero, kv_len=kv_len)
+
+
+def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state, *, K: int, gamma: int,
+                    longest: int):
+    """The first block with several views (greedy): each view drafts its own greedy chain (rows
+    of one batch, as always), the target verifies the chains merged into one tree
+    (`view_trie`) in one forward, and `verify_tree` walks it, so the first block, which has no
+    evidence for the weights yet, accepts as much as the best view would have. Once per
+    generation, two host reads (the drafted chains, the accepted path); on the GPU the draft
+    loop, the tree verification (padded to 1 + K·γ nodes, so one shape) and the draft rows'
+    catch-up (padded to γ - 1 tokens) are CUDA graphs. Returns (new tokens, accepted count,
+    the index of a view whose chain was accepted, per-view target logits [1, K, γ, V] at the
+    positions where each view drafted, per-view logits [1, K, γ, V])."""
     dev, V = eng.device, eng.draft.lm.cfg.vocab_size
     zero = torch.zeros(1, dtype=torch.long, device=dev)           # no RNG: greedy
-    drafted, q_logits, _ = draft_block(eng.draft.lm, dcache, inp2, lens, None, zero, zero, B=1, K=K,
-                                       gamma=gamma, greedy=True, temperature=1.0, confidence=False,
-                                       kv_len=eng.kv_bucket(longest + len(out) + gamma), per_view=True)
+    d_kv = eng.kv_bucket(longest + len(out) + gamma)
+    draft_fn = partial(draft_block, eng.draft.lm, dcache, B=1, K=K, gamma=gamma, greedy=True, temperature=1.0,
+                       confidence=False, per_view=True)
+    drafted, q_logits, _ = eng.run_graph(("draft_views", K, gamma), draft_fn,
+                                         dict(inp2=inp2, lens=lens, w=state.uniform, seed=zero, offset=zero),
+                                         kv_len=d_kv)
     tokens, parents, node_of = view_trie(drafted.cpu())
     tokens[0] = out[-1]
-    N = len(tokens)
-    depth, mask = [0] * N, torch.eye(N, dtype=torch.bool)
+    N, n_max = len(tokens), 1 + K * gamma
+    depth, mask = [0] * n_max, torch.eye(n_max, dtype=torch.bool)
     for i in range(1, N):                      # parents come before children
         depth[i] = depth[parents[i]] + 1
         mask[i] |= mask[parents[i]]            # a node sees its ancestors and itself
+    # padding nodes: any token, parent -1 (never visited), seeing only themselves; their KV
+    # lands in slots past the tree that later blocks overwrite before reading
+    tokens += [tokens[0]] * (n_max - N)
+    parents += [-1] * (n_max - N)
     root = n_prompt + len(out) - 1
     tlens = torch.full((1,), root, dtype=torch.int32, device=dev)
-    tok = torch.tensor([tokens], device=dev)
-    tlogits = eng.target.lm(tcache, root + torch.tensor([depth], device=dev), input_ids=tok, lengths=tlens,
-                            tree_mask=mask[None].to(dev), kv_len=eng.kv_bucket(root + N))
-    path, n_acc, nxt = verify_tree(tok, torch.tensor([parents], device=dev), tlogits, greedy=True)
-    compact_kv(tcache.k, tcache.v, tlens, path, n_acc)   # the accepted nodes next to the root
+    inputs = dict(tok=torch.tensor([tokens], device=dev), pos=root + torch.tensor([depth], device=dev),
+                  parents=torch.tensor([parents], device=dev), mask=mask[None].to(dev), tlens=tlens)
+    tlogits, path, n_acc, nxt = eng.run_graph(("view_tree", K, gamma), partial(tree_verify_block, eng.target.lm,
+                                                                               tcache),
+                                              inputs, kv_len=eng.kv_bucket(root + n_max))
     path, n, t_next = path[0].tolist(), int(n_acc), int(nxt)
     k = next(j for j in range(K) if n == 0 or int(node_of[j, n - 1]) == path[n])
     # every view's drafting positions: the root, then its own chain's nodes
@@ -171,20 +202,17 @@ def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, *, K: int, g
     q_views = q_logits.view(gamma, K, V).permute(1, 0, 2)[None]           # [1, K, γ, V]
     new = [tokens[j] for j in path[1:n + 1]] + [t_next]
     # the draft rows' KV must hold the new tokens but the last two (the next block feeds
-    # those): row k drafted them, the others feed them once (re-writing identical KV is harmless)
-    if n >= 2:
-        lens2 = lens + 2
-        catch = torch.tensor(new[: n - 1], device=dev)[None].expand(K, -1)
-        eng.draft.lm(dcache, lens2[:, None] + torch.arange(n - 1, device=dev), input_ids=catch, lengths=lens2,
-                     logits_index=torch.zeros(K, 1, dtype=torch.long, device=dev),
-                     kv_len=eng.kv_bucket(longest + len(out) + gamma))
+    # those): row k drafted them, the others take them in one forward (re-writing identical KV
+    # is harmless; the padding lands in slots the next block writes before it reads them)
+    if gamma >= 2:
+        catch = (new[: n - 1] + [new[-1]] * gamma)[: gamma - 1]
+        eng.run_graph(("catch_up", K, gamma), partial(catch_up_forward, eng.draft.lm, dcache),
+                      dict(toks=torch.tensor(catch, device=dev)[None].expand(K, -1), lens=lens + 2), kv_len=d_kv)
     return new, n, k, p_views, q_views
 
 
 def run_speculative(eng, prep, sp, gen, caption):
     """Generator yielding lists of accepted tokens; returns GenerationStats."""
-    from functools import partial
-
     from .engine import GenerationStats
 
     stats = GenerationStats(speculative=True, prompt_tokens=len(prep.ids), views=eng.views)
@@ -253,7 +281,7 @@ def run_speculative(eng, prep, sp, gen, caption):
         inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
         lens = view_len + (G - 2)                                          # [B*K]
         if use_tree and block == 0:   # ---- first block: every view's chain, one tree verification
-            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, K=K,
+            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state, K=K,
                                                           gamma=gamma, longest=longest)
             stats.view_tree_view = eng.views[k]
             stats.target_forwards += 1

@@ -177,6 +177,30 @@ def test_reference_degenerate_rows_no_nan():
         assert n.item() == 0 and nxt.item() == 0 and path[0].tolist() == [0, -1, -1, -1]
 
 
+def test_padding_nodes_are_never_visited():
+    # a tree padded with parent -1 nodes (the view tree's fixed shape) walks exactly like the
+    # tree alone, although every padding node carries the token the target wants at the root
+    g = torch.Generator().manual_seed(11)
+    B, N, V, P = 3, 9, 40, 6
+    tokens, parents, p = greedy_inputs(B, N, V, g, torch.float32)
+    root_best = p[:, 0].argmax(-1, keepdim=True)
+    # row 0: the root's own children all miss, so a visited padding node would be accepted
+    tokens[0] = torch.where(parents[0] == 0, (root_best[0] + 1) % V, tokens[0])
+    want = verify_tree_reference(tokens, parents, p, None, None, True)
+    tokens2 = torch.cat([tokens, root_best.expand(B, P)], 1)
+    parents2 = torch.cat([parents, torch.full((B, P), -1)], 1)
+    p2 = torch.cat([p, torch.randn(B, P, V, generator=g)], 1)
+    assert want[1][0] == 0 and want[1].sum() > 0
+    for impl in [verify_tree_reference] + ([op] if _ext.HAS_CPU_KERNELS else []):
+        path, n, nxt = impl(tokens2, parents2, p2, None, None, True)
+        assert torch.equal(path[:, :N], want[0]) and (path[:, N:] == -1).all()
+        assert torch.equal(n, want[1]) and torch.equal(nxt, want[2])
+        # the same padding nodes as root children (parent 0) are taken in row 0: the test
+        # can tell padding from real nodes
+        taken = impl(tokens2, torch.cat([parents, torch.zeros(B, P, dtype=torch.long)], 1), p2, None, None, True)
+        assert taken[1][0] > 0
+
+
 # ------------------------------------------------------------- CPU kernel == reference
 
 CASES = [  # (B, N, V, seed); V = 32064 kept to a few rows (CPU time)

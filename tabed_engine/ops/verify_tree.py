@@ -24,7 +24,8 @@ def verify_tree(tokens, parents, p, q=None, uniforms=None, greedy=True):
         Node tokens; node 0 is the root (the last committed token).
     parents : int64 [B, N]
         Parent of each node, ``parents[:, i] < i`` for ``i >= 1`` (topological order,
-        siblings in the order they were drawn); ``parents[:, 0]`` is ignored.
+        siblings in the order they were drawn); ``parents[:, 0]`` is ignored. A parent of
+        -1 marks a padding node (a tree smaller than N): it is never visited.
     p : [B, N, V]
         Greedy: target logits at each node (any float dtype). Sampling: target
         probabilities, float32, already processed (temperature, top-p).
