@@ -1,15 +1,17 @@
-"""Benchmark: one-row linear layers (Triton GEMV) vs cuBLAS and torch.compile at decode shapes.
+"""Benchmark: few-row linear layers (Triton GEMV) vs cuBLAS and torch.compile at decode shapes.
 
     python benchmarks/bench_gemv.py [--out benchmarks/results/gemv.json]
     TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke   # CPU, tiny, no claims
 
-Shapes: the LLaVA-1.5-7B target's projections at one row (an AR decode step): q/k/v
-12288x4096, o 4096x4096, gate/up 22016x4096, down 4096x11008 with the SiLU gate fused,
-lm_head 32064x4096; bf16. (The engine sends more rows and the draft's 768-wide matrices
-to cuBLAS.) Each timed call runs the projection over
+Shapes: the LLaVA-1.5-7B target's projections at one row (an AR decode step; `gemv`) and
+at six rows (verification of gamma + 1 = 6 tokens; `gemv_rows`, tensor cores): q/k/v
+12288x4096, o 4096x4096, gate/up 22016x4096, down 4096x11008 with the SiLU gate (fused into
+the one-row GEMV; a separate compiled kernel before the 6-row one), lm_head 32064x4096; bf16.
+(The engine sends prefill and the draft's 768-wide matrices to cuBLAS.) Each timed call
+runs the projection over
 several copies of the weight (>= 400 MB in all), so every byte comes from HBM, not L2.
 Columns (us per projection, medians):
-  fused     tabed_engine.kernels.gemv
+  fused     tabed_engine.kernels.gemv (gemv_rows at 6 rows)
   eager     the reference: F.linear (cuBLAS), after an eager SiLU*up for the gated one
   model     what the decoder ran before: F.linear after the torch.compile'd SiLU*up
   compiled  torch.compile of the reference (static shapes)
@@ -47,13 +49,15 @@ def main(argv=None):
     add_common_args(ap, "gemv")
     ap.set_defaults(inner=4, reps=15)
     ap.add_argument("--min-bytes", type=int, default=400 << 20, help="weight bytes per timed call")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="activation rows per projection")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
     device, out_path = device_and_out(args, "gemv")
-    cases = [(n, N, K, g, 1) for (n, N, K, g) in TARGET]
+    cases = [(n, N, K, g, M) for M in args.rows for (n, N, K, g) in TARGET]
     if args.smoke:
-        cases = [("small", 96, 130, False, 1), ("small_gated", 64, 70, True, 1)]
+        cases = [(n, N, K, g, M) for M in args.rows for (n, N, K, g) in [("small", 96, 130, False),
+                                                                         ("small_gated", 64, 70, True)]]
         args.no_compile, args.reps, args.inner, args.min_bytes = True, 3, 1, 0
     dtype = torch.bfloat16
     compiled = None if args.no_compile else compile_static(lambda x, w, g: linear_reference(x, w, gated=g))
@@ -75,14 +79,18 @@ def main(argv=None):
                 for w in ws:
                     fn(w)
             return run
-        fns = {"fused": each(lambda w: _k.gemv(x, w, gated=gated, out=out)),
+        def fused(w):
+            if M == 1:
+                return _k.gemv(x, w, gated=gated, out=out)
+            return _k.gemv_rows(silu_mul(x) if gated else x, w, out=out)
+        fns = {"fused": each(fused),
                "eager": each(lambda w: linear_reference(x, w, gated=gated))}
         if gated and not args.smoke:
             fns["model"] = each(lambda w: model_path(x, w, gated))
         if compiled is not None:
             fns["compiled"] = each(lambda w: compiled(x, w, gated))
 
-        _k.gemv(x, ws[0], gated=gated, out=out)
+        fused(ws[0])
         err = (out.float() - linear_reference(x, ws[0], gated=gated).float()).abs().max().item()
         stream, graph = time_variants(fns, device, args)
         stream = {k: v / copies for k, v in stream.items()}
@@ -98,7 +106,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
     summary = {}
-    for M in (1,):
+    for M in args.rows:
         sel = [r for r in rows if r["rows"] == M and r["name"] in {n for n, *_ in TARGET}]
         if len(sel) == len(TARGET) and all("eager" in r["graph_us"] for r in sel):
             step = {v: sum(r["graph_us"][v] * (1 if r["name"] == "lm_head" else 32) for r in sel) / 1e3

@@ -15,8 +15,12 @@ replaces) to the product, so the MLP's down projection needs no separate SiLU la
 Block shapes from a sweep on an H200 (graph replays, weights larger than L2, bf16). At the
 Llama-7B decode shapes (`benchmarks/bench_gemv.py`, results/gemv.json) they run 5-21% faster
 than cuBLAS: q/k/v 28.9 -> 26.8 us, o 13.2 -> 10.4, gate/up 46.3 -> 44.0, down 30.5 (after
-the SiLU kernel) -> 25.2 with the gate fused, lm_head 65.6 -> 62.6. For 2-16 rows (verification) a tensor-core variant of the same loop did not beat
-cuBLAS reliably (between 3% faster and 5% slower across two runs), so those stay on cuBLAS.
+the SiLU kernel) -> 25.2 with the gate fused, lm_head 65.6 -> 62.6.
+
+For 2-16 rows (verification: γ + 1 rows) `gemv_rows` runs the same weight stream through
+tensor cores: the rows padded to 16 by masked loads (zeros; clamping the padding rows to row 0
+instead cost 1-4 us per projection in an H100 diagnostic), one [16, BLOCK_N] fp32 tile per
+program. bfloat16/float16 only (a float32 dot would round through TF32).
 """
 import torch
 import triton
@@ -106,4 +110,83 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fals
     _gemv_fma_kernel[(triton.cdiv(N, BN),)](x1, weight, b, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
                                             GATED=gated, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,
                                             EVEN_K=K % BK == 0, num_warps=warps)
+    return y
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped weight rows: no mask in the loop
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], eviction_policy="evict_first")
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+        if DOT_FP32:  # the CPU interpreter's bf16 tl.dot returns garbage; the same values in fp32
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee",
+                         out_dtype=tl.float32)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+MAX_DOT_ROWS = 16
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _dot_config(N: int, K: int):
+    """(BLOCK_N, BLOCK_K, num_warps, stages) from an H100 diagnostic at 6 rows."""
+    return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out=None):
+    """y = x @ weight^T (+ bias) for 1-16 rows of activations on tensor cores.
+
+    x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
+    bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
+    """
+    if x.dtype not in _HALF_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"gemv_rows: x, weight and bias must share one dtype, float16 or bfloat16, got {x.dtype}, "
+                        f"{weight.dtype}, {None if bias is None else bias.dtype}")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"gemv_rows: weight must be [N, K] with unit last stride, got {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    N, K = weight.shape
+    if x.dim() == 0 or x.shape[-1] != K:
+        raise ValueError(f"gemv_rows: x's last dim {x.shape[-1] if x.dim() else None} != weight's K = {K}")
+    M = x.numel() // K if K else 0
+    if not 1 <= M <= MAX_DOT_ROWS:
+        raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
+    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
+        raise ValueError(f"gemv_rows: bias must be [{N}] contiguous, got {tuple(bias.shape)}")
+    lead = x.shape[:-1]
+    if out is not None and (out.shape != (*lead, N) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"gemv_rows: out must be a contiguous {x.dtype} tensor of shape {(*lead, N)}")
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = out if out is not None else torch.empty(*lead, N, device=x.device, dtype=x.dtype)
+    BN, BK, warps, stages = _dot_config(N, K)
+    b = bias if bias is not None else weight  # placeholder pointer, never read
+    _gemv_dot_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
+                                            HAS_BIAS=bias is not None, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN,
+                                            BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
+                                            DOT_FP32=x.device.type != "cuda", num_warps=warps)
     return y

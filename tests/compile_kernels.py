@@ -140,6 +140,8 @@ def _exercise():
         w, b = torch.randn(40, K, generator=g).to(bf), torch.randn(40, generator=g).to(bf)
         gemv.gemv(torch.randn(1, K, generator=g).to(bf), w, b)
         gemv.gemv(torch.randn(1, 2 * K, generator=g).to(bf), w, gated=True)
+        gemv.gemv_rows(torch.randn(6, K, generator=g).to(bf), w, b)
+    gemv.gemv_rows(torch.randn(3, 512, generator=g).to(bf), torch.randn(20000, 512, generator=g).to(bf))  # wide N
 
 
 def compile_all(path):

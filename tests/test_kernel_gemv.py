@@ -88,6 +88,39 @@ def test_kernel_rejects_bad_input(kernel_device):
     check(y, x[:1], w, None, False)
 
 
+ROW_CASES = [(M, N, K, dt) for (M, N, K) in [(2, 37, 300), (6, 1000, 517), (16, 173, 1031), (5, 96, 2048),
+                                              (9, 61, 77)]
+             for dt in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("M,N,K,dtype", ROW_CASES)
+def test_rows_kernel_matches_reference(M, N, K, dtype, kernel_device):
+    for bias in (False, True):
+        x, w, b = make_case(M, N, K, dtype, kernel_device, bias=bias, seed=M + N + K)
+        out = torch.full((M, N), float("nan"), device=kernel_device, dtype=dtype)
+        y = _k.gemv_rows(x, w, b, out=out)
+        assert y is out
+        check(y, x, w, b, False)
+
+
+def test_rows_kernel_leading_dims_strided_rows_and_errors(kernel_device):
+    x, w, b = make_case(6, 50, 130, torch.bfloat16, kernel_device, bias=True, seed=3)
+    wide = torch.zeros(6, 200, device=kernel_device, dtype=torch.bfloat16)
+    wide[:, 33:163] = x
+    y = _k.gemv_rows(wide[:, 33:163].view(2, 3, 130), w, b)   # row stride 200, leading dims kept
+    assert y.shape == (2, 3, 50)
+    check(y.reshape(6, 50), x, w, b, False)
+    with pytest.raises(ValueError, match="rows"):
+        _k.gemv_rows(torch.zeros(17, 130, device=kernel_device, dtype=torch.bfloat16), w)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        _k.gemv_rows(x.float(), w.float())
+    with pytest.raises(ValueError, match="last dim"):
+        _k.gemv_rows(x[:, :100], w)
+    with pytest.raises(ValueError, match="out"):
+        _k.gemv_rows(x, w, out=torch.empty(6, 49, device=kernel_device, dtype=torch.bfloat16))
+    check(_k.gemv_rows(x, w, b), x, w, b, False)   # still usable
+
+
 def test_dispatch():
     x, w, b = make_case(3, 4096, 64, torch.bfloat16, "cpu", bias=True)
     assert not ops.use_gemv(x, w, b)                          # CPU: reference
@@ -105,7 +138,10 @@ def test_dispatch_gpu_rule():
     dev = "cuda"
     x1, w, _ = make_case(1, 4096, 2048, torch.bfloat16, dev)
     assert ops.use_gemv(x1, w)
-    assert not ops.use_gemv(torch.zeros(6, 2048, device=dev, dtype=torch.bfloat16), w)   # verification: cuBLAS
+    x6 = torch.zeros(6, 2048, device=dev, dtype=torch.bfloat16)
+    assert not ops.use_gemv(x6, w) and ops.gemv_kind(x6, w) == "rows"                   # verification
+    assert ops.gemv_kind(torch.zeros(17, 2048, device=dev, dtype=torch.bfloat16), w) is None   # prefill: cuBLAS
+    assert ops.gemv_kind(x6.float(), w.float()) is None                                   # fp32 rows: cuBLAS
     assert not ops.use_gemv(x1, w[:ops.MIN_FEATURES - 1])                                 # narrow: cuBLAS
     assert not ops.use_gemv(x1[:, :128], w[:, :128])                                      # short K: cuBLAS
     assert not ops.use_gemv(x1.float(), w)                                                # mixed dtypes
@@ -123,3 +159,8 @@ def test_kernel_real_shapes_gpu(dtype):
         x, w, _ = make_case(1, N, K, dtype, "cuda", gated=gated, seed=N)
         out = torch.full((1, N), float("nan"), device="cuda", dtype=dtype)
         check(_k.gemv(x, w, gated=gated, out=out), x, w, None, gated)
+        if dtype == torch.bfloat16:   # verification's 6 rows (the gate applied before, as the MLP does)
+            x6, w6, _ = make_case(6, N, K, dtype, "cuda", gated=gated, seed=N + 6)
+            a6 = ops.silu_mul_reference(x6) if gated else x6
+            out6 = torch.full((6, N), float("nan"), device="cuda", dtype=dtype)
+            check(_k.gemv_rows(a6, w6, out=out6), a6, w6, None, False)

@@ -1,11 +1,15 @@
 """Linear layers of the decoder, with a matrix-vector fast path for AR decode.
 
 `linear(x, weight, bias)` is `F.linear`; with `gated=True` its input is the MLP's
-[gate | up] pair and the product uses silu(gate) * up. On CUDA, one-row calls (an AR decode
-step) with weights of at least `MIN_FEATURES` outputs × `MIN_FEATURES` inputs run the Triton
-GEMV (`tabed_engine.kernels.gemv`), which streams the weight at close to HBM bandwidth in
-one launch and applies the SiLU gate as it reads; everything else (verification, prefill,
-the small draft matrices, CPU) runs the reference (cuBLAS on the GPU).
+[gate | up] pair and the product uses silu(gate) * up. On CUDA, with weights of at least
+`MIN_FEATURES` outputs × `MIN_FEATURES` inputs (`gemv_kind`):
+* one-row calls (an AR decode step) run the Triton GEMV (`tabed_engine.kernels.gemv.gemv`),
+  which streams the weight at close to HBM bandwidth in one launch and applies the SiLU gate
+  as it reads;
+* 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens) run its tensor-core sibling
+  (`gemv_rows`), the SiLU gate applied first;
+everything else (prefill, the small draft matrices, float32 rows, the CPU) runs the
+reference (cuBLAS on the GPU).
 """
 from __future__ import annotations
 
@@ -30,11 +34,25 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated:
     return F.linear(silu_mul_reference(x) if gated else x, weight, bias)
 
 
+def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
+    """The path `linear` takes for these arguments: "row" (one row, Triton GEMV), "rows"
+    (2-16 rows in float16/bfloat16, tensor-core GEMV) or None (the reference)."""
+    if not (x.is_cuda and min(weight.shape) >= MIN_FEATURES and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1 and x.shape[-1] > 0):
+        return None
+    from tabed_engine.kernels.gemv import MAX_DOT_ROWS
+
+    rows = x.numel() // x.shape[-1]
+    if rows == 1:
+        return "row"
+    if 2 <= rows <= MAX_DOT_ROWS and x.dtype in (torch.float16, torch.bfloat16):
+        return "rows"
+    return None
+
+
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
-    """Whether `linear` takes the Triton GEMV for these arguments (device, rows, width, dtypes)."""
-    return (x.is_cuda and min(weight.shape) >= MIN_FEATURES and x.numel() == x.shape[-1]
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-            and weight.stride(-1) == 1)
+    """Whether `linear` takes the one-row Triton GEMV (which can fuse the SiLU gate)."""
+    return gemv_kind(x, weight, bias) == "row"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
@@ -57,8 +75,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
     torch.Tensor
         [..., N] in x's dtype.
     """
-    if use_gemv(x, weight, bias):
+    kind = gemv_kind(x, weight, bias)
+    if kind == "row":
         from tabed_engine.kernels.gemv import gemv
 
         return gemv(x, weight, bias, gated=gated)
+    if kind == "rows":
+        from tabed_engine.kernels.gemv import gemv_rows
+
+        return gemv_rows(silu_mul_reference(x) if gated else x, weight, bias)
     return linear_reference(x, weight, bias, gated=gated)
