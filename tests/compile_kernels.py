@@ -125,8 +125,9 @@ def _exercise():
     vc = torch.randn(R, Hkv, S, D, generator=g).to(bf)
     lengths = torch.tensor([20], dtype=torch.int32)
     mask = torch.tensor([[1, 3, 5]], dtype=torch.int64)
-    for splits in (1, 2):
+    for splits in (1, 2, 3):
         tree_attention.tree_attention(qa, kc, vc, lengths, mask, num_splits=splits)
+        tree_attention.tree_attention(qa[:, :1], kc, vc, lengths, mask[:, :1], num_splits=splits)  # one query
 
     x = torch.randn(3, 64, generator=g).to(bf)
     add_rms_norm.add_rms_norm(x, x.clone(), torch.ones(64, dtype=bf), 1e-6)

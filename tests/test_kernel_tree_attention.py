@@ -138,6 +138,26 @@ def test_split_combine_counters_reset_between_launches(kernel_device):
         assert int(_common.COUNTERS[q.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("splits", [1, 3, 5, 8])
+def test_one_query_kernel_splits_own_slot_bit_and_counters(splits, kernel_device):
+    # N = 1 runs the one-query kernel: ragged rows (length 0 included), GQA, a padded head
+    # dim, any split count (not a power of two, more than the row's blocks); with bit 0
+    # cleared the query must not see its own slot (poisoned here: NaN if read)
+    q, k, v, lengths, masks = make_case(4, 1, 6, 2, 80, torch.bfloat16, kernel_device, seed=splits,
+                                        lengths=[0, 70, 130, 200], S=202)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    _k.tree_attention(q, k, v, lengths, masks, out=out, num_splits=splits)
+    check(q, k, v, lengths, masks, out)
+    assert int(_common.COUNTERS.get(q.device, torch.zeros(1)).abs().sum()) == 0
+    k2, v2 = k.clone(), v.clone()
+    for r, n in enumerate(lengths.tolist()):
+        k2[r, :, n], v2[r, :, n] = float("nan"), float("nan")
+    hidden = torch.zeros_like(masks)
+    live = slice(1, None)  # row 0 (length 0) would see nothing at all
+    got = _k.tree_attention(q[live], k2[live], v2[live], lengths[live], hidden[live], num_splits=splits)
+    check(q[live], k[live], v[live], lengths[live], hidden[live], got)   # the truth from unpoisoned K/V
+
+
 def test_mask_changes_result(kernel_device):
     # Guards against a kernel that ignores the tree: a chain and a star give different outputs.
     q, k, v, lengths, _ = make_case(2, 6, 4, 4, 64, torch.float32, kernel_device, lengths=[0, 30])
@@ -224,3 +244,5 @@ def test_gpu_split_heuristic_fills_sms():
     assert _k._pick_splits(dev, 32, 1, 64) * 32 >= sms  # R=1, Hkv=32 decode keeps every SM busy
     assert _k._pick_splits(dev, 32, 64, 64) >= 2
     assert _k._pick_splits(dev, 4 * sms, 1, 64) == 1
+    assert _k._decode_splits(dev, 32, 64) * 32 >= 2 * sms      # one query: ~4 programs per SM
+    assert _k._decode_splits(dev, 32, 3) == 3                  # never more splits than key blocks
