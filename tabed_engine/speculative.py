@@ -274,15 +274,25 @@ def run_speculative(eng, prep, sp, gen, caption):
     use_tree = (eng.view_tree and greedy and K > 1 and schedule is None
                 and eng.ensemble.policy in ("kld", "tvd", "hedge")
                 and n_prompt + K * gamma + 2 <= eng.max_len)
+    def queue_draft(inp2, lens, g_next):
+        """The next block's γ draft steps (one graph); g_next bounds the tokens it follows."""
+        res = eng.run_graph(draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
+                            kv_len=eng.kv_bucket(longest + g_next + gamma))
+        offset.add_(gamma * B * V)
+        timer.lap("time_draft")
+        return res
+
+    # the draft of block b+1 is queued before the host waits for block b's result (its inputs
+    # are computed on the device from the accepted count), so the GPU does not idle while the
+    # host reads the block, yields its tokens and launches the next graphs
+    pending = None
     while not _finished(eng, sp, out):
-        # ---- draft: γ steps, all views as rows of one batch per step
         G = len(out)
-        prev = [out[-2]] * K if G >= 2 else prompt_tail
-        inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
-        lens = view_len + (G - 2)                                          # [B*K]
         if use_tree and block == 0:   # ---- first block: every view's chain, one tree verification
-            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state, K=K,
-                                                          gamma=gamma, longest=longest)
+            prev = [out[-2]] * K if G >= 2 else prompt_tail
+            inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
+            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, view_len + (G - 2), out,
+                                                          n_prompt, state, K=K, gamma=gamma, longest=longest)
             stats.view_tree_view = eng.views[k]
             stats.target_forwards += 1
             w_rec[block].copy_(w[0])
@@ -290,11 +300,13 @@ def run_speculative(eng, prep, sp, gen, caption):
             state.cursor.copy_(new_cursor)
             timer.lap("time_verify")
         else:
-            drafted, q_logits, mixture = eng.run_graph(
-                draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
-                kv_len=eng.kv_bucket(longest + G + gamma))
-            offset += gamma * B * V
-            timer.lap("time_draft")
+            # ---- draft: γ steps, all views as rows of one batch per step
+            if pending is None:   # no block queued it: inputs from the host
+                prev = [out[-2]] * K if G >= 2 else prompt_tail
+                lens = view_len + (G - 2)                                      # [B*K]
+                pending = queue_draft(torch.tensor([[p, out[-1]] for p in prev], device=dev), lens, G)
+            drafted, q_logits, mixture = pending
+            pending = None
 
             # ---- verify: target forward on [last, d_1..d_γ] and acceptance (one graph)
             tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
@@ -323,6 +335,16 @@ def run_speculative(eng, prep, sp, gen, caption):
                                                                        n_acc=n_acc, cursor=state.cursor))
                 state.cursor.copy_(new_cursor)
             timer.lap("time_ensemble")
+
+            # ---- the next block's draft, unless this block certainly ends the generation: its
+            # last two tokens are (d_n, next) (or (last, next) when nothing was accepted) and its
+            # rows are n + 1 tokens further
+            if G + 1 < sp.max_new_tokens:
+                step = (n_acc + 1).repeat_interleave(K)
+                inp2 = torch.cat([vin.gather(1, n_acc[:, None]), nxt[:, None]], 1).repeat_interleave(K, 0)
+                # eager (no graphs): the attention span needs the exact length, free to read here
+                g_next = G + 1 + (int(n_acc[0]) if eng.graphs is None else gamma)
+                pending = queue_draft(inp2, view_len + (G - 2) + step, g_next)
 
             if head_ready is not None:
                 head_ready.synchronize()                                     # the block's one host sync
