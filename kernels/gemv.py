@@ -77,6 +77,28 @@ def _config(N: int, K: int):
     return (8, 512, 4, 3) if N * K <= (1 << 25) else (4, 1024, 4, 3)
 
 
+def _checked(name, x, weight, bias, out, dtypes, dtypes_text, gated):
+    """Validate a launcher's arguments; returns (N, K, rows of x, the output tensor)."""
+    if x.dtype not in dtypes or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"{name}: x, weight and bias must share one dtype, {dtypes_text}, got {x.dtype}, "
+                        f"{weight.dtype}, {None if bias is None else bias.dtype}")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"{name}: weight must be [N, K] with unit last stride, got {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    N, K = weight.shape
+    width = 2 * K if gated else K
+    if x.dim() == 0 or x.shape[-1] != width:
+        raise ValueError(f"{name}: x's last dim {x.shape[-1] if x.dim() else None} != "
+                         f"{'2 * ' if gated else ''}weight's K = {K}")
+    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
+        raise ValueError(f"{name}: bias must be [{N}] contiguous, got {tuple(bias.shape)}")
+    lead = x.shape[:-1]
+    if out is not None and (out.shape != (*lead, N) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"{name}: out must be a contiguous {x.dtype} tensor of shape {(*lead, N)}")
+    y = out if out is not None else torch.empty(*lead, N, device=x.device, dtype=x.dtype)
+    return N, K, x.numel() // max(width, 1), y
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False, out=None):
     """y = x @ weight^T (+ bias) for one row of activations.
 
@@ -84,27 +106,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fals
     silu(gate) * up), weight [N, K] with unit last stride, bias [N] or None -> y [..., N] in
     x's dtype. One dtype for x, weight and bias (float16/bfloat16/float32).
     """
-    if x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"gemv: x, weight and bias must share one float dtype, got {x.dtype}, {weight.dtype}, "
-                        f"{None if bias is None else bias.dtype}")
-    if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"gemv: weight must be [N, K] with unit last stride, got {tuple(weight.shape)} "
-                         f"strides {weight.stride()}")
-    N, K = weight.shape
+    N, K, rows, y = _checked("gemv", x, weight, bias, out, _FLOAT_DTYPES, "a float dtype", gated)
+    if rows != 1:
+        raise ValueError(f"gemv: one row of activations, got {rows} (shape {tuple(x.shape)})")
     width = 2 * K if gated else K
-    if x.shape[-1] != width:
-        raise ValueError(f"gemv: x's last dim {x.shape[-1]} != {'2 * ' if gated else ''}weight's K = {K}")
-    if x.numel() != width:
-        raise ValueError(f"gemv: one row of activations, got {x.numel() // max(width, 1)} (shape {tuple(x.shape)})")
-    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
-        raise ValueError(f"gemv: bias must be [{N}] contiguous, got {tuple(bias.shape)}")
-    lead = x.shape[:-1]
-    if out is not None and (out.shape != (*lead, N) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"gemv: out must be a contiguous {x.dtype} tensor of shape {(*lead, N)}")
     x1 = x.reshape(width)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
-    y = out if out is not None else torch.empty(*lead, N, device=x.device, dtype=x.dtype)
     BN, BK, warps, stages = _config(N, K)
     b = bias if bias is not None else weight  # placeholder pointer, never read
     _gemv_fma_kernel[(triton.cdiv(N, BN),)](x1, weight, b, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
@@ -162,27 +170,12 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out=None):
     x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
     bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
     """
-    if x.dtype not in _HALF_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"gemv_rows: x, weight and bias must share one dtype, float16 or bfloat16, got {x.dtype}, "
-                        f"{weight.dtype}, {None if bias is None else bias.dtype}")
-    if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"gemv_rows: weight must be [N, K] with unit last stride, got {tuple(weight.shape)} "
-                         f"strides {weight.stride()}")
-    N, K = weight.shape
-    if x.dim() == 0 or x.shape[-1] != K:
-        raise ValueError(f"gemv_rows: x's last dim {x.shape[-1] if x.dim() else None} != weight's K = {K}")
-    M = x.numel() // K if K else 0
+    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
-    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
-        raise ValueError(f"gemv_rows: bias must be [{N}] contiguous, got {tuple(bias.shape)}")
-    lead = x.shape[:-1]
-    if out is not None and (out.shape != (*lead, N) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"gemv_rows: out must be a contiguous {x.dtype} tensor of shape {(*lead, N)}")
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    y = out if out is not None else torch.empty(*lead, N, device=x.device, dtype=x.dtype)
     BN, BK, warps, stages = _dot_config(N, K)
     b = bias if bias is not None else weight  # placeholder pointer, never read
     _gemv_dot_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
