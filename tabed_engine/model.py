@@ -65,7 +65,7 @@ silu_mul = fused_on_cuda(silu_mul_reference)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row calls on CUDA run the Triton GEMV (`ops.gemv.linear`)."""
+    """nn.Linear whose 1-16-row calls on CUDA run the Triton GEMVs (`ops.gemv.linear`)."""
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
