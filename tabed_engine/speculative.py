@@ -288,23 +288,24 @@ def run_speculative(eng, prep, sp, gen, caption):
     pending = None
     while not _finished(eng, sp, out):
         G = len(out)
-        if use_tree and block == 0:   # ---- first block: every view's chain, one tree verification
+        if w_rec is not None:
+            w_rec[block].copy_(w[0])          # this block's weights, before the block replaces w
+        if pending is None:   # no earlier block queued this one's draft: its inputs from the host
             prev = [out[-2]] * K if G >= 2 else prompt_tail
             inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
-            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, view_len + (G - 2), out,
-                                                          n_prompt, state, K=K, gamma=gamma, longest=longest)
+            lens = view_len + (G - 2)                                          # [B*K]
+        if use_tree and block == 0:   # ---- first block: every view's chain, one tree verification
+            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state,
+                                                          K=K, gamma=gamma, longest=longest)
             stats.view_tree_view = eng.views[k]
             stats.target_forwards += 1
-            w_rec[block].copy_(w[0])
             w, new_cursor = state.step_views(p_views, q_views, state.cursor, temperature=temp)
             state.cursor.copy_(new_cursor)
             timer.lap("time_verify")
         else:
             # ---- draft: γ steps, all views as rows of one batch per step
-            if pending is None:   # no block queued it: inputs from the host
-                prev = [out[-2]] * K if G >= 2 else prompt_tail
-                lens = view_len + (G - 2)                                      # [B*K]
-                pending = queue_draft(torch.tensor([[p, out[-1]] for p in prev], device=dev), lens, G)
+            if pending is None:
+                pending = queue_draft(inp2, lens, G)
             drafted, q_logits, mixture = pending
             pending = None
 
@@ -330,7 +331,6 @@ def run_speculative(eng, prep, sp, gen, caption):
             # rejected; all drafted ones with hedge) and the next block's weights (one graph on the
             # GPU, queued before the host waits)
             if state.adaptive:
-                w_rec[block].copy_(w[0])                                     # before w is replaced
                 w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
                                                                        n_acc=n_acc, cursor=state.cursor))
                 state.cursor.copy_(new_cursor)
@@ -342,7 +342,9 @@ def run_speculative(eng, prep, sp, gen, caption):
             if G + 1 < sp.max_new_tokens:
                 step = (n_acc + 1).repeat_interleave(K)
                 inp2 = torch.cat([vin.gather(1, n_acc[:, None]), nxt[:, None]], 1).repeat_interleave(K, 0)
-                # eager (no graphs): the attention span needs the exact length, free to read here
+                # eager (no graphs) bounds the attention span by the exact length: reading n_acc
+                # costs nothing on the CPU (and one sync per block on CUDA without graphs);
+                # graphs ignore the span
                 g_next = G + 1 + (int(n_acc[0]) if eng.graphs is None else gamma)
                 pending = queue_draft(inp2, view_len + (G - 2) + step, g_next)
 
