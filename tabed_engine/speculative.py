@@ -288,8 +288,6 @@ def run_speculative(eng, prep, sp, gen, caption):
     pending = None
     while not _finished(eng, sp, out):
         G = len(out)
-        if w_rec is not None:
-            w_rec[block].copy_(w[0])          # this block's weights, before the block replaces w
         if pending is None:   # no earlier block queued this one's draft: its inputs from the host
             prev = [out[-2]] * K if G >= 2 else prompt_tail
             inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
@@ -299,6 +297,7 @@ def run_speculative(eng, prep, sp, gen, caption):
                                                           K=K, gamma=gamma, longest=longest)
             stats.view_tree_view = eng.views[k]
             stats.target_forwards += 1
+            w_rec[block].copy_(w[0])                                         # before w is replaced
             w, new_cursor = state.step_views(p_views, q_views, state.cursor, temperature=temp)
             state.cursor.copy_(new_cursor)
             timer.lap("time_verify")
@@ -331,6 +330,9 @@ def run_speculative(eng, prep, sp, gen, caption):
             # rejected; all drafted ones with hedge) and the next block's weights (one graph on the
             # GPU, queued before the host waits)
             if state.adaptive:
+                # after the verification is queued: on the GPU, nothing between the host's wait
+                # and the verification launch but what that launch needs
+                w_rec[block].copy_(w[0])                                     # before w is replaced
                 w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
                                                                        n_acc=n_acc, cursor=state.cursor))
                 state.cursor.copy_(new_cursor)
