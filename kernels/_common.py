@@ -15,6 +15,7 @@ chain_verify greedy 15.3 -> 5.7, ensemble_mix pass 1 17.2 -> 10.7 and pass 2
 pass through).
 """
 import functools
+import os
 
 import torch
 import triton
@@ -53,6 +54,40 @@ def target_programs(device, per_sm=_PROGRAMS_PER_SM):
         return _INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return per_sm * _num_sms(index)
+
+
+# Programmatic dependent launch (PDL, sm_90+): a decode step is a chain of ~260 short
+# kernels, each waiting for the one before it. A kernel launched with `launch_pdl=True`
+# may be scheduled while its predecessor still runs; it calls `pdl_wait` (griddepcontrol:
+# wait for the previous grid to finish and flush its writes) before it touches anything
+# that kernel could write, and then lets its own successor be scheduled. What it reads
+# before the wait must not depend on earlier kernels (weights). Results are unchanged:
+# every read and write of dynamic data still happens after the predecessor completed.
+_PDL = {}
+
+
+def pdl(device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch: a CUDA device of
+    compute capability 9.0 or newer, a Triton with the griddepcontrol ops, and
+    `TABED_PDL` not set to 0 (the switch for A/B timing; results are the same either way)."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TABED_PDL") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL:
+        cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+        _PDL[index] = (torch.cuda.get_device_capability(index)[0] >= 9
+                       and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
+    return _PDL[index]
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel in the stream has finished and its writes are
+    visible, then allow the next kernel to be scheduled (it waits the same way)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 COUNTERS = {}   # device -> int32 arrival counters, all zero between launches

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import pdl, pdl_wait
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 65536
 
@@ -23,11 +25,13 @@ _MAX_HIDDEN = 65536
 def _add_rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr,
     stride_x, stride_d, stride_s, stride_o, N, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)  # a weight: no earlier kernel writes it
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_d + offs, mask=ok, other=0.0)
@@ -36,7 +40,6 @@ def _add_rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     y = (xf * rstd).to(x.dtype)  # normalised, rounded, then scaled: the reference's two roundings
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=ok)
 
@@ -81,9 +84,10 @@ def add_rms_norm(x, delta, weight, eps, *, out=None, sum_out=None):
     s2, out2 = s.reshape(-1, N), out.view(-1, N)
     BLOCK = triton.next_power_of_2(N)
     num_warps = max(1, min(16, BLOCK // 512))
+    use_pdl = pdl(x.device)
     _add_rms_norm_kernel[(M,)](
         x2, d2, weight, s2, out2,
         x2.stride(0), d2.stride(0), s2.stride(0), out2.stride(0), N, float(eps),
-        HAS_DELTA=delta is not None, BLOCK=BLOCK, num_warps=num_warps,
+        HAS_DELTA=delta is not None, BLOCK=BLOCK, PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
     )
     return s, out

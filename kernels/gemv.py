@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import pdl, pdl_wait
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -48,23 +50,34 @@ def _load_x(x_ptr, offs_k, k_ok, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile (zeros past K), streamed: evict-first."""
+    if EVEN_K:
+        return tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], eviction_policy="evict_first")
+    return tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped: the loop needs no row mask
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    k_first = 0
+    if PDL:  # the first weight tile is read while the kernel producing x finishes
+        offs_k = tl.arange(0, BLOCK_K)
+        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
+        pdl_wait(PDL)
+        acc += w.to(tl.float32) * _load_x(x_ptr, offs_k, offs_k < K, K, GATED, EVEN_K)[None, :]
+        k_first = BLOCK_K
+    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        if EVEN_K:
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        x = _load_x(x_ptr, offs_k, k_ok, K, GATED, EVEN_K)
+        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
+        x = _load_x(x_ptr, offs_k, offs_k < K, K, GATED, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
@@ -114,18 +127,41 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fals
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
     BN, BK, warps, stages = _config(N, K)
+    use_pdl = pdl(x.device)
     b = bias if bias is not None else weight  # placeholder pointer, never read
     _gemv_fma_kernel[(triton.cdiv(N, BN),)](x1, weight, b, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
                                             GATED=gated, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,
-                                            EVEN_K=K % BK == 0, num_warps=warps)
+                                            EVEN_K=K % BK == 0, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
     return y
 
 
 @triton.jit
+def _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] activation tile (zeros in padding rows and past K); silu(gate) *
+    up, rounded once to x's dtype, when GATED (x rows are [gate | up])."""
+    ok = m_ok[:, None] if EVEN_K else m_ok[:, None] & (offs_k < K)[None, :]
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    x = tl.load(ptrs, mask=ok, other=0.0)
+    if GATED:
+        u = tl.load(ptrs + K, mask=ok, other=0.0)
+        g = x.to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * u.to(tl.float32)).to(u.dtype)
+    return x
+
+
+@triton.jit
+def _dot_step(x, w, acc, DOT_FP32: tl.constexpr):
+    if DOT_FP32:  # the CPU interpreter's bf16 tl.dot returns garbage; the same values in fp32
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee",
+                      out_dtype=tl.float32)
+    return tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+
+
+@triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
+                     DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -133,22 +169,18 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    k_first = 0
+    if PDL:  # the first weight tile is read while the kernel producing x finishes
+        offs_k = tl.arange(0, BLOCK_K)
+        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
+        pdl_wait(PDL)
+        acc = _dot_step(_load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, GATED, EVEN_K), w, acc, DOT_FP32)
+        k_first = BLOCK_K
+    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], eviction_policy="evict_first")
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < K
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-        if DOT_FP32:  # the CPU interpreter's bf16 tl.dot returns garbage; the same values in fp32
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee",
-                         out_dtype=tl.float32)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
+        x = _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, GATED, EVEN_K)
+        acc = _dot_step(x, w, acc, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -164,22 +196,26 @@ def _dot_config(N: int, K: int):
     return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
 
 
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out=None):
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False, out=None):
     """y = x @ weight^T (+ bias) for 1-16 rows of activations on tensor cores.
 
-    x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
-    bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
+    x [..., K] with at most `MAX_DOT_ROWS` rows in all (or [..., 2K] = [gate | up] rows when
+    `gated`: the product uses silu(gate) * up, rounded once to x's dtype), weight [N, K] with
+    unit last stride, bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype
+    for all.
     """
-    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False)
+    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", gated)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
-    x2 = x.reshape(M, K)
+    x2 = x.reshape(M, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     BN, BK, warps, stages = _dot_config(N, K)
+    use_pdl = pdl(x.device)
     b = bias if bias is not None else weight  # placeholder pointer, never read
     _gemv_dot_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
-                                            HAS_BIAS=bias is not None, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN,
-                                            BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
-                                            DOT_FP32=x.device.type != "cuda", num_warps=warps)
+                                            HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_DOT_ROWS,
+                                            BLOCK_N=BN, BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
+                                            DOT_FP32=x.device.type != "cuda", PDL=use_pdl, num_warps=warps,
+                                            launch_pdl=use_pdl)
     return y

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import pdl, pdl_wait
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NUM_WARPS = 4
 
@@ -53,8 +55,9 @@ def _rope_kv_write_kernel(
     stride_vr, stride_vh, stride_vs,
     T, S,
     H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0).to(tl.int64)
     r = pid // T
     t = pid % T
@@ -142,6 +145,7 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, num_kv_he
     if R == 0 or T == 0:
         return out
     lengths = lengths.contiguous()
+    use_pdl = pdl(qkv.device)
 
     half = D // 2
     block_half = triton.next_power_of_2(half)
@@ -153,7 +157,7 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, num_kv_he
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         T, S,
-        H=H, KV=KV, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        H=H, KV=KV, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, PDL=use_pdl,
+        num_warps=_NUM_WARPS, enable_fp_fusion=False, launch_pdl=use_pdl,
     )
     return out

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import counters as _counters
+from ._common import counters as _counters, pdl, pdl_wait
 
 _MAX_NODES = 64  # tree_mask is one int64 word per node
 _SM_COUNT = {}
@@ -90,8 +90,9 @@ def _tree_attention_kernel(
     R, N, H, S, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)  # tile of (node, head-in-group) pairs; fastest so tiles sharing K/V run together
     pid_rh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -171,8 +172,9 @@ def _decode_attention_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, stride_ks, stride_vr, stride_vh, stride_vs, stride_mr,
     stride_or, stride_oh, H, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0).to(tl.int64)  # row * H + query head
     split = tl.program_id(1)
     r = pid // H
@@ -254,7 +256,7 @@ def _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, nu
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tree_mask.stride(0),
         out.stride(0), out.stride(2), H, qk_scale,
         GROUP=H // Hkv, HEAD_DIM=D, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=2, num_stages=2,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PDL=pdl(q.device), num_warps=2, num_stages=2, launch_pdl=pdl(q.device),
     )
     return out
 
@@ -362,6 +364,6 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         R, N, H, S, qk_scale,
         GROUP=group, HEAD_DIM=D, SPLITS=splits,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
-        num_warps=4, num_stages=num_stages,
+        PDL=pdl(q.device), num_warps=4, num_stages=num_stages, launch_pdl=pdl(q.device),
     )
     return out

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 _PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int64": "*i64", "int32": "*i32",
         "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
-_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 
 
 def _arg_type(v):
@@ -142,6 +142,7 @@ def _exercise():
         gemv.gemv(torch.randn(1, K, generator=g).to(bf), w, b)
         gemv.gemv(torch.randn(1, 2 * K, generator=g).to(bf), w, gated=True)
         gemv.gemv_rows(torch.randn(6, K, generator=g).to(bf), w, b)
+        gemv.gemv_rows(torch.randn(6, 2 * K, generator=g).to(bf), w, gated=True)
     gemv.gemv_rows(torch.randn(3, 512, generator=g).to(bf), torch.randn(20000, 512, generator=g).to(bf))  # wide N
 
 
@@ -157,8 +158,8 @@ def compile_all(path):
     with open(path) as f:
         launches = json.load(f)
     # the recording ran on the CPU: also compile each launch as a GPU would make it (fast
-    # exp2/log2 through inline PTX, bf16/fp16 dots)
-    gpu = {"FAST": True, "FAST_MATH": True, "DOT_FP32": False}
+    # exp2/log2 through inline PTX, bf16/fp16 dots, programmatic dependent launch)
+    gpu = {"FAST": True, "FAST_MATH": True, "DOT_FP32": False, "PDL": True}
     variants = []
     for e in launches:
         variants.append(e)
