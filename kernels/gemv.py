@@ -136,17 +136,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fals
 
 
 @triton.jit
-def _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
-    """A [BLOCK_M, BLOCK_K] activation tile (zeros in padding rows and past K); silu(gate) *
-    up, rounded once to x's dtype, when GATED (x rows are [gate | up])."""
+def _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, EVEN_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] activation tile (zeros in padding rows and past K)."""
     ok = m_ok[:, None] if EVEN_K else m_ok[:, None] & (offs_k < K)[None, :]
-    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    x = tl.load(ptrs, mask=ok, other=0.0)
-    if GATED:
-        u = tl.load(ptrs + K, mask=ok, other=0.0)
-        g = x.to(tl.float32)
-        x = (g / (1.0 + tl.exp(-g)) * u.to(tl.float32)).to(u.dtype)
-    return x
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
@@ -159,7 +152,7 @@ def _dot_step(x, w, acc, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -174,12 +167,12 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
         offs_k = tl.arange(0, BLOCK_K)
         w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
         pdl_wait(PDL)
-        acc = _dot_step(_load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, GATED, EVEN_K), w, acc, DOT_FP32)
+        acc = _dot_step(_load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, EVEN_K), w, acc, DOT_FP32)
         k_first = BLOCK_K
     for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
-        x = _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, GATED, EVEN_K)
+        x = _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, EVEN_K)
         acc = _dot_step(x, w, acc, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -196,26 +189,24 @@ def _dot_config(N: int, K: int):
     return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
 
 
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False, out=None):
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out=None):
     """y = x @ weight^T (+ bias) for 1-16 rows of activations on tensor cores.
 
-    x [..., K] with at most `MAX_DOT_ROWS` rows in all (or [..., 2K] = [gate | up] rows when
-    `gated`: the product uses silu(gate) * up, rounded once to x's dtype), weight [N, K] with
-    unit last stride, bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype
-    for all.
+    x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
+    bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
     """
-    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", gated)
+    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
-    x2 = x.reshape(M, x.shape[-1])
+    x2 = x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     BN, BK, warps, stages = _dot_config(N, K)
     use_pdl = pdl(x.device)
     b = bias if bias is not None else weight  # placeholder pointer, never read
     _gemv_dot_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
-                                            HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_DOT_ROWS,
-                                            BLOCK_N=BN, BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
+                                            HAS_BIAS=bias is not None, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN,
+                                            BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
                                             DOT_FP32=x.device.type != "cuda", PDL=use_pdl, num_warps=warps,
                                             launch_pdl=use_pdl)
     return y

@@ -7,7 +7,7 @@
   which streams the weight at close to HBM bandwidth in one launch and applies the SiLU gate
   as it reads;
 * 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens) run its tensor-core sibling
-  (`gemv_rows`), which applies the SiLU gate as it loads the rows;
+  (`gemv_rows`), the SiLU gate applied first;
 everything else (prefill, the small draft matrices, float32 rows, the CPU) runs the
 reference (cuBLAS on the GPU).
 """
@@ -51,9 +51,8 @@ def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
-    """Whether `linear` takes a Triton GEMV (one row, or 2-16 half rows), both of which fuse
-    the SiLU gate."""
-    return gemv_kind(x, weight, bias) is not None
+    """Whether `linear` takes the one-row Triton GEMV (which can fuse the SiLU gate)."""
+    return gemv_kind(x, weight, bias) == "row"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
@@ -84,5 +83,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
     if kind == "rows":
         from tabed_engine.kernels.gemv import gemv_rows
 
-        return gemv_rows(x, weight, bias, gated=gated)
+        return gemv_rows(silu_mul_reference(x) if gated else x, weight, bias)
     return linear_reference(x, weight, bias, gated=gated)
