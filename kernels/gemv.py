@@ -162,14 +162,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_first = 0
-    if PDL:  # the first weight tile is read while the kernel producing x finishes
-        offs_k = tl.arange(0, BLOCK_K)
-        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
-        pdl_wait(PDL)
-        acc = _dot_step(_load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, EVEN_K), w, acc, DOT_FP32)
-        k_first = BLOCK_K
-    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
+    pdl_wait(PDL)  # (a first weight tile read before the wait, as the one-row kernel does, cost 2% here)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
         x = _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, EVEN_K)

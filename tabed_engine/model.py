@@ -271,7 +271,7 @@ class LlamaLM(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], ctx)
-        x = x + delta
+        _, x = self.norm.add_forward(x, delta)  # the last residual add and the final norm: one kernel on CUDA
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(x).float()
