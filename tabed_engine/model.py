@@ -59,8 +59,9 @@ def fused_on_cuda(fn):
 rms_norm = fused_on_cuda(rms_norm_reference)
 
 
-# silu(gate) * up for gate_up = [gate | up]: one generated kernel on CUDA (the one-row decode
-# path fuses it into the down projection's GEMV instead)
+# silu(gate) * up for gate_up = [gate | up]: one generated kernel on CUDA for prefill (decode
+# and verification rows take `ops.gemv.linear(..., gated=True)`: fused into the one-row GEMV,
+# a Triton launch ahead of the 2-16-row one)
 silu_mul = fused_on_cuda(silu_mul_reference)
 
 
@@ -148,7 +149,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if use_gemv(gate_up, self.down_proj.weight):  # the GEMV applies the SiLU gate as it reads
+        if use_gemv(gate_up, self.down_proj.weight):  # SiLU gate inside the one-row GEMV / a Triton launch
             return linear(gate_up, self.down_proj.weight, gated=True)
         return self.down_proj(silu_mul(gate_up))
 

@@ -80,7 +80,7 @@ def _exercise():
     import torch
 
     from tabed_engine.kernels import (add_rms_norm, chain_verify, ensemble_mix, gemv, history_update,
-                                      rope_kv_write, tree_attention, window_divergence)
+                                      rope_kv_write, silu_mul, tree_attention, window_divergence)
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
     V = 300
@@ -132,6 +132,7 @@ def _exercise():
     x = torch.randn(3, 64, generator=g).to(bf)
     add_rms_norm.add_rms_norm(x, x.clone(), torch.ones(64, dtype=bf), 1e-6)
     add_rms_norm.add_rms_norm(x, None, torch.ones(64, dtype=bf), 1e-6)
+    silu_mul.silu_mul(torch.randn(3, 2 * 1500, generator=g).to(bf))
 
     qkv = torch.randn(1, 2, (H + 2 * Hkv) * D, generator=g).to(bf)
     cs = torch.randn(1, 2, D, generator=g)

@@ -137,15 +137,15 @@ def test_dispatch():
 def test_dispatch_gpu_rule():
     dev = "cuda"
     x1, w, _ = make_case(1, 4096, 2048, torch.bfloat16, dev)
-    assert ops.use_gemv(x1, w)
+    assert ops.use_gemv(x1, w) and ops.gemv_kind(x1, w) == "row"
     x6 = torch.zeros(6, 2048, device=dev, dtype=torch.bfloat16)
-    assert not ops.use_gemv(x6, w) and ops.gemv_kind(x6, w) == "rows"                   # verification
+    assert ops.use_gemv(x6, w) and ops.gemv_kind(x6, w) == "rows"                       # verification
     assert ops.gemv_kind(torch.zeros(17, 2048, device=dev, dtype=torch.bfloat16), w) is None   # prefill: cuBLAS
     assert ops.gemv_kind(x6.float(), w.float()) is None                                   # fp32 rows: cuBLAS
     assert not ops.use_gemv(x1, w[:ops.MIN_FEATURES - 1])                                 # narrow: cuBLAS
     assert not ops.use_gemv(x1[:, :128], w[:, :128])                                      # short K: cuBLAS
     assert not ops.use_gemv(x1.float(), w)                                                # mixed dtypes
-    for M in (1, 6):   # gated through the dispatch: fused in the kernel / reference
+    for M in (1, 6):   # gated through the dispatch: fused in the GEMV / the silu_mul kernel first
         xg, wg, _ = make_case(M, 4096, 2048, torch.bfloat16, dev, gated=True, seed=M)
         check(ops.linear(xg, wg, gated=True), xg, wg, None, True)
 

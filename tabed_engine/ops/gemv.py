@@ -6,8 +6,9 @@
 * one-row calls (an AR decode step) run the Triton GEMV (`tabed_engine.kernels.gemv.gemv`),
   which streams the weight at close to HBM bandwidth in one launch and applies the SiLU gate
   as it reads;
-* 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens) run its tensor-core sibling
-  (`gemv_rows`), the SiLU gate applied first;
+* 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens, a draft step over several
+  views) run its tensor-core sibling (`gemv_rows`), the SiLU gate applied first by its own
+  Triton launch (`silu_mul`);
 everything else (prefill, the small draft matrices, float32 rows, the CPU) runs the
 reference (cuBLAS on the GPU).
 """
@@ -29,6 +30,16 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     rounded once to the input dtype (what the fused pointwise kernels do)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: the Triton kernel (`tabed_engine.kernels.silu_mul`) for CUDA tensors,
+    the reference elsewhere (same math: float32, one rounding)."""
+    if gate_up.is_cuda:
+        from tabed_engine.kernels.silu_mul import silu_mul as _silu_mul
+
+        return _silu_mul(gate_up)
+    return silu_mul_reference(gate_up)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
@@ -53,8 +64,8 @@ def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
-    """Whether `linear` takes the one-row Triton GEMV (which can fuse the SiLU gate)."""
-    return gemv_kind(x, weight, bias) == "row"
+    """Whether `linear` takes a Triton GEMV (one row, or 2-16 half rows)."""
+    return gemv_kind(x, weight, bias) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
@@ -85,5 +96,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
     if kind == "rows":
         from tabed_engine.kernels.gemv import gemv_rows
 
-        return gemv_rows(silu_mul_reference(x) if gated else x, weight, bias)
+        return gemv_rows(silu_mul(x) if gated else x, weight, bias)
     return linear_reference(x, weight, bias, gated=gated)

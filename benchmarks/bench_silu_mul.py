@@ -1,0 +1,77 @@
+"""Benchmark: the SwiGLU activation silu(gate) * up as one Triton launch vs the reference paths.
+
+    python benchmarks/bench_silu_mul.py [--out benchmarks/results/silu_mul.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_silu_mul.py --smoke   # CPU, tiny, no claims
+
+Shapes: rows 6 and 1 at the LLaVA-1.5-7B MLP width 11008 (verification, a decode row), 4
+rows at the LLaVA-68M draft's 3072 (a 4-view draft step); bf16. Columns (per call, medians):
+  fused     tabed_engine.kernels.silu_mul (Triton)
+  eager     the PyTorch reference (silu in float32, one rounding)
+  model     what the decoder ran before: the torch.compile'd reference (dynamic shapes)
+  compiled  torch.compile of the reference with static shapes
+`stream` and `graph` timings as in bench_rope_kv_write.py. GB/s counts the [gate | up] rows
+read and the activations written, over the graph time, next to a 256 MiB device-to-device
+copy measured in the same run. With one launch per benchmarked call there is no preceding
+kernel to overlap, so programmatic dependent launch does not show here.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth_gbs, provenance  # noqa: E402
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_header,  # noqa: E402
+                                 print_row, time_variants, write_result)
+from tabed_engine.kernels import silu_mul as _k  # noqa: E402
+from tabed_engine.model import silu_mul as model_silu_mul  # noqa: E402
+from tabed_engine.ops.gemv import silu_mul_reference  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["6x11008", "1x11008", "4x3072"], help="ROWSxWIDTH")
+    add_common_args(ap, "silu_mul")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    device, out_path = device_and_out(args, "silu_mul")
+    if args.smoke:
+        args.shapes, args.no_compile, args.reps = ["3x100", "1x37"], True, 3
+    dtype = torch.bfloat16
+    compiled = None if args.no_compile else compile_static(silu_mul_reference)
+
+    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
+    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
+    print_header(f"{'shape':>8}")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for shape in args.shapes:
+        M, K = (int(v) for v in shape.split("x"))
+        x = (torch.randn(M, 2 * K, generator=g) * 3).to(device=device, dtype=dtype)
+        out = torch.empty(M, K, device=device, dtype=dtype)
+        fns = {"fused": lambda: _k.silu_mul(x, out=out), "eager": lambda: silu_mul_reference(x)}
+        if not args.smoke:
+            fns["model"] = lambda: model_silu_mul(x)
+        if compiled is not None:
+            fns["compiled"] = lambda: compiled(x)
+
+        fns["fused"]()
+        err = (out.float() - silu_mul_reference(x).float()).abs().max().item()
+        stream, graph = time_variants(fns, device, args)
+        nbytes = 3 * M * K * x.element_size()
+        base = graph.get("fused", stream["fused"])
+        gbs = nbytes / (base * 1e-6) / 1e9
+        rows.append(dict(rows=M, width=K, dtype=str(dtype), bytes=nbytes, stream_us=stream, graph_us=graph,
+                         fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err))
+        print_row(f"{shape:>8}", stream, graph, gbs, copy_gbs, err)
+
+    write_result("silu_mul", args, device, copy_gbs, rows, out_path, t_start)
+
+
+if __name__ == "__main__":
+    main()
