@@ -164,3 +164,53 @@ def test_kernel_real_shapes_gpu(dtype):
             a6 = ops.silu_mul_reference(x6) if gated else x6
             out6 = torch.full((6, N), float("nan"), device="cuda", dtype=dtype)
             check(_k.gemv_rows(a6, w6, out=out6), a6, w6, None, False)
+
+
+def check_swiglu(y, x, w):
+    y, xc, wc = y.cpu(), x.cpu(), w.cpu()
+    assert not y.isnan().any(), "NaN left (unwritten output)"
+    g, u = torch.nn.functional.linear(xc.double(), wc.double()).chunk(2, dim=-1)
+    truth = g * torch.sigmoid(g) * u
+    ref = ops.silu_mul_reference(torch.nn.functional.linear(xc, wc))   # the unfused path
+    ref_err = (ref.double() - truth).abs().max().item()
+    err = (y.double() - truth).abs().max().item()
+    slack = EPS_OF[x.dtype] * truth.abs().max().item()
+    assert err <= 2 * ref_err + slack, f"max err {err:.3g} vs reference {ref_err:.3g} (slack {slack:.3g})"
+
+
+@pytest.mark.parametrize("M,I,K,dtype", [(M, I, K, dt) for (M, I, K) in [(2, 37, 300), (6, 500, 517), (16, 90, 1031),
+                                                                          (4, 17, 77)]
+                                         for dt in (torch.bfloat16, torch.float16)])
+def test_swiglu_rows_matches_reference(M, I, K, dtype, kernel_device):
+    x, w, _ = make_case(M, 2 * I, K, dtype, kernel_device, seed=M + I + K)
+    out = torch.full((M, I), float("nan"), device=kernel_device, dtype=dtype)
+    y = _k.swiglu_rows(x, w, out=out)
+    assert y is out
+    check_swiglu(y, x, w)
+
+
+def test_swiglu_rows_leading_dims_and_errors(kernel_device):
+    x, w, _ = make_case(6, 2 * 50, 130, torch.bfloat16, kernel_device, seed=5)
+    y = _k.swiglu_rows(x.view(2, 3, 130), w)
+    assert y.shape == (2, 3, 50)
+    check_swiglu(y.reshape(6, 50), x, w)
+    with pytest.raises(ValueError, match="2I"):
+        _k.swiglu_rows(x, w[:99])
+    with pytest.raises(ValueError, match="last dim"):
+        _k.swiglu_rows(x[:, :100], w)
+    with pytest.raises(ValueError, match="rows"):
+        _k.swiglu_rows(torch.zeros(17, 130, device=kernel_device, dtype=torch.bfloat16), w)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        _k.swiglu_rows(x.float(), w.float())
+    with pytest.raises(ValueError, match="out"):
+        _k.swiglu_rows(x, w, out=torch.empty(6, 49, device=kernel_device, dtype=torch.bfloat16))
+    check_swiglu(_k.swiglu_rows(x, w), x, w)   # still usable
+
+
+@pytest.mark.gpu
+def test_swiglu_rows_real_shapes_gpu():
+    # verification of the 7B MLP (6 rows, I = 11008) and a 4-view draft step (I = 3072)
+    for M, I, K in ((6, 11008, 4096), (4, 3072, 768)):
+        x, w, _ = make_case(M, 2 * I, K, torch.bfloat16, "cuda", seed=I)
+        out = torch.full((M, I), float("nan"), device="cuda", dtype=torch.bfloat16)
+        check_swiglu(_k.swiglu_rows(x, w, out=out), x, w)
