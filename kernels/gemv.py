@@ -152,7 +152,7 @@ def _dot_step(x, w, acc, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -162,19 +162,14 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SWIGLU: the up rows N + n of the same features
     pdl_wait(PDL)  # (a first weight tile read before the wait, as the one-row kernel does, cost 2% here)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
         x = _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, EVEN_K)
-        acc = _dot_step(x, _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K), acc, DOT_FP32)
-        if SWIGLU:
-            acc_up = _dot_step(x, _load_w(w_ptr, rows + N, stride_wn, offs_k, K, EVEN_K), acc_up, DOT_FP32)
+        acc = _dot_step(x, w, acc, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if SWIGLU:  # gate and up rounded to the model dtype (the projection's output), then silu(gate) * up
-        g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        acc = g / (1.0 + tl.exp(-g)) * acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -188,25 +183,6 @@ def _dot_config(N: int, K: int):
     return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
 
 
-def _launch_rows(x2, weight, b, y, M, N, K, swiglu, bias):
-    BN, BK, warps, stages = _dot_config(2 * N if swiglu else N, K)
-    if swiglu:
-        BN //= 2  # a program reads BN/2 gate rows and the BN/2 matching up rows: the same bytes per step
-    use_pdl = pdl(x2.device)
-    _gemv_dot_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
-                                            HAS_BIAS=bias, SWIGLU=swiglu, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN,
-                                            BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
-                                            DOT_FP32=x2.device.type != "cuda", PDL=use_pdl, num_warps=warps,
-                                            launch_pdl=use_pdl)
-
-
-def _rows_2d(name, x, K, M):
-    if not 1 <= M <= MAX_DOT_ROWS:
-        raise ValueError(f"{name}: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
-    x2 = x.reshape(M, K)
-    return x2 if x2.stride(1) == 1 else x2.contiguous()
-
-
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out=None):
     """y = x @ weight^T (+ bias) for 1-16 rows of activations on tensor cores.
 
@@ -214,32 +190,17 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out=None):
     bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
     """
     N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False)
-    x2 = _rows_2d("gemv_rows", x, K, M)
-    _launch_rows(x2, weight, bias if bias is not None else weight, y, M, N, K, False, bias is not None)
-    return y
-
-
-def swiglu_rows(x: torch.Tensor, gate_up_weight: torch.Tensor, *, out=None):
-    """silu(x @ W_gate^T) * (x @ W_up^T) for 1-16 rows, W = gate_up_weight = [W_gate; W_up]
-    [2I, K] (the MLP's fused gate/up projection), in one launch: each program reads matching
-    gate and up rows, so the [rows, 2I] projection is never written. Gate and up are rounded to
-    x's dtype before the activation (float32, one more rounding), as the separate projection
-    and `silu_mul_reference` would. x [..., K] -> y [..., I]; float16/bfloat16.
-    """
-    w = gate_up_weight
-    if x.dtype not in _HALF_DTYPES or w.dtype != x.dtype:
-        raise TypeError(f"swiglu_rows: x and gate_up_weight must share one dtype, float16 or bfloat16, got "
-                        f"{x.dtype}, {w.dtype}")
-    if w.dim() != 2 or w.shape[0] % 2 or w.stride(1) != 1:
-        raise ValueError(f"swiglu_rows: gate_up_weight must be [2I, K] with unit last stride, got "
-                         f"{tuple(w.shape)} strides {w.stride()}")
-    N, K = w.shape[0] // 2, w.shape[1]
-    if x.dim() == 0 or x.shape[-1] != K:
-        raise ValueError(f"swiglu_rows: x's last dim {x.shape[-1] if x.dim() else None} != weight's K = {K}")
-    lead = x.shape[:-1]
-    if out is not None and (out.shape != (*lead, N) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"swiglu_rows: out must be a contiguous {x.dtype} tensor of shape {(*lead, N)}")
-    y = out if out is not None else torch.empty(*lead, N, device=x.device, dtype=x.dtype)
-    M = x.numel() // K
-    _launch_rows(_rows_2d("swiglu_rows", x, K, M), w, w, y, M, N, K, True, False)
+    if not 1 <= M <= MAX_DOT_ROWS:
+        raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    BN, BK, warps, stages = _dot_config(N, K)
+    use_pdl = pdl(x.device)
+    b = bias if bias is not None else weight  # placeholder pointer, never read
+    _gemv_dot_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
+                                            HAS_BIAS=bias is not None, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN,
+                                            BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
+                                            DOT_FP32=x.device.type != "cuda", PDL=use_pdl, num_warps=warps,
+                                            launch_pdl=use_pdl)
     return y

@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import LMConfig
 from .ops.add_rms_norm import add_rms_norm, rms_norm_reference
-from .ops.gemv import gemv_kind, linear, silu_mul_reference, use_gemv
+from .ops.gemv import linear, silu_mul_reference, use_gemv
 from .ops.rope_kv_write import rope_kv_write, rope_reference
 from .ops.tree_attention import tree_attention
 
@@ -148,12 +148,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        if gemv_kind(x, self.gate_up_proj.weight) == "rows":  # 2-16 rows: gate, up and SiLU in one launch
-            from .kernels.gemv import swiglu_rows
-
-            return self.down_proj(swiglu_rows(x, self.gate_up_proj.weight))
         gate_up = self.gate_up_proj(x)
-        if use_gemv(gate_up, self.down_proj.weight):  # one row: the GEMV applies the SiLU gate as it reads
+        if use_gemv(gate_up, self.down_proj.weight):  # SiLU gate inside the one-row GEMV / a Triton launch
             return linear(gate_up, self.down_proj.weight, gated=True)
         return self.down_proj(silu_mul(gate_up))
 
