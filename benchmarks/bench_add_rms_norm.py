@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_header,  # noqa: E402
-                                 print_row, time_variants, write_result)
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, measured_row,  # noqa: E402
+                                 print_header, write_result)
 from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
 from tabed_engine.model import rms_norm  # noqa: E402
 from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
@@ -77,13 +77,8 @@ def main(argv=None):
         err = max((s_out.float() - s_ref.float()).abs().max().item(),
                   (out.float() - out_ref.float()).abs().max().item())
 
-        stream, graph = time_variants(fns, device, args)
-        nbytes = (4 * M * N + N) * x.element_size()
-        base = graph.get("fused", stream["fused"])
-        gbs = nbytes / (base * 1e-6) / 1e9
-        rows.append(dict(rows=M, hidden=N, dtype=str(dtype), bytes=nbytes, stream_us=stream, graph_us=graph,
-                         fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err))
-        print_row(f"{M:>4}", stream, graph, gbs, copy_gbs, err)
+        rows.append(measured_row(f"{M:>4}", fns, device, args, (4 * M * N + N) * x.element_size(), copy_gbs, err,
+                                 rows=M, hidden=N, dtype=str(dtype)))
 
     write_result("add_rms_norm", args, device, copy_gbs, rows, out_path, t_start)
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, event_ms, provenance  # noqa: E402
-from e2e import PRESETS, build_hf_llava, lm_weight_bytes  # noqa: E402
+from e2e import PRESETS, build_lvlm, lm_weight_bytes  # noqa: E402
 
 
 def main(argv=None):
@@ -42,7 +42,6 @@ def main(argv=None):
     import tabed_engine.kernels.tree_attention as k_attn
     import tabed_engine.ops.gemv as ops_gemv
     from tabed_engine.kernels._common import pdl
-    from tabed_engine.loader import lvlm_from_hf
     from tabed_engine.model import KVCache
 
     launchers = (k_norm, k_gemv, k_rope, k_silu, k_attn)
@@ -61,10 +60,7 @@ def main(argv=None):
               "pdl_available": pdl(dev), "rows": []}
     print(f"{report['provenance']['device']}: copy {bw:.0f} GB/s, PDL available: {report['pdl_available']}")
     for name, text in (("target", pre.target), ("draft", pre.draft)):
-        hf = build_hf_llava(pre.vision, text, dev, dtype, 0.02, 0, 4)
-        lv = lvlm_from_hf(hf)
-        del hf
-        torch.cuda.empty_cache()
+        lv = build_lvlm(pre.vision, text, dev, dtype)
         lm = lv.lm
         floor_us = lm_weight_bytes(lv) / (bw * 1e9) * 1e6
         variants = {"pdl off": dict(pdl_on=False), "pdl on": dict(pdl_on=True)}

@@ -165,6 +165,17 @@ def time_variants(fns: dict, device, args) -> tuple[dict, dict]:
     return stream, graph
 
 
+def measured_row(label: str, fns: dict, device, args, nbytes: int, copy_gbs: float, err: float, **fields) -> dict:
+    """Time the variants (`time_variants`), print the table line and return the JSON row:
+    `fields` plus bytes, per-variant µs, the fused kernel's GB/s over its graph time (plain
+    launches off CUDA) and its share of the copy bandwidth, and the error against eager."""
+    stream, graph = time_variants(fns, device, args)
+    gbs = nbytes / (graph.get("fused", stream["fused"]) * 1e-6) / 1e9
+    print_row(label, stream, graph, gbs, copy_gbs, err)
+    return dict(fields, bytes=nbytes, stream_us=stream, graph_us=graph, fused_gbs=gbs,
+                pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err)
+
+
 def add_common_args(ap, name: str):
     """Options shared by the layer-kernel benchmarks (smoke mode, output, timing, compile)."""
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_header,  # noqa: E402
-                                 print_row, time_variants, write_result)
+from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, measured_row,  # noqa: E402
+                                 print_header, write_result)
 from tabed_engine.kernels import silu_mul as _k  # noqa: E402
 from tabed_engine.model import silu_mul as model_silu_mul  # noqa: E402
 from tabed_engine.ops.gemv import silu_mul_reference  # noqa: E402
@@ -62,13 +62,8 @@ def main(argv=None):
 
         fns["fused"]()
         err = (out.float() - silu_mul_reference(x).float()).abs().max().item()
-        stream, graph = time_variants(fns, device, args)
-        nbytes = 3 * M * K * x.element_size()
-        base = graph.get("fused", stream["fused"])
-        gbs = nbytes / (base * 1e-6) / 1e9
-        rows.append(dict(rows=M, width=K, dtype=str(dtype), bytes=nbytes, stream_us=stream, graph_us=graph,
-                         fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err))
-        print_row(f"{shape:>8}", stream, graph, gbs, copy_gbs, err)
+        rows.append(measured_row(f"{shape:>8}", fns, device, args, 3 * M * K * x.element_size(), copy_gbs, err,
+                                 rows=M, width=K, dtype=str(dtype)))
 
     write_result("silu_mul", args, device, copy_gbs, rows, out_path, t_start)
 

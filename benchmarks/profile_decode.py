@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from e2e import PRESETS, build_hf_llava, lm_weight_bytes  # noqa: E402
+from e2e import PRESETS, build_lvlm, lm_weight_bytes  # noqa: E402
 
 
 def profile(fn, steps: int = 5):
@@ -40,7 +40,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    from tabed_engine.loader import lvlm_from_hf
     from tabed_engine.model import KVCache
 
     pre = PRESETS["llava-1.5-7b"]
@@ -48,10 +47,7 @@ def main():
     report = {"provenance": provenance(dev), "command": " ".join(sys.argv)}
     bw = copy_bandwidth_gbs(dev, 1 << 30)
     for name, text in (("target", pre.target), ("draft", pre.draft)):
-        hf = build_hf_llava(pre.vision, text, dev, dtype, 0.02, 0, 4)
-        lv = lvlm_from_hf(hf)
-        del hf
-        torch.cuda.empty_cache()
+        lv = build_lvlm(pre.vision, text, dev, dtype)
         lm = lv.lm
         rows = 1 if name == "target" else 4
         cache = KVCache(lm.cfg, rows, 2048, dev, dtype)
