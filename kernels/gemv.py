@@ -89,40 +89,6 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _gemv_few_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """The one-row kernel's CUDA-core product for 2-4 rows: each weight tile is multiplied
-    with every row ([BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulators), padding rows masked."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped: the loop needs no row mask
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    x_rows = offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    k_first = 0
-    if PDL:  # the first weight tile is read while the kernel producing x finishes
-        offs_k = tl.arange(0, BLOCK_K)
-        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, False)
-        pdl_wait(PDL)
-        x = _load_x(x_ptr, x_rows + offs_k[None, :], m_ok[:, None] & (offs_k < K)[None, :], K, GATED, False)
-        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-        k_first = BLOCK_K
-    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(w_ptr, rows, stride_wn, offs_k, K, False)
-        x = _load_x(x_ptr, x_rows + offs_k[None, :], m_ok[:, None] & (offs_k < K)[None, :], K, GATED, False)
-        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-    y = tl.sum(acc, 2)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
 def _config(N: int, K: int):
     """(BLOCK_N, BLOCK_K, num_warps, stages) from the H200 sweep (see the module docstring)."""
     return (8, 512, 4, 3) if N * K <= (1 << 25) else (4, 1024, 4, 3)
@@ -170,36 +136,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fals
     _gemv_fma_kernel[(triton.cdiv(N, BN),)](x1, weight, b, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
                                             GATED=gated, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,
                                             EVEN_K=K % BK == 0, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
-    return y
-
-
-FEW_ROWS = 4
-
-
-def gemv_few(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False, out=None):
-    """y = x @ weight^T (+ bias) for 1-`FEW_ROWS` rows of activations on CUDA cores.
-
-    The one-row kernel's weight stream shared by up to four rows (a draft step over K views):
-    x [..., K] (or [..., 2K] = [gate | up] rows when `gated`: the product uses silu(gate) * up,
-    rounded once to x's dtype), weight [N, K] with unit last stride, bias [N] or None -> y
-    [..., N] in x's dtype. One dtype for all (float16/bfloat16/float32).
-    """
-    N, K, M, y = _checked("gemv_few", x, weight, bias, out, _FLOAT_DTYPES, "a float dtype", gated)
-    if not 1 <= M <= FEW_ROWS:
-        raise ValueError(f"gemv_few: 1 to {FEW_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
-    width = 2 * K if gated else K
-    x2 = x.reshape(M, width)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    BM = triton.next_power_of_2(M)
-    BN, BK, warps, stages = _config(N, K)
-    BK = max(64, BK // BM)  # the same accumulator size per program as one row
-    use_pdl = pdl(x.device)
-    b = bias if bias is not None else weight  # placeholder pointer, never read
-    _gemv_few_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
-                                            HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=BM, BLOCK_N=BN,
-                                            BLOCK_K=BK, STAGES=stages, PDL=use_pdl, num_warps=warps,
-                                            launch_pdl=use_pdl)
     return y
 
 

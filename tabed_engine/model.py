@@ -149,7 +149,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if use_gemv(gate_up, self.down_proj.weight):  # the 1-4-row GEMVs gate as they read; 5-16 rows: silu_mul first
+        if use_gemv(gate_up, self.down_proj.weight):  # SiLU gate inside the one-row GEMV / a Triton launch
             return linear(gate_up, self.down_proj.weight, gated=True)
         return self.down_proj(silu_mul(gate_up))
 

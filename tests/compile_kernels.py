@@ -143,8 +143,6 @@ def _exercise():
         gemv.gemv(torch.randn(1, K, generator=g).to(bf), w, b)
         gemv.gemv(torch.randn(1, 2 * K, generator=g).to(bf), w, gated=True)
         gemv.gemv_rows(torch.randn(6, K, generator=g).to(bf), w, b)
-        gemv.gemv_few(torch.randn(3, K, generator=g).to(bf), w, b)
-        gemv.gemv_few(torch.randn(4, 2 * K, generator=g).to(bf), w, gated=True)
     gemv.gemv_rows(torch.randn(3, 512, generator=g).to(bf), torch.randn(20000, 512, generator=g).to(bf))  # wide N
 
 

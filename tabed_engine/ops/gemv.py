@@ -6,12 +6,11 @@
 * one-row calls (an AR decode step) run the Triton GEMV (`tabed_engine.kernels.gemv.gemv`),
   which streams the weight at close to HBM bandwidth in one launch and applies the SiLU gate
   as it reads;
-* 2-4 rows (a draft step over several views) run its CUDA-core sibling (`gemv_few`), which
-  shares each weight tile between the rows and also applies the gate as it reads;
-* 5-16 rows in float16/bfloat16 (verification of γ + 1 tokens) run the tensor-core GEMV
-  (`gemv_rows`), the SiLU gate applied first by its own Triton launch (`silu_mul`);
-everything else (prefill, matrices narrower than `MIN_FEATURES`, 5-16 float32 rows, the
-CPU) runs the reference (cuBLAS on the GPU).
+* 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens, a draft step over several
+  views) run its tensor-core sibling (`gemv_rows`), the SiLU gate applied first by its own
+  Triton launch (`silu_mul`);
+everything else (prefill, the small draft matrices, float32 rows, the CPU) runs the
+reference (cuBLAS on the GPU).
 """
 from __future__ import annotations
 
@@ -49,26 +48,23 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated:
 
 
 def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
-    """The path `linear` takes for these arguments: "row" (one row, Triton GEMV), "few" (2-4
-    rows: its CUDA-core sibling), "rows" (5-16 rows in float16/bfloat16, tensor-core GEMV) or
-    None (the reference)."""
+    """The path `linear` takes for these arguments: "row" (one row, Triton GEMV), "rows"
+    (2-16 rows in float16/bfloat16, tensor-core GEMV) or None (the reference)."""
     if not (x.is_cuda and min(weight.shape) >= MIN_FEATURES and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1 and x.shape[-1] > 0):
         return None
-    from tabed_engine.kernels.gemv import FEW_ROWS, MAX_DOT_ROWS
+    from tabed_engine.kernels.gemv import MAX_DOT_ROWS
 
     rows = x.numel() // x.shape[-1]
     if rows == 1:
         return "row"
-    if rows <= FEW_ROWS:
-        return "few"
     if 2 <= rows <= MAX_DOT_ROWS and x.dtype in (torch.float16, torch.bfloat16):
         return "rows"
     return None
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
-    """Whether `linear` takes a Triton GEMV (1-4 rows, or 5-16 half rows)."""
+    """Whether `linear` takes a Triton GEMV (one row, or 2-16 half rows)."""
     return gemv_kind(x, weight, bias) is not None
 
 
@@ -97,10 +93,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
         from tabed_engine.kernels.gemv import gemv
 
         return gemv(x, weight, bias, gated=gated)
-    if kind == "few":
-        from tabed_engine.kernels.gemv import gemv_few
-
-        return gemv_few(x, weight, bias, gated=gated)
     if kind == "rows":
         from tabed_engine.kernels.gemv import gemv_rows
 
