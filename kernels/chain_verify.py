@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import best_combine, chunk_block, chunking, load_rows, n_vsplit as _n_vsplit, tile_warps
+from ._common import (best_combine, chunk_block, chunking, load_rows, n_vsplit as _n_vsplit, pdl, pdl_wait,
+                      tile_warps)
 
 # Elements per tile: greedy [GP, BLOCK] tiles of 4K (gamma + 1 <= 8 rows of 512), with
 # ~2 programs per SM: in an H200 sweep (graph replays, all drafts accepted, tiles
@@ -126,9 +127,10 @@ def _residual_search(p_row, q_row, start, end, q_len, run, target, V, BLOCK: tl.
 @triton.jit
 def _argmax_partial_kernel(
     p_ptr, part_val_ptr, part_idx_ptr, gamma, V, S, CHUNK, stride_pb, stride_pt,
-    GP: tl.constexpr, BLOCK: tl.constexpr,
+    GP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Greedy split pass: best logit and its (lowest) index per position in one chunk."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     start = sp * CHUNK
@@ -142,9 +144,10 @@ def _argmax_partial_kernel(
 @triton.jit
 def _greedy_accept_kernel(
     draft_ptr, part_val_ptr, part_idx_ptr, num_acc_ptr, next_ptr,
-    gamma, V, S, stride_db, stride_dt, GP: tl.constexpr, SP: tl.constexpr,
+    gamma, V, S, stride_db, stride_dt, GP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Greedy combine: per-position argmax over the chunks, accepted prefix, next token."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     js = tl.arange(0, GP)
     ss = tl.arange(0, SP)
@@ -164,10 +167,11 @@ def _greedy_accept_kernel(
 def _residual_partial_kernel(
     draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr,
     gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
-    stride_ub, stride_ut, GP: tl.constexpr, BLOCK: tl.constexpr,
+    stride_ub, stride_ut, GP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Sampling pass: chunk sums of max(p - q, 0) and of p for the row pair at the first
     rejection (p_gamma alone when all pass)."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
@@ -186,9 +190,10 @@ def _residual_partial_kernel(
 def _residual_draw_kernel(
     draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr, num_acc_ptr, next_ptr,
     gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
-    stride_ub, stride_ut, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
+    stride_ub, stride_ut, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Sampling combine: totals, the chunk holding u * total, inverse-CDF scan of it."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
                           stride_qb, stride_qt, stride_pb, stride_pt, stride_ub, stride_ut, GP)
@@ -250,6 +255,7 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         if q_probs.device != p.device or uniforms.device != p.device:
             raise ValueError("all inputs must be on one device")
     dev = p.device
+    use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     num_acc = torch.empty(B, dtype=torch.int64, device=dev)
     next_token = torch.empty(B, dtype=torch.int64, device=dev)
     GP = triton.next_power_of_2(gamma + 1)
@@ -265,12 +271,12 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
         _argmax_partial_kernel[(B, S)](
             p, part_val, part_idx, gamma, V, S, chunk, p.stride(0), p.stride(1),
-            GP=GP, BLOCK=BLOCK, num_warps=tile_warps(GP * BLOCK),
+            GP=GP, BLOCK=BLOCK, PDL=use_pdl, launch_pdl=use_pdl, num_warps=tile_warps(GP * BLOCK),
         )
         _greedy_accept_kernel[(B,)](
             draft_tokens, part_val, part_idx, num_acc, next_token, gamma, V, S,
             draft_tokens.stride(0), draft_tokens.stride(1), GP=GP, SP=SP,
-            num_warps=1 if SP * GP <= 256 else 4,
+            PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP * GP <= 256 else 4,
         )
     else:
         BLOCK = max(16, min(triton.next_power_of_2(chunk), _TILE_SAMPLING))
@@ -278,10 +284,11 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         part = torch.empty(B * S * 2, dtype=torch.float32, device=dev)
         _residual_partial_kernel[(B, S)](
             draft_tokens, q_probs, p, uniforms, part, gamma, V, S, chunk, *strides,
-            GP=GP, BLOCK=BLOCK, num_warps=num_warps,
+            GP=GP, BLOCK=BLOCK, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
         )
         _residual_draw_kernel[(B,)](
             draft_tokens, q_probs, p, uniforms, part, num_acc, next_token,
             gamma, V, S, chunk, *strides, GP=GP, SP=SP, BLOCK=BLOCK, num_warps=num_warps,
+            PDL=use_pdl, launch_pdl=use_pdl,
         )
     return num_acc, next_token

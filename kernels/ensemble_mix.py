@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, exp2,
-                      load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pick_score, tile_warps)
+                      load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pdl, pdl_wait, pick_score,
+                      tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements per [KP, BLOCK] tile (4 KiB of bf16 per program and step, 16 per thread at 4
@@ -78,7 +79,7 @@ def _mix_partial_kernel(
     logits_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr, PICK: tl.constexpr,
-    CERT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr,
+    CERT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (one view) the chunk's pick;
     with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest logit.
@@ -87,6 +88,7 @@ def _mix_partial_kernel(
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
     cert_idx rows (b, s) of KP: second-largest logit / argmax index per view.
     """
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     start = sp * CHUNK
@@ -147,7 +149,7 @@ def _mix_chunk_kernel(
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
-    REPORT: tl.constexpr, FAST: tl.constexpr,
+    REPORT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
 
@@ -159,6 +161,7 @@ def _mix_chunk_kernel(
 
     Programs run in the reverse of pass 1's order, so the chunks pass 1 read last (the
     likeliest to be still in L2 when the logits exceed it) are read first."""
+    pdl_wait(PDL)
     b = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
     sp = tl.num_programs(1) - 1 - tl.program_id(1)
     ks = tl.arange(0, KP)
@@ -259,8 +262,9 @@ def _mix_chunk_kernel(
 
 @triton.jit
 def _mix_pick_kernel(part_ptr, part_idx_ptr, token_ptr, token_prob_ptr, V, S,
-                     KP: tl.constexpr, SP: tl.constexpr):
+                     KP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """Pass 3 (K > 1): the chunk bests -> token (lowest index on ties), q(token)."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     ss = tl.arange(0, SP)
     smask = ss < S
@@ -307,6 +311,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
             if t is None or t.dtype != torch.int64 or t.numel() != 1 or t.device != logits.device:
                 raise ValueError(f"sampling needs {name} as an int64 tensor [1] on {logits.device}")
     dev = logits.device
+    use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     token = torch.empty(B, dtype=torch.int64, device=dev)
     token_prob = torch.empty(B, dtype=torch.float32, device=dev)
     lse = torch.empty(R, dtype=torch.float32, device=dev)
@@ -342,6 +347,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         logits, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
         K, V, S, chunk, logits.stride(0), scale,
         KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
+        PDL=use_pdl, launch_pdl=use_pdl,
     )
     _mix_chunk_kernel[(B, S if (write_mix or not picked) else 1)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
@@ -350,8 +356,9 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
         CERT=cert, REPORT=cert and certified_out is not None, FAST=fast, num_warps=num_warps,
+        PDL=use_pdl, launch_pdl=use_pdl,
     )
     if not picked:
         _mix_pick_kernel[(B,)](part, part_idx, token, token_prob, V, S, KP=KP, SP=SP,
-                               num_warps=1 if SP <= 32 else 4)
+                               PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP <= 32 else 4)
     return token, token_prob, mixture, lse

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import pdl, pdl_wait
+
 POLICY_DIV, POLICY_GRID, POLICY_HEDGE = 0, 1, 2
 MAX_GRID = 64   # weight vectors; larger grids: the PyTorch path is faster (see the launcher)
 _BIG_IDX = tl.constexpr(2147483647)
@@ -33,8 +35,9 @@ def _history_kernel(
     valid_ptr, div_ptr, match_ptr, gkl_ptr, grid_ptr, w_ptr, new_cursor_ptr,
     K, P, G, CAP, WINDOW, inv_t, clip,
     POLICY: tl.constexpr, ALL_POS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    KP: tl.constexpr, PP: tl.constexpr, GP: tl.constexpr, BLOCK_H: tl.constexpr,
+    KP: tl.constexpr, PP: tl.constexpr, GP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     cur = tl.load(cursor_ptr)
     n_acc = tl.load(n_acc_ptr + b)
@@ -135,6 +138,7 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
     has_grid = policy == POLICY_GRID
     G = grid.shape[0] if has_grid else 0
     dev = div_new.device
+    use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     for name, t in (("div_new", div_new), ("div", div), ("valid", valid)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -166,5 +170,6 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
         K, P, G, CAP, window, 1.0 / temperature, clip,
         POLICY=policy, ALL_POS=all_positions, HAS_WINDOW=window > 0,
         KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P), GP=GP, BLOCK_H=BLOCK_H, num_warps=num_warps,
+        PDL=use_pdl, launch_pdl=use_pdl,
     )
     return w, new_cursor

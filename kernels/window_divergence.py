@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import (LN2, LOG2E, NEG_BIG, best_combine, counters, exp2, log2, lse_reduce, lse_step,
-                      target_programs, tile_warps)
+                      pdl, pdl_wait, target_programs, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of the reductions
@@ -72,8 +72,9 @@ def _target_block(p_row, v0, cols, v_end, scale, lse_p, rows, FAST: tl.constexpr
 def _wd_stats_kernel(
     p_ptr, q_ptr, m_ptr, s_ptr, idx_ptr, cnt_ptr,
     P, V, CH, NS, NCNT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     b = row.to(tl.int64) // P
@@ -124,8 +125,9 @@ def _wd_div_kernel(
     stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, stride_gg, stride_gk, scale,
     K: tl.constexpr, KP: tl.constexpr, NS1P: tl.constexpr, NS2P: tl.constexpr,
     BLOCKV: tl.constexpr, G_BLOCK: tl.constexpr, BLOCKG: tl.constexpr,
-    HAS_GRID: tl.constexpr, FAST_MATH: tl.constexpr,
+    HAS_GRID: tl.constexpr, FAST_MATH: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # Rows and splits in the reverse of launch 1's order: what it read last, the likeliest
     # to be still in L2 when the logits exceed it, is read first.
     row = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -244,6 +246,7 @@ def _wd_kl_kernel(
     p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
     P, V, CH, NS, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
     K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """KL only (no TV, no grid): one pass over the logits, grid (B*P, NS).
 
@@ -254,6 +257,7 @@ def _wd_kl_kernel(
     the views are a static loop of [BLOCK] vectors (each thread keeps its columns' sums for
     every view, no cross-warp exchange).  Partials per (row, split): [m, S, A_k | m_k, s_k];
     the last program of a row to arrive folds them in split order and resets the counter."""
+    pdl_wait(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -351,6 +355,7 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dev = p_logits.device
+    use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     kl = torch.empty(B, K, P, dtype=torch.float32, device=dev)
     if grid is None and not tv:
         if B * P and K and V:
@@ -413,7 +418,7 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         p_logits, q_logits, m_ws, s_ws, idx_ws, cnt_ws,
         P, V, ch1, ns1, n_chunks, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), scale,
-        K=K, KP=KP, BLOCK=BLOCKV, FAST=fast, num_warps=tile_warps((KP + 1) * BLOCKV),
+        K=K, KP=KP, BLOCK=BLOCKV, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=tile_warps((KP + 1) * BLOCKV),
     )
     _wd_div_kernel[(R, ns2, n_chunks)](
         p_logits, q_logits, grid if has_grid else kl, m_ws, s_ws, idx_ws, cnt_ws,
@@ -425,7 +430,7 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         grid.stride(0) if has_grid else 0, grid.stride(1) if has_grid else 0, scale,
         K=K, KP=KP, NS1P=triton.next_power_of_2(ns1), NS2P=triton.next_power_of_2(ns2),
         BLOCKV=BLOCKV2, G_BLOCK=G_BLOCK, BLOCKG=BLOCKG,
-        HAS_GRID=has_grid, FAST_MATH=fast, num_warps=4,
+        HAS_GRID=has_grid, FAST_MATH=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=4,
     )
     if match is not None:
         match = match.view(torch.bool)
@@ -446,6 +451,7 @@ def _kl_only(p_logits, q_logits, kl, temperature):
     B, P, V = p_logits.shape
     K = q_logits.shape[1]
     dev = p_logits.device
+    use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     R = B * P
     chunk, ns = _split(V, _KL_BLOCK, R, _target_programs(dev))
     block = max(16, min(_KL_BLOCK, triton.next_power_of_2(chunk)))
@@ -455,5 +461,5 @@ def _kl_only(p_logits, q_logits, kl, temperature):
         P, V, chunk, ns, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
         K=K, NSP=triton.next_power_of_2(ns), BLOCK=block, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
-        num_warps=_KL_WARPS,
+        PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )
