@@ -61,8 +61,9 @@ def target_programs(device, per_sm=_PROGRAMS_PER_SM):
 # may be scheduled while its predecessor still runs; it calls `pdl_wait` (griddepcontrol:
 # wait for the previous grid to finish and flush its writes) before it touches anything
 # that kernel could write, and then lets its own successor be scheduled. What it reads
-# before the wait must not depend on earlier kernels (weights). Results are unchanged:
-# every read and write of dynamic data still happens after the predecessor completed.
+# before the wait must not be written by the launches it may overlap: only model weights
+# (written once, at load) are read early. Results are unchanged: every read and write of
+# dynamic data still happens after the predecessor completed and flushed.
 _PDL = {}
 
 

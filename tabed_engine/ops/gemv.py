@@ -9,8 +9,8 @@
 * 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens, a draft step over several
   views) run its tensor-core sibling (`gemv_rows`), the SiLU gate applied first by its own
   Triton launch (`silu_mul`);
-everything else (prefill, the small draft matrices, float32 rows, the CPU) runs the
-reference (cuBLAS on the GPU).
+everything else (prefill, matrices narrower than `MIN_FEATURES`, float32 rows, the CPU) runs
+the reference (cuBLAS on the GPU).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import torch.nn.functional as F
 # Smaller matrices stay on cuBLAS. The LLaVA-68M-shape draft (hidden 768, MLP 3072) is
 # included: alone its projections were as fast or faster on cuBLAS, but a draft step is a
 # chain of ~25 latency-bound launches, and on the Triton GEMVs every launch of the chain can
-# overlap the one before (programmatic dependent launch, `kernels/_common.py`): graph replay
-# of a draft step on an H200 with PDL on, 1 / 2 / 4 rows: 96 / 98 / 100 us on cuBLAS, 78 / 91 / 94 us here.
+# overlap the one before (programmatic dependent launch, `kernels/_common.py`). Graph replay
+# of a draft forward with PDL on, 1 / 2 / 4 rows (`benchmarks/bench_pdl.py`, H100,
+# results/pdl_h100.json): 104 / 103 / 107 us with cuBLAS projections, 81 / 93 / 96 us here.
 MIN_FEATURES = 512
 
 
@@ -35,7 +36,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: the Triton kernel (`tabed_engine.kernels.silu_mul`) for CUDA tensors,
     the reference elsewhere (same math: float32, one rounding)."""
-    if gate_up.is_cuda:
+    if gate_up.is_cuda and gate_up.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from tabed_engine.kernels.silu_mul import silu_mul as _silu_mul
 
         return _silu_mul(gate_up)
