@@ -250,13 +250,14 @@ def _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, nu
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((splits, R * H, BLOCK_D), device=q.device, dtype=torch.float32)
         counters = _counters(q.device, R * H)
+    use_pdl = pdl(q.device)
     _decode_attention_kernel[(R * H, splits)](
         q, k_cache, v_cache, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tree_mask.stride(0),
         out.stride(0), out.stride(2), H, qk_scale,
         GROUP=H // Hkv, HEAD_DIM=D, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PDL=pdl(q.device), num_warps=2, num_stages=2, launch_pdl=pdl(q.device),
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PDL=use_pdl, num_warps=2, num_stages=2, launch_pdl=use_pdl,
     )
     return out
 
@@ -354,6 +355,7 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((splits, R, N, H, D), device=q.device, dtype=torch.float32)
         counters = _counters(q.device, m_blocks * R * Hkv)
+    use_pdl = pdl(q.device)
     _tree_attention_kernel[(m_blocks, R * Hkv, splits)](
         q, k_cache, v_cache, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
         q.stride(0), q.stride(1), q.stride(2),
@@ -364,6 +366,6 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         R, N, H, S, qk_scale,
         GROUP=group, HEAD_DIM=D, SPLITS=splits,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
-        PDL=pdl(q.device), num_warps=4, num_stages=num_stages, launch_pdl=pdl(q.device),
+        PDL=use_pdl, num_warps=4, num_stages=num_stages, launch_pdl=use_pdl,
     )
     return out

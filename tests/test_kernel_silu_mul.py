@@ -5,7 +5,8 @@ The kernel and the reference both compute in float32 and round once; the two flo
 formulas (g / (1 + e^-g) vs g * sigmoid(g)) may differ in the last float32 bit, and off
 CUDA the interpreter casts fp32 -> bf16/fp16 by truncation, so each element must be no
 further from the float64 truth than 2x the reference's own error plus four units in the last
-place of the dtype (float32: 32, the GPU's approximate exp2 and the division round too). Outputs are NaN-poisoned; K is not a multiple of the block.
+place of the dtype (float32: 32, the GPU's approximate exp2 and the division round too).
+Outputs are NaN-poisoned; K is not a multiple of the block.
 """
 import pytest
 import torch
