@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import pdl, pdl_wait
+from .silu_mul import silu_times
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -47,9 +48,7 @@ def _load_x(x_ptr, offs_k, k_ok, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
             u = tl.load(x_ptr + K + offs_k, eviction_policy="evict_last")
         else:
             u = tl.load(x_ptr + K + offs_k, mask=k_ok, other=0.0, eviction_policy="evict_last")
-        g = x.to(tl.float32)
-        a = g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
-        x = a.to(u.dtype)  # one rounding to the model dtype, like the pointwise kernel
+        x = silu_times(x.to(tl.float32), u.to(tl.float32)).to(u.dtype)  # one rounding, like `silu_mul`
     return x.to(tl.float32)
 
 

@@ -22,6 +22,13 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_times(g, u):
+    """silu(g) * u in float32 (g, u float32): the gate of the SwiGLU MLP, shared with the
+    one-row GEMV's fused gate so both compute it the same way."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, K, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -29,7 +36,7 @@ def _silu_mul_kernel(x_ptr, y_ptr, K, stride_x, stride_y, BLOCK: tl.constexpr, P
     pdl_wait(PDL)
     g = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + K + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * stride_y + offs, silu_times(g, u).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor, *, out=None) -> torch.Tensor:
