@@ -3,7 +3,7 @@
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
 and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, at
 least 1024 columns per chunk), so the launcher never syncs and can be captured in a CUDA
-graph.  Two launches exchange
+graph.  Three launches exchange
 small partials:
 
   1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; with one
@@ -12,8 +12,8 @@ small partials:
      normalisers (S * K floats), then forms q = sum_k w_k softmax_k over its chunk:
      writes the mixture row and its chunk's best (q or q / E_v, index, q).  With one
      view the pick is already known, so program (b, 0) finishes it and the others only
-     write the mixture.  With K > 1 the last of a row's programs to finish (an arrival
-     counter per row, the "last block" pattern) picks the token from the S chunk bests.
+     write the mixture.
+  3. `_mix_pick_kernel` (K > 1): the S chunk bests -> token, token_prob.
 
 Passes over the logits: one with a single view; two for K > 1, since q_v needs every
 view's final normaliser (the second pass re-reads what the first just read, from L2
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, counters, exp2,
+from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, exp2,
                       load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pdl, pdl_wait, pick_score,
                       tile_warps)
 
@@ -145,7 +145,7 @@ def _mix_partial_kernel(
 @triton.jit
 def _mix_chunk_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
-    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
+    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
@@ -158,10 +158,6 @@ def _mix_chunk_kernel(
     k), so when the best candidate's q exceeds the bound it is the argmax of q and the pass
     over the chunk is skipped (views that agree on their argmax always certify). Otherwise
     the chunk pass below runs as without CERT.
-
-    K > 1: each program leaves its chunk's best in the partials and counts itself in on the
-    row's arrival counter; the last of the row's S programs to arrive picks the token from
-    the S chunk bests (`_pick`) and resets the counter, so no third launch is needed.
 
     Programs run in the reverse of pass 1's order, so the chunks pass 1 read last (the
     likeliest to be still in L2 when the logits exceed it) are read first."""
@@ -263,24 +259,19 @@ def _mix_chunk_kernel(
                 tl.store(row + 2 * KP + 1, q_best)
                 tl.store(part_idx_ptr + b * S + sp, idx)
 
-    if not PICKED:
-        tl.debug_barrier()  # every thread's stores of this chunk's best precede the release below
-        arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
-        if arrived == S - 1:  # the row's last program: every chunk best is in place
-            _pick(part_ptr, part_idx_ptr, token_ptr, token_prob_ptr, b, V, S, KP, SP)
-            tl.store(cnt_ptr + b, 0)  # ready for the next launch
-
 
 @triton.jit
-def _pick(part_ptr, part_idx_ptr, token_ptr, token_prob_ptr, b, V, S, KP: tl.constexpr, SP: tl.constexpr):
-    """K > 1: row b's S chunk bests -> token (lowest index on ties), q(token). Loads bypass L1
-    (.cg): the bests were written by other programs of this launch."""
+def _mix_pick_kernel(part_ptr, part_idx_ptr, token_ptr, token_prob_ptr, V, S,
+                     KP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    """Pass 3 (K > 1): the chunk bests -> token (lowest index on ties), q(token)."""
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
     ss = tl.arange(0, SP)
     smask = ss < S
     prow = part_ptr + (b * S + ss) * (2 * KP + 2)
-    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    bq = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0, cache_modifier=".cg")
-    bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V, cache_modifier=".cg")
+    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"))
+    bq = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0)
+    bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V)
     top = tl.max(bv, axis=0)
     tok = tl.min(tl.where(bv == top, bi, V), axis=0)
     tl.store(token_ptr + b, tok.to(tl.int64))
@@ -358,14 +349,16 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
-    cnt = token if picked else counters(dev, B)  # K > 1: the rows' arrival counters (zero between launches)
     _mix_chunk_kernel[(B, S if (write_mix or not picked) else 1)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
-        certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, cnt,
+        certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse,
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
         CERT=cert, REPORT=cert and certified_out is not None, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
+    if not picked:
+        _mix_pick_kernel[(B,)](part, part_idx, token, token_prob, V, S, KP=KP, SP=SP,
+                               PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP <= 32 else 4)
     return token, token_prob, mixture, lse
