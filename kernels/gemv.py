@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import pdl, pdl_wait
-from .silu_mul import silu_times
+from .silu_mul import silu_mul, silu_times
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -96,8 +96,9 @@ def _config(N: int, K: int):
     return (8, 512, 4, 3) if N * K < (1 << 24) else (4, 1024, 4, 3)
 
 
-def _checked(name, x, weight, bias, out, dtypes, dtypes_text, gated):
-    """Validate a launcher's arguments; returns (N, K, rows of x, the output tensor)."""
+def _checked(name, x, weight, bias, out, dtypes, dtypes_text, gated, glu=False):
+    """Validate a launcher's arguments; returns (N, K, rows of x, the output tensor: N
+    features, N / 2 with `glu`)."""
     if x.dtype not in dtypes or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"{name}: x, weight and bias must share one dtype, {dtypes_text}, got {x.dtype}, "
                         f"{weight.dtype}, {None if bias is None else bias.dtype}")
@@ -105,6 +106,9 @@ def _checked(name, x, weight, bias, out, dtypes, dtypes_text, gated):
         raise ValueError(f"{name}: weight must be [N, K] with unit last stride, got {tuple(weight.shape)} "
                          f"strides {weight.stride()}")
     N, K = weight.shape
+    if glu and N % 2:
+        raise ValueError(f"{name}: glu needs a [gate; up] weight with an even N, got {N}")
+    n_out = N // 2 if glu else N
     width = 2 * K if gated else K
     if x.dim() == 0 or x.shape[-1] != width:
         raise ValueError(f"{name}: x's last dim {x.shape[-1] if x.dim() else None} != "
@@ -112,9 +116,9 @@ def _checked(name, x, weight, bias, out, dtypes, dtypes_text, gated):
     if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
         raise ValueError(f"{name}: bias must be [{N}] contiguous, got {tuple(bias.shape)}")
     lead = x.shape[:-1]
-    if out is not None and (out.shape != (*lead, N) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"{name}: out must be a contiguous {x.dtype} tensor of shape {(*lead, N)}")
-    y = out if out is not None else torch.empty(*lead, N, device=x.device, dtype=x.dtype)
+    if out is not None and (out.shape != (*lead, n_out) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"{name}: out must be a contiguous {x.dtype} tensor of shape {(*lead, n_out)}")
+    y = out if out is not None else torch.empty(*lead, n_out, device=x.device, dtype=x.dtype)
     return N, K, x.numel() // max(width, 1), y
 
 
@@ -158,12 +162,19 @@ def _dot_step(x, w, acc, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    HALF: tl.constexpr = BLOCK_N // 2
+    if GLU:  # weight = [gate; up] (N = 2I): this program's first half of rows gates, second half up
+        t = tl.arange(0, BLOCK_N)
+        offs_j = pid * HALF + t % HALF
+        n_ok = offs_j < N // 2
+        offs_n = tl.where(t < HALF, offs_j, N // 2 + offs_j)
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped weight rows: no mask in the loop
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -176,11 +187,24 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
         acc = _dot_step(x, w, acc, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if GLU:  # [BLOCK_M, BLOCK_N] = [gate | up] -> silu(gate) * up, [BLOCK_M, BLOCK_N / 2]
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+        ty = y_ptr.dtype.element_ty  # gate and up rounded as the unfused path stores them, then one rounding
+        h = silu_times(gate.to(ty).to(tl.float32), up.to(ty).to(tl.float32))
+        offs_h = pid * HALF + tl.arange(0, HALF)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_h[None, :], h.to(ty),
+                 mask=m_ok[:, None] & (offs_h < N // 2)[None, :])
+    else:
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 MAX_DOT_ROWS = 16
+# The SiLU gate in the rows kernel's epilogue pays where launches dominate: an H100 A/B inside
+# the decoders (graph replays, PDL on) had the LLaVA-68M-shape draft's gate/up (6144 x 768)
+# forward 2.2 / 1.8 us faster at 2 / 4 rows, and the 7B's (22016 x 4096) verification of 6
+# tokens 133 us slower than gemv_rows + `silu_mul`, so larger matrices keep the second launch.
+GLU_EPILOGUE_MAX = 1 << 23
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -196,24 +220,30 @@ def _dot_config(N: int, K: int):
     return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
 
 
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out=None):
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = False, out=None):
     """y = x @ weight^T (+ bias) for 1-16 rows of activations on tensor cores.
 
     x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
     bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
+    `glu`: weight is the MLP's [gate; up] (N = 2I) and y [..., I] = silu(gate) * up of the
+    product (gate and up rounded to x's dtype first, as `silu_mul` sees them stored): in the
+    epilogue for matrices under `GLU_EPILOGUE_MAX` elements, else by a `silu_mul` launch after
+    the product (see `GLU_EPILOGUE_MAX`). Bit-identical either way.
     """
-    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False)
+    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False, glu)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
+    if glu and N * K >= GLU_EPILOGUE_MAX:
+        return silu_mul(gemv_rows(x, weight, bias), out=y)
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     BN, BK, warps, stages = _dot_config(N, K)
     use_pdl = pdl(x.device)
     b = bias if bias is not None else weight  # placeholder pointer, never read
-    _gemv_dot_kernel[(triton.cdiv(N, BN),)](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), N,
-                                            HAS_BIAS=bias is not None, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN,
-                                            BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0,
-                                            DOT_FP32=x.device.type != "cuda", PDL=use_pdl, num_warps=warps,
-                                            launch_pdl=use_pdl)
+    grid = (triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN),)
+    _gemv_dot_kernel[grid](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), y.shape[-1],
+                           HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN, BLOCK_K=BK,
+                           STAGES=stages, EVEN_K=K % BK == 0, DOT_FP32=x.device.type != "cuda", PDL=use_pdl,
+                           num_warps=warps, launch_pdl=use_pdl)
     return y

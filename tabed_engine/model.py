@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import LMConfig
 from .ops.add_rms_norm import add_rms_norm, rms_norm_reference
-from .ops.gemv import linear, silu_mul_reference, use_gemv
+from .ops.gemv import gemv_kind, linear, silu_mul_reference
 from .ops.rope_kv_write import rope_kv_write, rope_reference
 from .ops.tree_attention import tree_attention
 
@@ -60,8 +60,8 @@ rms_norm = fused_on_cuda(rms_norm_reference)
 
 
 # silu(gate) * up for gate_up = [gate | up]: one generated kernel on CUDA for prefill (decode
-# and verification rows take `ops.gemv.linear(..., gated=True)`: fused into the one-row GEMV,
-# a Triton launch ahead of the 2-16-row one)
+# and verification rows have it fused: into the one-row down-projection GEMV's loads, into the
+# 2-16-row gate/up GEMV's epilogue, see `MLP.forward`)
 silu_mul = fused_on_cuda(silu_mul_reference)
 
 
@@ -148,8 +148,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        kind = gemv_kind(x, self.gate_up_proj.weight)
+        if kind == "rows":  # 2-16 rows: the SiLU gate in the gate/up GEMV's epilogue
+            return self.down_proj(linear(x, self.gate_up_proj.weight, glu=True))
         gate_up = self.gate_up_proj(x)
-        if use_gemv(gate_up, self.down_proj.weight):  # SiLU gate inside the one-row GEMV / a Triton launch
+        if kind == "row":  # one row: the SiLU gate as the down projection's GEMV loads its input
             return linear(gate_up, self.down_proj.weight, gated=True)
         return self.down_proj(silu_mul(gate_up))
 

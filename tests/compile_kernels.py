@@ -144,6 +144,8 @@ def _exercise():
         gemv.gemv(torch.randn(1, 2 * K, generator=g).to(bf), w, gated=True)
         gemv.gemv_rows(torch.randn(6, K, generator=g).to(bf), w, b)
     gemv.gemv_rows(torch.randn(3, 512, generator=g).to(bf), torch.randn(20000, 512, generator=g).to(bf))  # wide N
+    for N in (80, 4096):        # the SiLU gate in the epilogue, two block configs
+        gemv.gemv_rows(torch.randn(4, 300, generator=g).to(bf), torch.randn(N, 300, generator=g).to(bf), glu=True)
 
 
 def compile_all(path):

@@ -40,6 +40,23 @@ def check(y, x, w, b, gated):
     assert err <= 2 * ref_err + slack, f"max err {err:.3g} vs reference {ref_err:.3g} (slack {slack:.3g})"
 
 
+def check_glu(y, x, w, b):
+    """y = silu(gate) * up of x @ [gate; up]^T (+ b): against the product rounded to x's dtype
+    and gated in float64 (what the unfused path computes)."""
+    y = y.cpu()
+    assert not y.isnan().any(), "NaN left (unwritten output)"
+    xc, wc, bc = x.cpu(), w.cpu(), None if b is None else b.cpu()
+    prod = torch.nn.functional.linear(xc.double(), wc.double(), None if bc is None else bc.double())
+    gate, up = prod.to(x.dtype).double().chunk(2, dim=-1)
+    truth = torch.nn.functional.silu(gate) * up
+    ref_err = (ops.linear_reference(xc, wc, bc, glu=True).double() - truth).abs().max().item()
+    err = (y.double() - truth).abs().max().item()
+    # a gate/up value whose rounding differs (a product within an ulp of a tie) moves the
+    # output by up to one ulp of silu(gate) * up's inputs: slack of a few output roundings
+    slack = 4 * EPS_OF[x.dtype] * truth.abs().max().item()
+    assert err <= 2 * ref_err + slack, f"max err {err:.3g} vs reference {ref_err:.3g} (slack {slack:.3g})"
+
+
 CASES = [(N, K, dt) for (N, K) in [(37, 300), (1000, 517), (173, 1031), (96, 2048), (61, 77)]
          for dt in (torch.bfloat16, torch.float16, torch.float32)]
 
@@ -103,6 +120,43 @@ def test_rows_kernel_matches_reference(M, N, K, dtype, kernel_device):
         check(y, x, w, b, False)
 
 
+GLU_CASES = [(M, I, K, dt) for (M, I, K) in [(2, 37, 300), (6, 500, 517), (16, 87, 1031), (4, 1536, 768),
+                                              (9, 61, 77)]
+             for dt in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("M,I,K,dtype", GLU_CASES)
+def test_rows_kernel_glu_epilogue(M, I, K, dtype, kernel_device):
+    # weight [gate; up] of [2I, K] -> silu(gate) * up of the product, against the product
+    # rounded to dtype and gated in float64 (what the unfused path computes)
+    x, w, b = make_case(M, 2 * I, K, dtype, kernel_device, bias=True, seed=M + I + K)
+    for bias in (None, b):
+        out = torch.full((M, I), float("nan"), device=kernel_device, dtype=dtype)
+        y = _k.gemv_rows(x, w, bias, glu=True, out=out)
+        assert y is out
+        check_glu(y, x, w, bias)
+    with pytest.raises(ValueError, match="even"):
+        _k.gemv_rows(x, w[:-1], glu=True)
+    with pytest.raises(ValueError, match="out"):
+        _k.gemv_rows(x, w, glu=True, out=torch.empty(M, 2 * I, device=kernel_device, dtype=dtype))
+
+
+def test_rows_kernel_glu_after_the_product(kernel_device, monkeypatch):
+    # matrices of GLU_EPILOGUE_MAX elements and more: the product, then a silu_mul launch;
+    # the same numbers as the epilogue
+    M, I, K, dtype = 5, 45, 200, torch.bfloat16
+    x, w, b = make_case(M, 2 * I, K, dtype, kernel_device, bias=True, seed=11)
+    fused = _k.gemv_rows(x, w, b, glu=True)
+    monkeypatch.setattr(_k, "GLU_EPILOGUE_MAX", 2 * I * K)
+    out = torch.full((M, I), float("nan"), device=kernel_device, dtype=dtype)
+    y = _k.gemv_rows(x, w, b, glu=True, out=out)
+    assert y is out
+    check_glu(y, x, w, b)
+    assert torch.equal(y, fused)
+    with pytest.raises(ValueError, match="out"):
+        _k.gemv_rows(x, w, glu=True, out=torch.empty(M, 2 * I, device=kernel_device, dtype=dtype))
+
+
 def test_rows_kernel_leading_dims_strided_rows_and_errors(kernel_device):
     x, w, b = make_case(6, 50, 130, torch.bfloat16, kernel_device, bias=True, seed=3)
     wide = torch.zeros(6, 200, device=kernel_device, dtype=torch.bfloat16)
@@ -128,6 +182,9 @@ def test_dispatch():
     xg, _, _ = make_case(3, 4096, 64, torch.bfloat16, "cpu", gated=True)   # gated rows: reference
     assert torch.equal(ops.linear(xg, w, gated=True),
                        torch.nn.functional.linear(ops.silu_mul_reference(xg), w))
+    assert torch.equal(ops.linear(x, w, glu=True), ops.silu_mul_reference(torch.nn.functional.linear(x, w)))
+    with pytest.raises(ValueError, match="exclusive"):
+        ops.linear(xg, w, gated=True, glu=True)
     meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
     # the rule, checked on shapes alone: few rows and wide outputs on CUDA only
     assert not ops.use_gemv(meta(1, 64), meta(4096, 64))   # meta is not CUDA
@@ -148,6 +205,11 @@ def test_dispatch_gpu_rule():
     for M in (1, 6):   # gated through the dispatch: fused in the GEMV / the silu_mul kernel first
         xg, wg, _ = make_case(M, 4096, 2048, torch.bfloat16, dev, gated=True, seed=M)
         check(ops.linear(xg, wg, gated=True), xg, wg, None, True)
+        # glu through the dispatch: the GEMV then silu_mul / the rows GEMV's epilogue
+        xu, wu, _ = make_case(M, 4096, 2048, torch.bfloat16, dev, seed=M + 1)
+        y = ops.linear(xu, wu, glu=True)
+        ref = ops.silu_mul_reference(ops.linear(xu, wu))
+        assert y.shape == (M, 2048) and (y.float() - ref.float()).abs().max().item() <= 0.02 * ref.abs().max().item()
 
 
 @pytest.mark.gpu
@@ -164,3 +226,11 @@ def test_kernel_real_shapes_gpu(dtype):
             a6 = ops.silu_mul_reference(x6) if gated else x6
             out6 = torch.full((6, N), float("nan"), device="cuda", dtype=dtype)
             check(_k.gemv_rows(a6, w6, out=out6), a6, w6, None, False)
+            if N == 22016:   # gate/up: the SiLU gate in the epilogue, as verification's MLP runs it
+                out6 = torch.full((6, N // 2), float("nan"), device="cuda", dtype=dtype)
+                check_glu(_k.gemv_rows(x6, w6, glu=True, out=out6), x6, w6, None)
+    if dtype == torch.bfloat16:   # the LLaVA-68M-shape draft's gate/up at 2 and 4 rows (one per view)
+        for M in (2, 4):
+            x, w, _ = make_case(M, 6144, 768, dtype, "cuda", seed=M)
+            out = torch.full((M, 3072), float("nan"), device="cuda", dtype=dtype)
+            check_glu(_k.gemv_rows(x, w, glu=True, out=out), x, w, None)

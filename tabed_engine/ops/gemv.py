@@ -7,8 +7,9 @@
   which streams the weight at close to HBM bandwidth in one launch and applies the SiLU gate
   as it reads;
 * 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens, a draft step over several
-  views) run its tensor-core sibling (`gemv_rows`), the SiLU gate applied first by its own
-  Triton launch (`silu_mul`);
+  views) run its tensor-core sibling (`gemv_rows`); the decoder's MLP takes its SiLU gate in
+  the gate/up projection's epilogue (`glu=True`), a `gated` input gets its own Triton launch
+  (`silu_mul`) first;
 everything else (prefill, matrices narrower than `MIN_FEATURES`, float32 rows, the CPU) runs
 the reference (cuBLAS on the GPU).
 """
@@ -43,9 +44,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(gate_up)
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias), with x = silu_mul_reference(x) first when `gated`."""
-    return F.linear(silu_mul_reference(x) if gated else x, weight, bias)
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False,
+                     glu: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias), with x = silu_mul_reference(x) first when `gated` and
+    silu_mul_reference of the product when `glu`."""
+    y = F.linear(silu_mul_reference(x) if gated else x, weight, bias)
+    return silu_mul_reference(y) if glu else y
 
 
 def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
@@ -69,9 +73,11 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
     return gemv_kind(x, weight, bias) is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False,
+           glu: bool = False) -> torch.Tensor:
     """y = x @ weight^T (+ bias); `gated`: x is [..., 2K] = [gate | up] and the product
-    uses silu(gate) * up.
+    uses silu(gate) * up; `glu`: weight is [gate; up] ([2I, K]) and y = silu(gate) * up of
+    the product ([..., I]).
 
     Parameters
     ----------
@@ -83,19 +89,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
         [N].
     gated : bool
         Apply the SwiGLU gate to x first.
+    glu : bool
+        Apply the SwiGLU gate to the product (on the 2-16-row path in the GEMV's epilogue).
 
     Returns
     -------
     torch.Tensor
-        [..., N] in x's dtype.
+        [..., N] in x's dtype ([..., N / 2] with `glu`).
     """
+    if gated and glu:
+        raise ValueError("linear: gated and glu are exclusive")
     kind = gemv_kind(x, weight, bias)
     if kind == "row":
         from tabed_engine.kernels.gemv import gemv
 
-        return gemv(x, weight, bias, gated=gated)
+        y = gemv(x, weight, bias, gated=gated)
+        return silu_mul(y) if glu else y
     if kind == "rows":
         from tabed_engine.kernels.gemv import gemv_rows
 
-        return gemv_rows(silu_mul(x) if gated else x, weight, bias)
-    return linear_reference(x, weight, bias, gated=gated)
+        return gemv_rows(silu_mul(x) if gated else x, weight, bias, glu=glu)
+    return linear_reference(x, weight, bias, gated=gated, glu=glu)
