@@ -35,6 +35,7 @@ class GenerationStats:
     view_tree_view: Optional[str] = None
     views: tuple[str, ...] = ()
     time_prefill: float = 0.0
+    time_first_token: float = 0.0     # from the prefill's start to the first new token on the host
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_ensemble: float = 0.0
@@ -321,6 +322,8 @@ class Engine:
             if ready is not None:
                 ready.synchronize()                     # the step's one host wait
             t = int(host[0])
+            if step == 0:
+                stats.time_first_token = time.perf_counter() - t0
             stats.new_tokens += 1
             yield [t]
             if last or (sp.stop_at_eos and t in self.eos_ids):

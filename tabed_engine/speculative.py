@@ -264,6 +264,7 @@ def run_speculative(eng, prep, sp, gen, caption):
     w_rec = torch.empty(sp.max_new_tokens, K, device=dev) if state.adaptive else None
 
     out = [int(first[0])]
+    stats.time_first_token = time.perf_counter() - t_start
     yield list(out)
     prompt_tail = [r.ids[-1] for r in rows]   # per row: the token before the first generated one
     n_prompt = len(prep.ids)

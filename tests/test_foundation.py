@@ -48,6 +48,8 @@ def test_greedy_matches_transformers(engines, name, n_images):
     assert out.token_ids == want
     assert out.stats.new_tokens == len(want)
     assert out.stats.block_efficiency == 1.0
+    st = out.stats   # the first token is known after the prefill and before the last one
+    assert st.time_prefill <= st.time_first_token <= st.time_total and st.time_first_token > 0
 
 
 def test_prompt_forms_agree(engines):

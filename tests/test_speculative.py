@@ -97,6 +97,8 @@ def test_draft_equal_to_target_accepts_everything(gamma):
     out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=n, stop_at_eos=False))
     assert out.stats.accepted_lengths == [gamma] * 4
     assert out.stats.block_efficiency == gamma + 1
+    st = out.stats
+    assert 0 < st.time_first_token <= st.time_total
 
 
 @pytest.mark.parametrize("policy", ["kld", "tvd", "w-grid", "hedge"])
