@@ -56,11 +56,12 @@ def _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis,
 
 @triton.jit
 def _combine_splits(m_part_ptr, l_part_ptr, acc_part_ptr, rows, n_rows, row_ok, offs_d, d_ok,
-                    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                    SPLITS: tl.constexpr, D_STRIDE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     """Normalised output [BLOCK_ROWS, BLOCK_D] of flat (r, n, h) rows from the SPLITS
-    partials. A split that saw no key has m = -1e30, l = 0: weight 0. Loads bypass L1 (.cg):
-    the partials were written by other programs."""
+    partials (m, l: [SPLITS, n_rows]; acc: [SPLITS, n_rows, D_STRIDE]). A split that saw no
+    key has m = -1e30, l = 0: weight 0. Loads bypass L1 (.cg): the partials were written by
+    other programs."""
     ok = row_ok[:, None] & d_ok[None, :]
     m_run = tl.full([BLOCK_ROWS], -1.0e30, tl.float32)
     l_run = tl.zeros([BLOCK_ROWS], tl.float32)
@@ -68,7 +69,7 @@ def _combine_splits(m_part_ptr, l_part_ptr, acc_part_ptr, rows, n_rows, row_ok, 
     for sp in tl.static_range(SPLITS):
         m = tl.load(m_part_ptr + sp * n_rows + rows, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
         l = tl.load(l_part_ptr + sp * n_rows + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(acc_part_ptr + (sp * n_rows + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok,
+        a = tl.load(acc_part_ptr + (sp * n_rows + rows)[:, None] * D_STRIDE + offs_d[None, :], mask=ok,
                     other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m_run, m)
         w_run = tl.exp2(m_run - m_new)
@@ -171,7 +172,7 @@ def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, cnt_ptr,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_ks, stride_vr, stride_vh, stride_vs, stride_mr,
     stride_or, stride_oh, H, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -216,16 +217,9 @@ def _decode_attention_kernel(
         cnt = cnt_ptr + pid
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:  # the last split of this (row, head) combines all partials
-            sp = tl.arange(0, SPLITS_P2)
-            sp_ok = sp < SPLITS
-            m = tl.load(m_part_ptr + sp * n_rows + pid, mask=sp_ok, other=-1.0e30, cache_modifier=".cg")
-            lp = tl.load(l_part_ptr + sp * n_rows + pid, mask=sp_ok, other=0.0, cache_modifier=".cg")
-            a = tl.load(acc_part_ptr + (sp[:, None] * n_rows + pid) * BLOCK_D + offs_d[None, :], mask=sp_ok[:, None],
-                        other=0.0, cache_modifier=".cg")
-            w = tl.exp2(m - tl.max(m, 0))
-            l_all = tl.sum(lp * w, 0)
-            o = tl.sum(a * w[:, None], 0) / tl.where(l_all > 0, l_all, 1.0)
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+            o = _combine_splits(m_part_ptr, l_part_ptr, acc_part_ptr, tl.zeros([1], tl.int64) + pid, n_rows,
+                                tl.full([1], 1, tl.int1), offs_d, d_ok, SPLITS, BLOCK_D, 1, BLOCK_D)
+            tl.store(o_ptrs, tl.reshape(o, [BLOCK_D]).to(out_ptr.dtype.element_ty), mask=d_ok)
             tl.store(cnt, 0)  # every split has arrived: ready for the next launch
 
 
@@ -256,7 +250,7 @@ def _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, nu
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tree_mask.stride(0),
         out.stride(0), out.stride(2), H, qk_scale,
-        GROUP=H // Hkv, HEAD_DIM=D, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+        GROUP=H // Hkv, HEAD_DIM=D, SPLITS=splits,
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PDL=use_pdl, num_warps=2, num_stages=2, launch_pdl=use_pdl,
     )
     return out
