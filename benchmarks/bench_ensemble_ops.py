@@ -161,6 +161,7 @@ def main():
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--time-budget", type=float, default=150.0,
                     help="seconds: baselines are skipped as the run nears it (see the docstring)")
+    ap.add_argument("--ops", nargs="+", choices=sorted(OPS), default=None, help="only these ops (default: all)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -171,6 +172,8 @@ def main():
     copy_gbs = copy_bandwidth_gbs(device, smoke)
     rows = []
     for op, label, nbytes, a, kw, comparable in cases(smoke, device):
+        if args.ops and op not in args.ops:
+            continue
         launcher, reference = OPS[op]
         spent = (time.perf_counter() - t_start) / args.time_budget
         row = {"op": op, "case": label, "bytes": nbytes}

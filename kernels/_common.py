@@ -165,14 +165,6 @@ def log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def rcp(x, FAST: tl.constexpr):
-    if FAST:  # one MUFU op (IEEE division is a multi-instruction sequence)
-        return _mufu(x, "rcp.approx.ftz.f32")
-    else:
-        return 1.0 / x
-
-
-@triton.jit
 def load_rows(rows_ptr, offs, row_mask, col_mask):
     """[R, BLOCK] fp32 tile of the rows `rows_ptr` ([R] pointers) at columns `offs`;
     -inf where masked."""
@@ -210,25 +202,6 @@ def uniforms(seed, base, v0, BLOCK: tl.constexpr):
     # [BLOCK // 4, 2, 2] with [i, a, c] = r_(2a + c)[i]: row-major order is column 4i + t
     r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
     return tl.uint_to_uniform_float(r)
-
-
-@triton.jit
-def pick_score(val, v0, seed, rng_base, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
-               LOG: tl.constexpr, FAST: tl.constexpr):
-    """Score whose argmax over v picks the token, for the columns v0 + arange(BLOCK):
-    `val` when greedy; else an exponential race with E_v = -ln(u_v) (`uniforms`, counter
-    base rng_base): val / E_v, or with LOG (val a log2-probability up to a constant)
-    val - log2(E_v), both up to a constant."""
-    score = val
-    if not GREEDY:
-        # E_v / ln 2 = -log2(u_v): the common factor changes no argmax (every chunk
-        # scores alike) and saves the libdevice log
-        e = -log2(uniforms(seed, rng_base, v0, BLOCK), FAST)
-        if LOG:
-            score = val - log2(e, FAST)
-        else:
-            score = val * rcp(e, FAST)
-    return score
 
 
 @triton.jit

@@ -3,40 +3,42 @@
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
 and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, at
 least 1024 columns per chunk), so the launcher never syncs and can be captured in a CUDA
-graph.  Three launches exchange
-small partials:
+graph.  Two or three launches exchange small partials:
 
-  1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; with one
-     view (KP == 1) also the chunk's pick (best x - log E_v, or best x when greedy).
-  2. `_mix_chunk_kernel`: every program folds the S partials of its rows into the
-     normalisers (S * K floats), then forms q = sum_k w_k softmax_k over its chunk:
-     writes the mixture row and its chunk's best (q or q / E_v, index, q).  With one
-     view the pick is already known, so program (b, 0) finishes it and the others only
-     write the mixture.
-  3. `_mix_pick_kernel` (K > 1): the S chunk bests -> token, token_prob.
+  1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; greedy with
+     one view (KP == 1) also the chunk's argmax.
+  2. `_mix_chunk_kernel`: folds the S partials of its row into the normalisers (S * K
+     floats), then forms q = sum_k w_k softmax_k over a chunk: writes the mixture row,
+     and greedy with K > 1 its chunk's best (q, index).  Greedy with one view the pick is
+     already known, so program (b, 0) finishes it.  Sampling draws by inverse CDF: the
+     partials give every chunk's mixture mass, one uniform picks the chunk, and that
+     chunk's program walks its prefix sums of q to the token.
+  3. `_mix_pick_kernel` (greedy, K > 1): the S chunk bests -> token, token_prob.
 
-Passes over the logits: one with a single view; two for K > 1, since q_v needs every
-view's final normaliser (the second pass re-reads what the first just read, from L2
-when the batch's logits fit in it: 33 MB at B = 128, K = 4, V = 32064) - except greedy
-without the mixture row, where pass 1 also keeps each view's argmax and second-largest
-logit: a token that is no view's argmax has q_v <= sum_k w_k q_k(second largest), so
-when the best of the K candidates beats that bound, it is the argmax and the second pass
-is skipped (always, when the views agree on their argmax).  Both passes
-keep element-wise running values (max / sum-exp, best / step, see `_common`) and reduce
-across the tile once per program, and use exp2 with the temperature and log2(e) folded
-into one scale: x * scale - lse2 is one FMA.
+Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
+plus the chunks that need q (all of them with the mixture row; greedy without it, all but
+below; sampling without it, the one drawn chunk): q_v needs every view's final
+normaliser, and the second read comes from L2 when the batch's logits fit in it (33 MB at
+B = 128, K = 4, V = 32064).  Greedy without the mixture row: pass 1 also keeps each
+view's argmax and second-largest logit; a token that is no view's argmax has q_v <= sum_k
+w_k q_k(second largest), so when the best of the K candidates beats that bound, it is the
+argmax and the second pass is skipped (always, when the views agree on their argmax).
+Both passes keep element-wise running values (max / sum-exp, best / step, see `_common`)
+and reduce across the tile once per program, and use exp2 with the temperature and
+log2(e) folded into one scale: x * scale - lse2 is one FMA.
 
 Chunk bests combine by value, then lowest index, so ties resolve like torch.argmax and
-the result does not depend on the split.  Element (b, v) draws output v % 4 of the
-Philox counter offset + b * V + v // 4 (`_common.uniforms`: one Philox call per 4
-columns), so a draw is the same whatever the layout.
+the result does not depend on the split.  A sample uses one uniform per request, output 0
+of Philox(seed, counter offset + b * V) (`_common.uniforms`), whatever the split; the
+token is the first whose cumulative mixture mass exceeds u times the total, so two splits
+draw the same token unless u falls within float rounding of a boundary.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, exp2,
-                      load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pdl, pdl_wait, pick_score,
+                      load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pdl, pdl_wait, uniforms,
                       tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,30 +61,15 @@ _STAGES = 1
 
 
 @triton.jit
-def _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V, stride_logits,
-                  KP: tl.constexpr, SAMPLE: tl.constexpr):
-    """Request b's K row pointers ([KP]) and, when SAMPLE, its Philox seed and counter base
-    offset + b * V: element (b, v) draws output v % 4 of counter offset + b * V + v // 4,
-    independent per request and entry (the caller advances offset by B * V)."""
-    ks = tl.arange(0, KP)
-    rows_ptr = logits_ptr + (b * K + ks).to(tl.int64) * stride_logits
-    seed = 0
-    rng_base = 0
-    if SAMPLE:
-        seed = tl.load(seed_ptr)
-        rng_base = tl.load(offset_ptr) + b * V
-    return rows_ptr, seed, rng_base
-
-
-@triton.jit
 def _mix_partial_kernel(
-    logits_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
+    logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
     K, V, S, CHUNK, stride_logits, scale,
-    KP: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr, PICK: tl.constexpr,
+    KP: tl.constexpr, BLOCK: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Pass 1: per (row, chunk) max and sum-exp; with PICK (one view) the chunk's pick;
-    with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest logit.
+    """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
+    argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
+    logit.
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
@@ -96,13 +83,10 @@ def _mix_partial_kernel(
     ks = tl.arange(0, KP)
     kmask = ks < K
     cols = tl.arange(0, BLOCK)
-    rows_ptr, seed, rng_base = _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V,
-                                             stride_logits, KP, PICK and not GREEDY)
+    rows_ptr = logits_ptr + (b * K + ks).to(tl.int64) * stride_logits
     m = tl.full([KP, BLOCK], NEG_BIG, tl.float32)
     s = tl.zeros([KP, BLOCK], tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_v0 = tl.zeros([BLOCK], tl.int32) + start  # index of a chunk without a pick: start
-    best_y = tl.zeros([BLOCK], tl.float32)
+    best_v0 = tl.zeros([BLOCK], tl.int32) + start  # PICK: step of the running max
     m2 = tl.full([KP, BLOCK], NEG_BIG, tl.float32)       # CERT: element-wise second largest
     arg_v0 = tl.zeros([KP, BLOCK], tl.int32) + start     # CERT: step of the element-wise max
     for v0 in tl.range(start, end, BLOCK, num_stages=STAGES):
@@ -113,13 +97,8 @@ def _mix_partial_kernel(
         m, s, take = lse_step(x, m, s, scale, FAST)
         if CERT:
             arg_v0 = tl.where(take, v0, arg_v0)           # strict: the earlier step keeps ties
-        if PICK:  # KP == 1: [1, BLOCK] is the row itself
-            if GREEDY:  # the pick is the running max: only its step is new
-                best_v0 = tl.where(tl.reshape(take, [BLOCK]), v0, best_v0)
-            else:
-                y = tl.reshape(x, [BLOCK]) * scale  # log2 units; -inf outside
-                score = pick_score(y, v0, seed, rng_base, BLOCK, GREEDY, True, FAST)
-                best, best_v0, best_y = best_step(score, y, v0, best, best_v0, best_y)
+        if PICK:  # KP == 1: [1, BLOCK] is the row itself; the pick is the running max
+            best_v0 = tl.where(tl.reshape(take, [BLOCK]), v0, best_v0)
     if CERT:
         # per view: the chunk's max (lowest index on ties) and its second-largest value
         # (equal to the max when the max occurs twice)
@@ -133,10 +112,8 @@ def _mix_partial_kernel(
     tl.store(row + ks, top, mask=kmask)
     tl.store(row + KP + ks, tot, mask=kmask)
     if PICK:
-        if GREEDY:
-            best = tl.reshape(m, [BLOCK]) * scale
-            best_y = best
-        best, idx, y_best = best_combine(best, best_v0, best_y, cols, 0)
+        best = tl.reshape(m, [BLOCK]) * scale
+        best, idx, y_best = best_combine(best, best_v0, best, cols, 0)
         tl.store(row + 2 * KP, best)
         tl.store(row + 2 * KP + 1, y_best)
         tl.store(part_idx_ptr + b * S + sp, idx)
@@ -158,6 +135,13 @@ def _mix_chunk_kernel(
     k), so when the best candidate's q exceeds the bound it is the argmax of q and the pass
     over the chunk is skipped (views that agree on their argmax always certify). Otherwise
     the chunk pass below runs as without CERT.
+
+    Sampling (inverse CDF, no per-element randomness): the partials also give each chunk's
+    mixture mass M_s = sum_k w_k sumexp_k,s 2^(max_k,s * scale - lse_k); one uniform u of the
+    row picks the chunk c whose cumulative mass first exceeds u * sum_s M_s, and the program
+    of chunk c (with the mixture row: the one whose chunk it is; without: the row's only
+    program, grid (B, 1)) walks c's prefix sums of q to the token. Floating-point sums that
+    fall short of the target in that chunk take its last token with q > 0.
 
     Programs run in the reverse of pass 1's order, so the chunks pass 1 read last (the
     likeliest to be still in L2 when the logits exceed it) are read first."""
@@ -207,7 +191,7 @@ def _mix_chunk_kernel(
             tl.store(row_c + 2 * KP + 1, q_cert)
             tl.store(part_idx_ptr + b * S + sp, tl.where(sp == 0, tok_c, V))
 
-    if PICKED:  # one view: pass 1 found the pick, program (b, 0) finishes it
+    if PICKED:  # greedy, one view: pass 1 found the pick, program (b, 0) finishes it
         if sp == 0:
             bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"))
             by = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0)
@@ -219,13 +203,27 @@ def _mix_chunk_kernel(
             tl.store(token_ptr + b, tok.to(tl.int64))
             tl.store(token_prob_ptr + b, q_tok)
 
+    pick_chunk = -1  # sampling: the chunk holding the draw, and the mass before the target in it
+    r_in = 0.0
+    if not GREEDY:
+        cm = tl.sum(tl.where(pmask, w[None, :] * ps * exp2(pm * scale - lse2[None, :], FAST), 0.0), axis=1)
+        cum = tl.cumsum(cm, 0)                              # [SP], non-decreasing
+        u = tl.sum(tl.where(tl.arange(0, 4) == 0,
+                            uniforms(tl.load(seed_ptr), tl.load(offset_ptr) + b * V, 0, 4), 0.0), axis=0)
+        r = u * tl.max(cum, axis=0)
+        pick_chunk = tl.sum((smask & (cum <= r)).to(tl.int32), axis=0)
+        pick_chunk = tl.minimum(pick_chunk, tl.max(tl.where(smask & (cm > 0), ss, 0), axis=0))
+        r_in = r - tl.sum(tl.where(ss < pick_chunk, cm, 0.0), axis=0)
+
     if WRITE_MIX or not PICKED:
         if run_chunk != 0:
-            start = sp * CHUNK
+            chunk_id = sp
+            if not GREEDY and not WRITE_MIX:  # grid (B, 1): this program reads the drawn chunk only
+                chunk_id = pick_chunk
+            scan = chunk_id == pick_chunk
+            start = chunk_id * CHUNK
             end = tl.minimum(start + CHUNK, V)
             cols = tl.arange(0, BLOCK)
-            _, seed, rng_base = _rows_and_rng(logits_ptr, seed_ptr, offset_ptr, b, K, V,
-                                              stride_logits, KP, not PICKED and not GREEDY)
             # The views one [BLOCK] row at a time (K is a constexpr here): the sum over views
             # stays inside each thread; a [KP, BLOCK] tile spreads the views over warps and
             # its sum costs a shared-memory exchange and barriers every step.
@@ -239,6 +237,9 @@ def _mix_chunk_kernel(
             best = tl.full([BLOCK], float("-inf"), tl.float32)
             best_v0 = tl.zeros([BLOCK], tl.int32) + start
             best_q = tl.zeros([BLOCK], tl.float32)
+            run = 0.0                     # sampling: q summed over the chunk's earlier tiles
+            hit = BIG_IDX                 # first column whose prefix sum passes r_in
+            last = start                  # last column with q > 0 (the fallback)
             for v0 in range(start, end, BLOCK):
                 offs = v0 + cols
                 vmask = offs < end
@@ -248,16 +249,30 @@ def _mix_chunk_kernel(
                     q += wk[k] * exp2(x * scale - lk[k], FAST)
                 if WRITE_MIX:
                     tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
-                if not PICKED:  # q_v / E_v, E_v ~ Exp(1)
-                    score = pick_score(q, v0, seed, rng_base, BLOCK, GREEDY, False, FAST)
-                    score = tl.where(vmask, score, float("-inf"))
+                if GREEDY and not PICKED:
+                    score = tl.where(vmask, q, float("-inf"))
                     best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
-            if not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
+                if not GREEDY:
+                    if scan:
+                        cs = tl.cumsum(q, 0) + run
+                        passed = vmask & (q > 0) & (cs > r_in)   # q > 0: never a zero-probability token
+                        hit = tl.minimum(hit, tl.min(tl.where(passed, offs, BIG_IDX), axis=0))
+                        last = tl.maximum(last, tl.max(tl.where(vmask & (q > 0), offs, start), axis=0))
+                        run += tl.sum(q, axis=0)
+            if GREEDY and not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
                 best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
                 row = part_ptr + (b * S + sp) * W
                 tl.store(row + 2 * KP, best)
                 tl.store(row + 2 * KP + 1, q_best)
                 tl.store(part_idx_ptr + b * S + sp, idx)
+            if not GREEDY:
+                if scan:
+                    tok = tl.where(hit < BIG_IDX, hit, last)
+                    x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
+                                  other=float("-inf")).to(tl.float32)
+                    tl.store(token_ptr + b, tok.to(tl.int64))
+                    tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0),
+                                                        axis=0))
 
 
 @triton.jit
@@ -332,11 +347,9 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     mix_arg = mixture if write_mix else token_prob
     stride_mix = mixture.stride(0) if write_mix else 0
     S, chunk = chunking(V, _n_vsplit(B, V, dev, _PROGRAMS_PER_SM))
-    picked = KP == 1  # one view: argmax q_v / E_v = argmax x_v - log E_v, no normaliser
-    # One-view sampling keeps 5 accumulators per element and Philox state: 8 per thread.
-    per_thread = 8 if picked and not greedy else 16
-    BLOCK = chunk_block(chunk, _TILE * per_thread // 16 // KP)
-    num_warps = tile_warps(KP * BLOCK, per_thread)
+    picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
+    BLOCK = chunk_block(chunk, _TILE // KP)
+    num_warps = tile_warps(KP * BLOCK)
     SP = triton.next_power_of_2(S)
     part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)
     part_idx = torch.empty(B * S, dtype=torch.int32, device=dev)
@@ -344,12 +357,14 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
     cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
     _mix_partial_kernel[(B, S)](
-        logits, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
+        logits, part, part_idx, cert_buf, cert_idx,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, GREEDY=greedy, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
+        KP=KP, BLOCK=BLOCK, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
-    _mix_chunk_kernel[(B, S if (write_mix or not picked) else 1)](
+    # every chunk when the mixture row is written or greedy K > 1 compares chunk bests; else
+    # one program per row (greedy K = 1 finishes the pick, sampling reads the drawn chunk)
+    _mix_chunk_kernel[(B, S if (write_mix or (greedy and not picked)) else 1)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
         certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse,
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
@@ -358,7 +373,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         CERT=cert, REPORT=cert and certified_out is not None, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
-    if not picked:
+    if greedy and not picked:
         _mix_pick_kernel[(B,)](part, part_idx, token, token_prob, V, S, KP=KP, SP=SP,
                                PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP <= 32 else 4)
     return token, token_prob, mixture, lse

@@ -1,9 +1,10 @@
 """Ensemble mixing of the draft views: q = sum_k w_k softmax(logits_k / T), then a token.
 
 `ensemble_mix` runs the fused Triton kernel for CUDA tensors and the PyTorch reference
-otherwise.  Sampling uses the exponential race argmax_v q_v / E_v (E_v ~ Exp(1)), which
-draws v with probability q_v without a host sync; the kernel takes its Philox seed and
-offset from device tensors so the call can live inside a CUDA graph.
+otherwise.  Both draw v with probability q_v without a host sync: the kernel by inverse
+CDF (one Philox uniform per request, seed and offset read from device tensors, so the call
+can live inside a CUDA graph), the reference by the exponential race argmax_v q_v / E_v
+(E_v ~ Exp(1)).
 """
 import torch
 
