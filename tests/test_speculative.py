@@ -207,10 +207,26 @@ def assert_matches(counts: Counter, dist: dict, n: int):
 def test_sampling_is_lossless(views, policy):
     eng = Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cpu",
                                  dtype=torch.float32, views=views, policy=policy, gamma=2)
+    check_sampling_lossless(eng, eng)
+
+
+@pytest.mark.gpu
+def test_sampling_is_lossless_on_the_gpu():
+    """The GPU path: the Triton ensemble mix's inverse-CDF draws, the chain verification
+    kernel and the CUDA graphs, against the exact distribution from the CPU target."""
+    kw = dict(dtype=torch.float32, views=("M", "T"), policy="kld", gamma=2)
+    cpu = Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cpu", **kw)
+    gpu = Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cuda", **kw)
+    check_sampling_lossless(gpu, cpu, n=6000, shift=0.035)   # 6000 generations: ~2 min budget
+
+
+def check_sampling_lossless(eng, exact_eng, n=16000, shift=0.02):
+    """n sampled 3-token generations of `eng` against the exact distribution of their first
+    tokens computed with `exact_eng`'s target; the same check must reject the distribution
+    with `shift` of mass moved between its two likeliest outcomes (>= 5 standard errors)."""
     text, imgs = prompt(1)
     sp = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
-    dist = exact_first_tokens(eng, text, imgs, sp, 3)
-    n = 16000
+    dist = exact_first_tokens(exact_eng, text, imgs, sp, 3)
     counts, accepted = Counter(), 0
     for i in range(n):
         sp.seed = i
@@ -220,12 +236,12 @@ def test_sampling_is_lossless(views, policy):
     print("accepted per generation", accepted / n)
     assert accepted > n * 0.15  # drafts really were accepted (not a target-only path)
     assert_matches(counts, dist, n)
-    # power: the same statistic rejects a distribution with 2% of mass moved between the two
-    # most likely outcomes
+    # power: the same statistic rejects a distribution with `shift` of mass moved between the
+    # two most likely outcomes
     top = sorted(dist, key=dist.get, reverse=True)[:2]
     shifted = dict(dist)
-    shifted[top[0]] -= 0.02
-    shifted[top[1]] += 0.02
+    shifted[top[0]] -= shift
+    shifted[top[1]] += shift
     with pytest.raises(AssertionError):
         assert_matches(counts, shifted, n)
 
