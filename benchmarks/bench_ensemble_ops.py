@@ -76,6 +76,10 @@ def cases(smoke, device):
                     {"greedy": True}, True))
         out.append(("ensemble_mix", f"sample B={B} K={K} V={V}", nbytes, (logits, w),
                     {"greedy": False, "seed": seed, "offset": off}, False))
+        # the engine's sampled draft step: the mixture row is kept for the verification (bytes
+        # counted: logits read once + the fp32 mixture written)
+        out.append(("ensemble_mix", f"sample+mixture B={B} K={K} V={V}", nbytes + B * V * 4, (logits, w),
+                    {"greedy": False, "seed": seed, "offset": off, "return_mixture": True}, False))
     # Independent random views (above) rarely share an argmax, so greedy K > 1 takes the
     # second pass there. The draft's views are one model on views of one request and mostly
     # agree: "agree" rows are a shared random row plus 0.3-scale noise per view, where pass
