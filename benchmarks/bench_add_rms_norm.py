@@ -23,9 +23,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, measured_row,  # noqa: E402
-                                 print_header, write_result)
+from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
+                                 measured_row, write_result)
 from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
 from tabed_engine.model import rms_norm  # noqa: E402
 from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
@@ -56,9 +55,7 @@ def main(argv=None):
     N, dtype = args.hidden, torch.bfloat16
     compiled = None if args.no_compile else compile_static(eager_path)  # one static graph per row count
 
-    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
-    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print_header(f"{'rows':>4}")
+    copy_gbs = begin_table(device, args, f"{'rows':>4}")
     rows = []
     g = torch.Generator().manual_seed(0)
     for M in args.rows:

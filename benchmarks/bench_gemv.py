@@ -32,8 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_header,  # noqa: E402
+from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  print_row, time_variants, write_result)
 from tabed_engine.kernels import gemv as _k  # noqa: E402
 from tabed_engine.model import silu_mul  # noqa: E402
@@ -78,9 +77,7 @@ def main(argv=None):
     compiled = None if args.no_compile else compile_static(
         lambda x, w, gi, go: linear_reference(x, w, gated=gi, glu=go))
 
-    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (1 << 30))
-    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print_header(f"{'shape':>22}")
+    copy_gbs = begin_table(device, args, f"{'shape':>22}", 1 << 30)
     rows = []
     g = torch.Generator().manual_seed(0)
     for name, N, K, gate, layers, M in cases:

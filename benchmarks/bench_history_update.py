@@ -24,8 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, print_header,  # noqa: E402
+from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  print_row, time_variants, write_result)
 from tabed_engine.ensemble import HEDGE_CLIP, EnsembleConfig  # noqa: E402
 from tabed_engine.kernels import history_update as _k  # noqa: E402
@@ -59,9 +58,7 @@ def main(argv=None):
         args.capacity, args.no_compile, args.reps, args.views = 40, True, 3, [2, 3]
     compiled = None if args.no_compile else compile_static(history_update_reference, fullgraph=False)
 
-    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
-    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print_header(f"{'case':>16}")
+    copy_gbs = begin_table(device, args, f"{'case':>16}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     B, P, cap = 1, args.gamma, args.capacity

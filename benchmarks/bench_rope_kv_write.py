@@ -81,9 +81,7 @@ def main(argv=None):
     KV, R, dtype = args.kv_heads, args.rows, torch.bfloat16
     compiled = None if args.no_compile else compile_static(eager_path)  # one static graph per T
 
-    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
-    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print_header(f"{'R':>2} {'T':>2}")
+    copy_gbs = begin_table(device, args, f"{'R':>2} {'T':>2}")
     rows = []
     for T in args.tokens:
         qkv, cos, sin, k_cache, v_cache, lengths, row_index, slots = make_inputs(
@@ -183,6 +181,15 @@ def add_common_args(ap, name: str):
     ap.add_argument("--inner", type=int, default=50, help="calls per timed CUDA-event window / graph")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true", help="skip the two torch.compile columns")
+
+
+def begin_table(device, args, label: str, copy_bytes: int = 256 << 20) -> float:
+    """Measure the copy bandwidth (1 MiB in smoke mode), print the device line and the table
+    header (`label` already padded); returns the bandwidth in GB/s."""
+    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else copy_bytes)
+    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
+    print_header(label)
+    return copy_gbs
 
 
 def print_header(label: str):

@@ -24,9 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from bench_rope_kv_write import (add_common_args, compile_static, device_and_out, measured_row,  # noqa: E402
-                                 print_header, write_result)
+from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
+                                 measured_row, write_result)
 from tabed_engine.kernels import silu_mul as _k  # noqa: E402
 from tabed_engine.model import silu_mul as model_silu_mul  # noqa: E402
 from tabed_engine.ops.gemv import silu_mul_reference  # noqa: E402
@@ -45,9 +44,7 @@ def main(argv=None):
     dtype = torch.bfloat16
     compiled = None if args.no_compile else compile_static(silu_mul_reference)
 
-    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else (256 << 20))
-    print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
-    print_header(f"{'shape':>8}")
+    copy_gbs = begin_table(device, args, f"{'shape':>8}")
     rows = []
     g = torch.Generator().manual_seed(0)
     for shape in args.shapes:
