@@ -177,7 +177,7 @@ def test_rows_kernel_leading_dims_strided_rows_and_errors(kernel_device):
 
 def test_dispatch():
     x, w, b = make_case(3, 4096, 64, torch.bfloat16, "cpu", bias=True)
-    assert not ops.use_gemv(x, w, b)                          # CPU: reference
+    assert ops.gemv_kind(x, w, b) is None                     # CPU: reference
     assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
     xg, _, _ = make_case(3, 4096, 64, torch.bfloat16, "cpu", gated=True)   # gated rows: reference
     assert torch.equal(ops.linear(xg, w, gated=True),
@@ -187,21 +187,21 @@ def test_dispatch():
         ops.linear(xg, w, gated=True, glu=True)
     meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
     # the rule, checked on shapes alone: few rows and wide outputs on CUDA only
-    assert not ops.use_gemv(meta(1, 64), meta(4096, 64))   # meta is not CUDA
+    assert ops.gemv_kind(meta(1, 64), meta(4096, 64)) is None   # meta is not CUDA
 
 
 @pytest.mark.gpu
 def test_dispatch_gpu_rule():
     dev = "cuda"
     x1, w, _ = make_case(1, 4096, 2048, torch.bfloat16, dev)
-    assert ops.use_gemv(x1, w) and ops.gemv_kind(x1, w) == "row"
+    assert ops.gemv_kind(x1, w) == "row"
     x6 = torch.zeros(6, 2048, device=dev, dtype=torch.bfloat16)
-    assert ops.use_gemv(x6, w) and ops.gemv_kind(x6, w) == "rows"                       # verification
+    assert ops.gemv_kind(x6, w) == "rows"                                                 # verification
     assert ops.gemv_kind(torch.zeros(17, 2048, device=dev, dtype=torch.bfloat16), w) is None   # prefill: cuBLAS
     assert ops.gemv_kind(x6.float(), w.float()) is None                                   # fp32 rows: cuBLAS
-    assert not ops.use_gemv(x1, w[:ops.MIN_FEATURES - 1])                                 # narrow: cuBLAS
-    assert not ops.use_gemv(x1[:, :128], w[:, :128])                                      # short K: cuBLAS
-    assert not ops.use_gemv(x1.float(), w)                                                # mixed dtypes
+    assert ops.gemv_kind(x1, w[:ops.MIN_FEATURES - 1]) is None                           # narrow: cuBLAS
+    assert ops.gemv_kind(x1[:, :128], w[:, :128]) is None                                # short K: cuBLAS
+    assert ops.gemv_kind(x1.float(), w) is None                                          # mixed dtypes
     for M in (1, 6):   # gated through the dispatch: fused in the GEMV / the silu_mul kernel first
         xg, wg, _ = make_case(M, 4096, 2048, torch.bfloat16, dev, gated=True, seed=M)
         check(ops.linear(xg, wg, gated=True), xg, wg, None, True)

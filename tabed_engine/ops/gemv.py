@@ -68,11 +68,6 @@ def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
     return None
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> bool:
-    """Whether `linear` takes a Triton GEMV (one row, or 2-16 half rows)."""
-    return gemv_kind(x, weight, bias) is not None
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False,
            glu: bool = False) -> torch.Tensor:
     """y = x @ weight^T (+ bias); `gated`: x is [..., 2K] = [gate | up] and the product
