@@ -12,7 +12,11 @@ graph.  Two or three launches exchange small partials:
      and greedy with K > 1 its chunk's best (q, index).  Greedy with one view the pick is
      already known, so program (b, 0) finishes it.  Sampling draws by inverse CDF: the
      partials give every chunk's mixture mass, one uniform picks the chunk, and that
-     chunk's program walks its prefix sums of q to the token.
+     chunk's program walks its prefix sums of q to the token.  Without the mixture row
+     and with chunks of several tiles (large B), `_mix_draw_kernel` instead: one program
+     per tile of the drawn chunk sums q over it, the last to arrive picks the tile and
+     scans only that one (a walk of the chunk's tiles, each a dependent prefix sum, was
+     most of the launch at B >= 128).
   3. `_mix_pick_kernel` (greedy, K > 1): the S chunk bests -> token, token_prob.
 
 Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
@@ -37,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, exp2,
-                      load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pdl, pdl_wait, uniforms,
-                      tile_warps)
+from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, counters,
+                      exp2, load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pdl, pdl_wait,
+                      uniforms, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements per [KP, BLOCK] tile (4 KiB of bf16 per program and step, 16 per thread at 4
@@ -155,10 +159,7 @@ def _mix_chunk_kernel(
     W: tl.constexpr = 2 * KP + 2
     prow = part_ptr + (b * S + ss) * W  # [SP]
     pmask = smask[:, None] & kmask[None, :]
-    pm = tl.load(prow[:, None] + ks[None, :], mask=pmask, other=NEG_BIG)
-    ps = tl.load(prow[:, None] + KP + ks[None, :], mask=pmask, other=0.0)
-    top, tot = lse_reduce(pm, ps, scale, 0, FAST)
-    lse2 = tl.where(kmask, top * scale + log2(tl.where(kmask, tot, 1.0), FAST), 0.0)  # log2 units
+    pm, ps, lse2 = _row_normalisers(prow, ks, pmask, kmask, scale, KP, FAST)
     if sp == 0:
         tl.store(lse_ptr + b * K + ks, lse2 * LN2, mask=kmask)
     w = tl.load(weights_ptr + b * stride_wb + ks * stride_wk, mask=kmask, other=0.0)
@@ -206,14 +207,7 @@ def _mix_chunk_kernel(
     pick_chunk = -1  # sampling: the chunk holding the draw, and the mass before the target in it
     r_in = 0.0
     if not GREEDY:
-        cm = tl.sum(tl.where(pmask, w[None, :] * ps * exp2(pm * scale - lse2[None, :], FAST), 0.0), axis=1)
-        cum = tl.cumsum(cm, 0)                              # [SP], non-decreasing
-        u = tl.sum(tl.where(tl.arange(0, 4) == 0,
-                            uniforms(tl.load(seed_ptr), tl.load(offset_ptr) + b * V, 0, 4), 0.0), axis=0)
-        r = u * tl.max(cum, axis=0)
-        pick_chunk = tl.sum((smask & (cum <= r)).to(tl.int32), axis=0)
-        pick_chunk = tl.minimum(pick_chunk, tl.max(tl.where(smask & (cm > 0), ss, 0), axis=0))
-        r_in = r - tl.sum(tl.where(ss < pick_chunk, cm, 0.0), axis=0)
+        pick_chunk, r_in = _draw_chunk(pm, ps, lse2, w, pmask, smask, ss, seed_ptr, offset_ptr, b, V, scale, FAST)
 
     if WRITE_MIX or not PICKED:
         if run_chunk != 0:
@@ -273,6 +267,105 @@ def _mix_chunk_kernel(
                     tl.store(token_ptr + b, tok.to(tl.int64))
                     tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0),
                                                         axis=0))
+
+
+@triton.jit
+def _row_normalisers(prow, ks, pmask, kmask, scale, KP: tl.constexpr, FAST: tl.constexpr):
+    """Row b's S pass-1 partials ([SP] row pointers `prow`) -> (chunk maxima pm and sum-exps
+    ps, [SP, KP]; each view's log2-normaliser lse2, [KP], 0 for padded views)."""
+    pm = tl.load(prow[:, None] + ks[None, :], mask=pmask, other=NEG_BIG)
+    ps = tl.load(prow[:, None] + KP + ks[None, :], mask=pmask, other=0.0)
+    top, tot = lse_reduce(pm, ps, scale, 0, FAST)
+    lse2 = tl.where(kmask, top * scale + log2(tl.where(kmask, tot, 1.0), FAST), 0.0)  # log2 units
+    return pm, ps, lse2
+
+
+@triton.jit
+def _draw_chunk(pm, ps, lse2, w, pmask, smask, ss, seed_ptr, offset_ptr, b, V, scale, FAST: tl.constexpr):
+    """Inverse CDF over chunks: chunk s's mixture mass is M_s = sum_k w_k ps_k,s
+    2^(pm_k,s * scale - lse2_k); the row's uniform u (Philox output 0 at counter offset + b*V)
+    sets the target r = u * sum_s M_s. Returns the first chunk whose cumulative mass exceeds r
+    (never one of zero mass) and the mass r_in still to pass inside it."""
+    cm = tl.sum(tl.where(pmask, w[None, :] * ps * exp2(pm * scale - lse2[None, :], FAST), 0.0), axis=1)
+    cum = tl.cumsum(cm, 0)                              # [SP], non-decreasing
+    u = tl.sum(tl.where(tl.arange(0, 4) == 0,
+                        uniforms(tl.load(seed_ptr), tl.load(offset_ptr) + b * V, 0, 4), 0.0), axis=0)
+    r = u * tl.max(cum, axis=0)
+    pick_chunk = tl.sum((smask & (cum <= r)).to(tl.int32), axis=0)
+    pick_chunk = tl.minimum(pick_chunk, tl.max(tl.where(smask & (cm > 0), ss, 0), axis=0))
+    r_in = r - tl.sum(tl.where(ss < pick_chunk, cm, 0.0), axis=0)
+    return pick_chunk, r_in
+
+
+@triton.jit
+def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl.constexpr, BLOCK: tl.constexpr,
+            FAST: tl.constexpr):
+    """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` of row b ([BLOCK]; the
+    views one row at a time, so the sum stays inside each thread)."""
+    q = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(K):
+        x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        q += tl.sum(tl.where(ks == k, w, 0.0), axis=0) * exp2(x * scale - tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),
+                                                               FAST)
+    return q
+
+
+@triton.jit
+def _mix_draw_kernel(
+    logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, tile_mass_ptr, cnt_ptr, token_ptr, token_prob_ptr,
+    lse_ptr, V, S, CHUNK, NT, stride_logits, stride_wb, stride_wk, scale,
+    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, NTP: tl.constexpr, BLOCK: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """Pass 2 of sampling without the mixture row when a chunk spans several tiles: grid
+    (B, NT), one program per tile of the drawn chunk. Every program of row b draws the same
+    chunk (same partials, same uniform), sums q over its tile and stores that mass; the last
+    to arrive (atomic counter, the "last block" pattern) picks the tile whose cumulative mass
+    first exceeds r_in (never one of zero mass) and walks that tile's prefix sums alone. The
+    tail is one tile's scan, not NT dependent ones; the tile is re-read from L2."""
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    ss = tl.arange(0, SP)
+    smask = ss < S
+    prow = part_ptr + (b * S + ss) * (2 * KP + 2)
+    pmask = smask[:, None] & kmask[None, :]
+    pm, ps, lse2 = _row_normalisers(prow, ks, pmask, kmask, scale, KP, FAST)
+    if t == 0:
+        tl.store(lse_ptr + b * K + ks, lse2 * LN2, mask=kmask)
+    w = tl.load(weights_ptr + b * stride_wb + ks * stride_wk, mask=kmask, other=0.0)
+    pick_chunk, r_in = _draw_chunk(pm, ps, lse2, w, pmask, smask, ss, seed_ptr, offset_ptr, b, V, scale, FAST)
+    start = pick_chunk * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    cols = tl.arange(0, BLOCK)
+    offs = start + t * BLOCK + cols
+    q = _tile_q(logits_ptr, b, offs, offs < end, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST)
+    tl.store(tile_mass_ptr + b * NT + t, tl.sum(q, axis=0))
+    tl.debug_barrier()  # the mass is stored before the release below
+    arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if arrived == NT - 1:  # every tile's mass is in: pick the tile, scan it
+        tt = tl.arange(0, NTP)
+        tmask = tt < NT
+        tm = tl.load(tile_mass_ptr + b * NT + tt, mask=tmask, other=0.0)
+        cum = tl.cumsum(tm, 0)
+        tile = tl.sum((tmask & (cum <= r_in)).to(tl.int32), axis=0)
+        tile = tl.minimum(tile, tl.max(tl.where(tmask & (tm > 0), tt, 0), axis=0))
+        r_t = r_in - tl.sum(tl.where(tt < tile, tm, 0.0), axis=0)
+        offs = start + tile * BLOCK + cols
+        vmask = offs < end
+        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST)
+        cs = tl.cumsum(q, 0)
+        pos = vmask & (q > 0)                      # never a zero-probability token
+        hit = tl.min(tl.where(pos & (cs > r_t), offs, BIG_IDX), axis=0)
+        last = tl.max(tl.where(pos, offs, start + tile * BLOCK), axis=0)  # sums short of r_t
+        tok = tl.where(hit < BIG_IDX, hit, last)
+        x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
+                      other=float("-inf")).to(tl.float32)
+        tl.store(token_ptr + b, tok.to(tl.int64))
+        tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0), axis=0))
+        tl.store(cnt_ptr + b, 0)  # every tile has arrived: ready for the next launch
 
 
 @triton.jit
@@ -362,6 +455,17 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         KP=KP, BLOCK=BLOCK, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
+    n_tiles = triton.cdiv(chunk, BLOCK)
+    if not greedy and not write_mix and n_tiles > 1:
+        # sampling over chunks of several tiles: one program per tile of the drawn chunk
+        tile_mass = torch.empty(B * n_tiles, dtype=torch.float32, device=dev)
+        _mix_draw_kernel[(B, n_tiles)](
+            logits, weights, seed, offset, part, tile_mass, counters(dev, B), token, token_prob, lse,
+            V, S, chunk, n_tiles, logits.stride(0), weights.stride(0), weights.stride(1), scale,
+            K=K, KP=KP, SP=SP, NTP=triton.next_power_of_2(n_tiles), BLOCK=BLOCK, FAST=fast,
+            num_warps=tile_warps(BLOCK), PDL=use_pdl, launch_pdl=use_pdl,
+        )
+        return token, token_prob, mixture, lse
     # every chunk when the mixture row is written or greedy K > 1 compares chunk bests; else
     # one program per row (greedy K = 1 finishes the pick, sampling reads the drawn chunk)
     _mix_chunk_kernel[(B, S if (write_mix or (greedy and not picked)) else 1)](

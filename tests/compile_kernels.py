@@ -91,6 +91,9 @@ def _exercise():
         for greedy in (True, False):
             for mix in (False, True):
                 ensemble_mix.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=off, return_mixture=mix)
+        # chunks of several tiles: sampling without the mixture row draws tile-wise
+        ensemble_mix.ensemble_mix(torch.randn(2 * K, 9000, generator=g).to(bf), w, greedy=False, seed=seed,
+                                  offset=off)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, certified_out=torch.zeros(2, dtype=torch.int32))
 
     p = torch.randn(1, 3, V, generator=g).to(bf)

@@ -3,6 +3,7 @@ import pytest
 import torch
 from scipy import stats
 
+import triton
 from tabed_engine.kernels import _common
 from tabed_engine.kernels import ensemble_mix as _k
 from tabed_engine.ops.ensemble_mix import ensemble_mix, ensemble_mix_reference
@@ -139,11 +140,21 @@ def test_sampling_follows_mixture(K, kernel_device):
     assert _chisq_pvalue(token, torch.full((V,), 1.0 / V)) < 1e-6
 
 
-@pytest.mark.parametrize("return_mixture", [False, True])
-def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, kernel_device, monkeypatch):
-    # Inverse-CDF draws across 4 chunks of 16: a chunk with no mass (all -inf) and single
-    # zero-probability tokens next to chunk edges are never drawn; the rest follows q.
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 4)
+def _tiles_of(monkeypatch, width):
+    """Force chunks of more than one tile (`width` columns per tile and loop step): the tiled
+    draw of sampling without the mixture row and the multi-step chunk loops."""
+    monkeypatch.setattr(_common, "ONE_STEP", 1)
+    monkeypatch.setattr(_k, "_TILE", width)
+
+
+@pytest.mark.parametrize("return_mixture, tiled", [(False, False), (True, False), (False, True), (True, True)])
+def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, tiled, kernel_device, monkeypatch):
+    # Inverse-CDF draws across 4 chunks of 16 (tiled: 2 chunks of two 16-column tiles): a
+    # 16-column block with no mass (all -inf: a chunk, or a tile) and single zero-probability
+    # tokens next to chunk and tile edges are never drawn; the rest follows q.
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 2 if tiled else 4)
+    if tiled:
+        _tiles_of(monkeypatch, 32)  # [KP = 2, 16] tiles
     N, K, V = 300, 2, 64
     g = torch.Generator().manual_seed(3)
     base = torch.randn(K, V, generator=g)
@@ -312,6 +323,39 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device,
     if return_mixture:
         torch.testing.assert_close(m5, ref[2], atol=1e-6, rtol=1e-5)
     assert len(set(t5.tolist())) > 1
+
+
+@pytest.mark.parametrize("K, V, n_split, width", [(1, 1000, 1, 64), (3, 1000, 2, 128), (2, 173, 1, 32),
+                                                  (4, 1000, 3, 256)])
+def test_tiled_sampling_draws_match_untiled(K, V, n_split, width, kernel_device, monkeypatch):
+    """Sampling without the mixture row over chunks of several tiles (one program per tile,
+    the last to arrive scans the drawn tile): the same uniform per request, the same tokens
+    as one program walking the whole chunk, q(token) and the normalisers as the reference.
+    Two calls in a row: the arrival counters are left at zero for the next launch."""
+    B = 7
+    logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K + 10)
+    seed = torch.tensor([5], device=kernel_device)
+    offset = torch.tensor([321], device=kernel_device)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
+
+    def draw():
+        token = torch.full((B,), -1, dtype=torch.int64, device=kernel_device)
+        prob = torch.full((B,), float("nan"), device=kernel_device)
+        t, p, _, lse = _k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset, temperature=0.9)
+        token.copy_(t), prob.copy_(p)
+        return token, prob, lse
+
+    t_one, p_one, l_one = draw()          # chunks of at most 1000 columns: one loop step each
+    _tiles_of(monkeypatch, width)
+    assert triton.cdiv(triton.cdiv(V, n_split), width // triton.next_power_of_2(K)) > 1
+    for _ in range(2):
+        t, p, lse = draw()
+        assert torch.equal(t, t_one)
+        torch.testing.assert_close(p, p_one, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse, l_one, atol=1e-5, rtol=1e-5)
+    ref = ensemble_mix_reference(logits, w, greedy=True, temperature=0.9, return_mixture=True)
+    torch.testing.assert_close(p, ref[2].gather(1, t[:, None]).squeeze(1), atol=1e-6, rtol=1e-5)
+    assert len(set(t.tolist())) > 1
 
 
 # ---- greedy K > 1: the argmax certified from pass 1's per-view top-2 (second pass skipped)
