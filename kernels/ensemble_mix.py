@@ -53,11 +53,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # K = 4: 23.9 vs 29.9 us. At B <= 16 the split (32 chunks of 1008) does not change.
 _TILE = 2048
 _PROGRAMS_PER_SM = 4
-# Chunks per SM: the granularity of pass 1's partials and of pass 2's programs (pass 1
-# keeps ~_PROGRAMS_PER_SM programs, each doing several chunks). Finer chunks shorten the
-# second read (sampling reads only the drawn chunk; greedy K > 1 spreads an uncertified
-# row over more programs) without pass 1's cost of more programs.
-_CHUNKS_PER_SM = 4
 # Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
 # (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
 _CERTIFY = True
@@ -72,14 +67,13 @@ _STAGES = 1
 @triton.jit
 def _mix_partial_kernel(
     logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
-    K, V, S, CHUNK, CPP, stride_logits, scale,
+    K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
     argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
-    logit. Program (b, j) does chunks j * CPP .. j * CPP + CPP - 1 of row b, one after the
-    other (the partials are finer than the programs: see `_CHUNKS_PER_SM`).
+    logit.
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
@@ -87,47 +81,46 @@ def _mix_partial_kernel(
     """
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
     ks = tl.arange(0, KP)
     kmask = ks < K
     cols = tl.arange(0, BLOCK)
     rows_ptr = logits_ptr + (b * K + ks).to(tl.int64) * stride_logits
-    first = tl.program_id(1) * CPP
-    for sp in range(first, tl.minimum(first + CPP, S)):
-        start = sp * CHUNK
-        end = tl.minimum(start + CHUNK, V)
-        m = tl.full([KP, BLOCK], NEG_BIG, tl.float32)
-        s = tl.zeros([KP, BLOCK], tl.float32)
-        best_v0 = tl.zeros([BLOCK], tl.int32) + start  # PICK: step of the running max
-        m2 = tl.full([KP, BLOCK], NEG_BIG, tl.float32)       # CERT: element-wise second largest
-        arg_v0 = tl.zeros([KP, BLOCK], tl.int32) + start     # CERT: step of the element-wise max
-        for v0 in tl.range(start, end, BLOCK, num_stages=STAGES):
-            offs = v0 + cols
-            x = load_rows(rows_ptr, offs, kmask, offs < end)  # [KP, BLOCK], -inf outside
-            if CERT:
-                m2 = tl.where(x > m, m, tl.maximum(m2, x))
-            m, s, take = lse_step(x, m, s, scale, FAST)
-            if CERT:
-                arg_v0 = tl.where(take, v0, arg_v0)           # strict: the earlier step keeps ties
-            if PICK:  # KP == 1: [1, BLOCK] is the row itself; the pick is the running max
-                best_v0 = tl.where(tl.reshape(take, [BLOCK]), v0, best_v0)
+    m = tl.full([KP, BLOCK], NEG_BIG, tl.float32)
+    s = tl.zeros([KP, BLOCK], tl.float32)
+    best_v0 = tl.zeros([BLOCK], tl.int32) + start  # PICK: step of the running max
+    m2 = tl.full([KP, BLOCK], NEG_BIG, tl.float32)       # CERT: element-wise second largest
+    arg_v0 = tl.zeros([KP, BLOCK], tl.int32) + start     # CERT: step of the element-wise max
+    for v0 in tl.range(start, end, BLOCK, num_stages=STAGES):
+        offs = v0 + cols
+        x = load_rows(rows_ptr, offs, kmask, offs < end)  # [KP, BLOCK], -inf outside
         if CERT:
-            # per view: the chunk's max (lowest index on ties) and its second-largest value
-            # (equal to the max when the max occurs twice)
-            _, c_idx, _ = best_combine(m, arg_v0, m, cols[None, :], 1)
-            c_2nd = tl.maximum(tl.max(m2, axis=1),
-                               tl.max(tl.where(arg_v0 + cols[None, :] == c_idx[:, None], NEG_BIG, m), axis=1))
-            tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
-            tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
-        top, tot = lse_reduce(m, s, scale, 1, FAST)
-        row = part_ptr + (b * S + sp) * (2 * KP + 2)
-        tl.store(row + ks, top, mask=kmask)
-        tl.store(row + KP + ks, tot, mask=kmask)
-        if PICK:
-            best = tl.reshape(m, [BLOCK]) * scale
-            best, idx, y_best = best_combine(best, best_v0, best, cols, 0)
-            tl.store(row + 2 * KP, best)
-            tl.store(row + 2 * KP + 1, y_best)
-            tl.store(part_idx_ptr + b * S + sp, idx)
+            m2 = tl.where(x > m, m, tl.maximum(m2, x))
+        m, s, take = lse_step(x, m, s, scale, FAST)
+        if CERT:
+            arg_v0 = tl.where(take, v0, arg_v0)           # strict: the earlier step keeps ties
+        if PICK:  # KP == 1: [1, BLOCK] is the row itself; the pick is the running max
+            best_v0 = tl.where(tl.reshape(take, [BLOCK]), v0, best_v0)
+    if CERT:
+        # per view: the chunk's max (lowest index on ties) and its second-largest value
+        # (equal to the max when the max occurs twice)
+        _, c_idx, _ = best_combine(m, arg_v0, m, cols[None, :], 1)
+        c_2nd = tl.maximum(tl.max(m2, axis=1),
+                           tl.max(tl.where(arg_v0 + cols[None, :] == c_idx[:, None], NEG_BIG, m), axis=1))
+        tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
+        tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
+    top, tot = lse_reduce(m, s, scale, 1, FAST)
+    row = part_ptr + (b * S + sp) * (2 * KP + 2)
+    tl.store(row + ks, top, mask=kmask)
+    tl.store(row + KP + ks, tot, mask=kmask)
+    if PICK:
+        best = tl.reshape(m, [BLOCK]) * scale
+        best, idx, y_best = best_combine(best, best_v0, best, cols, 0)
+        tl.store(row + 2 * KP, best)
+        tl.store(row + 2 * KP + 1, y_best)
+        tl.store(part_idx_ptr + b * S + sp, idx)
 
 
 @triton.jit
@@ -446,10 +439,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     offset_arg = offset if not greedy else token
     mix_arg = mixture if write_mix else token_prob
     stride_mix = mixture.stride(0) if write_mix else 0
-    # partials per chunk of ~_CHUNKS_PER_SM per SM; pass 1 with ~_PROGRAMS_PER_SM, each
-    # program doing `cpp` consecutive chunks
-    S, chunk = chunking(V, _n_vsplit(B, V, dev, _CHUNKS_PER_SM))
-    cpp = triton.cdiv(S, max(1, min(S, _n_vsplit(B, V, dev, _PROGRAMS_PER_SM))))
+    S, chunk = chunking(V, _n_vsplit(B, V, dev, _PROGRAMS_PER_SM))
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
     BLOCK = chunk_block(chunk, _TILE // KP)
     num_warps = tile_warps(KP * BLOCK)
@@ -459,9 +449,9 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     cert = _CERTIFY and greedy and not picked and not write_mix
     cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
     cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
-    _mix_partial_kernel[(B, triton.cdiv(S, cpp))](
+    _mix_partial_kernel[(B, S)](
         logits, part, part_idx, cert_buf, cert_idx,
-        K, V, S, chunk, cpp, logits.stride(0), scale,
+        K, V, S, chunk, logits.stride(0), scale,
         KP=KP, BLOCK=BLOCK, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )

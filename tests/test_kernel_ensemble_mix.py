@@ -249,22 +249,6 @@ def test_gpu_sampling_many_draws_and_graph_capture():
     assert not torch.equal(first, tok)
 
 
-@pytest.mark.gpu
-def test_gpu_tiled_sampling_many_draws(monkeypatch):
-    """The tile-wise draw (chunks of several tiles) on the GPU: 100k draws follow q, and all
-    but float-rounding boundary cases match the one-program walk of the same uniforms."""
-    N, V = 100_000, 50
-    logits, weights, mix = _mixture_case(N, 3, V, "cuda")
-    seed = torch.tensor([9], device="cuda")
-    offset = torch.tensor([0], device="cuda")
-    whole, *_ = ensemble_mix(logits, weights, greedy=False, seed=seed, offset=offset, temperature=0.8)
-    _tiles_of(monkeypatch, 64)  # [KP = 4, 16] tiles: 4 per 50-column row
-    token, prob, _, _ = ensemble_mix(logits, weights, greedy=False, seed=seed, offset=offset, temperature=0.8)
-    assert _chisq_pvalue(token, mix) > 1e-3
-    torch.testing.assert_close(prob.cpu(), mix[token.cpu()], atol=1e-6, rtol=1e-5)
-    assert (token != whole).float().mean().item() < 1e-3
-
-
 # ---- V split (few requests): forced chunk counts on small and odd vocabularies.
 
 def test_split_count_from_shapes(monkeypatch):
@@ -339,27 +323,6 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device,
     if return_mixture:
         torch.testing.assert_close(m5, ref[2], atol=1e-6, rtol=1e-5)
     assert len(set(t5.tolist())) > 1
-
-
-@pytest.mark.parametrize("K, greedy, return_mixture", [(1, True, False), (3, True, False), (2, True, True),
-                                                     (1, False, False), (4, False, False), (3, False, True)])
-def test_pass1_programs_doing_several_chunks_change_nothing(K, greedy, return_mixture, kernel_device, monkeypatch):
-    """Pass 1 with fewer programs than chunks (each does 2-3 chunks in a row) writes the same
-    partials as one program per chunk: every output is bit-identical."""
-    B, V = 5, 1000
-    logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K + 20)
-    seed = torch.tensor([3], device=kernel_device)
-    offset = torch.tensor([77], device=kernel_device)
-    monkeypatch.setattr(_k, "_CHUNKS_PER_SM", -1)  # a per-SM rate the fake split tells apart
-    outs = []
-    for programs in (7, 3):  # 7 chunks: one program each, then 3 programs doing 3, 3 and 1
-        monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, per_sm, p=programs: 7 if per_sm == -1 else p)
-        outs.append(_k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, temperature=0.9,
-                                    return_mixture=return_mixture))
-    for a, b in zip(*outs):
-        assert (a is None and b is None) or torch.equal(a, b)
-    ref = ensemble_mix_reference(logits, w, greedy=True, temperature=0.9, return_mixture=True)
-    torch.testing.assert_close(outs[1][1], ref[2].gather(1, outs[1][0][:, None]).squeeze(1), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("K, V, n_split, width", [(1, 1000, 1, 64), (3, 1000, 2, 128), (2, 173, 1, 32),
