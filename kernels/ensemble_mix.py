@@ -1,9 +1,9 @@
 """Fused ensemble mixing of the K draft views: softmax per view, mix, pick a token.
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
-and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, at
-least 1024 columns per chunk), so the launcher never syncs and can be captured in a CUDA
-graph.  Two or three launches exchange small partials:
+and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 16
+when sampling, at least 1024 columns per chunk), so the launcher never syncs and can be
+captured in a CUDA graph.  Two or three launches exchange small partials:
 
   1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; greedy with
      one view (KP == 1) also the chunk's argmax.
@@ -15,8 +15,8 @@ graph.  Two or three launches exchange small partials:
      chunk's program walks its prefix sums of q to the token.  Without the mixture row
      and with chunks of several tiles (large B), `_mix_draw_kernel` instead: one program
      per tile of the drawn chunk sums q over it, the last to arrive picks the tile and
-     scans only that one (a walk of the chunk's tiles, each a dependent prefix sum, was
-     most of the launch at B >= 128).
+     scans only that one (the walk of a chunk's tiles, each a dependent prefix sum, took
+     12-15 us of the 26-30 us at B >= 128 on an H100).
   3. `_mix_pick_kernel` (greedy, K > 1): the S chunk bests -> token, token_prob.
 
 Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
@@ -53,6 +53,13 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # K = 4: 23.9 vs 29.9 us. At B <= 16 the split (32 chunks of 1008) does not change.
 _TILE = 2048
 _PROGRAMS_PER_SM = 4
+# Sampling: finer chunks, so the second read (the drawn chunk; with the mixture row every
+# chunk plus the drawn chunk's scan) is shorter. H100 sweep (graph replays, V = 32064), 4 ->
+# 16 programs per SM: B = 128, K = 4 30.2 -> 20.6 us; B = 256, K = 2 24.6 -> 19.6; B = 512,
+# K = 1 26.9 -> 22.0; B = 64, K = 1 6.8 -> 7.2; with the mixture row 55.2 -> 33.4, 50.5 -> 39.7,
+# 60.3 -> 55.2, 10.9 -> 9.0. Greedy keeps 4 (B = 512, K = 1: 14.7 vs 18.8 us with 16). B <= 16
+# is capped by the 1024-column minimum chunk either way.
+_SAMPLE_PROGRAMS_PER_SM = 16
 # Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
 # (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
 _CERTIFY = True
@@ -439,7 +446,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     offset_arg = offset if not greedy else token
     mix_arg = mixture if write_mix else token_prob
     stride_mix = mixture.stride(0) if write_mix else 0
-    S, chunk = chunking(V, _n_vsplit(B, V, dev, _PROGRAMS_PER_SM))
+    S, chunk = chunking(V, _n_vsplit(B, V, dev, _PROGRAMS_PER_SM if greedy else _SAMPLE_PROGRAMS_PER_SM))
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
     BLOCK = chunk_block(chunk, _TILE // KP)
     num_warps = tile_warps(KP * BLOCK)

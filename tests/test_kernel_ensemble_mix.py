@@ -262,6 +262,8 @@ def test_split_count_from_shapes(monkeypatch):
     # ensemble_mix's own rate: ~4 programs per SM
     assert _k._n_vsplit(16, 151936, "cuda", _k._PROGRAMS_PER_SM) == 33
     assert _k._n_vsplit(128, 32064, "cuda", _k._PROGRAMS_PER_SM) == 5
+    assert _k._n_vsplit(128, 32064, "cuda", _k._SAMPLE_PROGRAMS_PER_SM) == 17  # sampling: ~16 per SM
+    assert _k._n_vsplit(1, 32064, "cuda", _k._SAMPLE_PROGRAMS_PER_SM) == 32
 
 
 @pytest.mark.parametrize("n_split", [2, 7, 24])
