@@ -3,21 +3,22 @@
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
 and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 16
 when sampling, at least 1024 columns per chunk), so the launcher never syncs and can be
-captured in a CUDA graph.  Two or three launches exchange small partials:
+captured in a CUDA graph.  Two launches exchange small partials:
 
   1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; greedy with
      one view (KP == 1) also the chunk's argmax.
   2. `_mix_chunk_kernel`: folds the S partials of its row into the normalisers (S * K
      floats), then forms q = sum_k w_k softmax_k over a chunk: writes the mixture row,
-     and greedy with K > 1 its chunk's best (q, index).  Greedy with one view the pick is
-     already known, so program (b, 0) finishes it.  Sampling draws by inverse CDF: the
+     and greedy with K > 1 its chunk's best (q, index), the row's last program to arrive
+     (atomic counter) folding the S bests into the token; a certified row (below) is
+     finished by program (b, 0) at once.  Greedy with one view the pick is already
+     known, so program (b, 0) finishes it.  Sampling draws by inverse CDF: the
      partials give every chunk's mixture mass, one uniform picks the chunk, and that
      chunk's program walks its prefix sums of q to the token.  Without the mixture row
      and with chunks of several tiles (large B), `_mix_draw_kernel` instead: one program
      per tile of the drawn chunk sums q over it, the last to arrive picks the tile and
      scans only that one (the walk of a chunk's tiles, each a dependent prefix sum, took
      12-15 us of the 26-30 us at B >= 128 on an H100).
-  3. `_mix_pick_kernel` (greedy, K > 1): the S chunk bests -> token, token_prob.
 
 Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
 plus the chunks that need q (all of them with the mixture row; greedy without it, all but
@@ -133,7 +134,7 @@ def _mix_partial_kernel(
 @triton.jit
 def _mix_chunk_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
-    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
+    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
@@ -144,8 +145,12 @@ def _mix_chunk_kernel(
     CERT (greedy, K > 1, no mixture row): first the candidates, each view's argmax c_j. A
     token that is no view's argmax has q_v <= bound = sum_k w_k q_k(second largest of view
     k), so when the best candidate's q exceeds the bound it is the argmax of q and the pass
-    over the chunk is skipped (views that agree on their argmax always certify). Otherwise
-    the chunk pass below runs as without CERT.
+    over the chunk is skipped (views that agree on their argmax always certify) and program
+    (b, 0) stores the token. Otherwise the chunk pass below runs as without CERT.
+
+    Greedy, K > 1, chunk pass: each program stores its chunk's best (q, index) and counts
+    itself in (atomic counter of row b); the last of the row's S programs to arrive reads
+    the S bests (past L1: other programs wrote them) and stores the token.
 
     Sampling (inverse CDF, no per-element randomness): the partials also give each chunk's
     mixture mass M_s = sum_k w_k sumexp_k,s 2^(max_k,s * scale - lse_k); one uniform u of the
@@ -193,11 +198,10 @@ def _mix_chunk_kernel(
         if REPORT:
             if sp == 0:
                 tl.store(certified_ptr + b, 1 - run_chunk)
-        if run_chunk == 0:  # certified: chunk 0 carries the pick, the others none
-            row_c = part_ptr + (b * S + sp) * W
-            tl.store(row_c + 2 * KP, tl.where(sp == 0, q_cert, float("-inf")))
-            tl.store(row_c + 2 * KP + 1, q_cert)
-            tl.store(part_idx_ptr + b * S + sp, tl.where(sp == 0, tok_c, V))
+        if run_chunk == 0:  # certified: the row's token is decided, no chunk pass, no fold
+            if sp == 0:
+                tl.store(token_ptr + b, tok_c.to(tl.int64))
+                tl.store(token_prob_ptr + b, q_cert)
 
     if PICKED:  # greedy, one view: pass 1 found the pick, program (b, 0) finishes it
         if sp == 0:
@@ -266,6 +270,17 @@ def _mix_chunk_kernel(
                 tl.store(row + 2 * KP, best)
                 tl.store(row + 2 * KP + 1, q_best)
                 tl.store(part_idx_ptr + b * S + sp, idx)
+                tl.debug_barrier()  # the chunk's best is stored before the release below
+                arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+                if arrived == S - 1:  # the row's last chunk: its S bests -> token (lowest index on ties)
+                    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                    bq = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0, cache_modifier=".cg")
+                    bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V, cache_modifier=".cg")
+                    top = tl.max(bv, axis=0)
+                    tok = tl.min(tl.where(bv == top, bi, V), axis=0)
+                    tl.store(token_ptr + b, tok.to(tl.int64))
+                    tl.store(token_prob_ptr + b, tl.sum(tl.where(smask & (bi == tok), bq, 0.0), axis=0))
+                    tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
             if not GREEDY:
                 if scan:
                     tok = tl.where(hit < BIG_IDX, hit, last)
@@ -375,24 +390,6 @@ def _mix_draw_kernel(
         tl.store(cnt_ptr + b, 0)  # every tile has arrived: ready for the next launch
 
 
-@triton.jit
-def _mix_pick_kernel(part_ptr, part_idx_ptr, token_ptr, token_prob_ptr, V, S,
-                     KP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
-    """Pass 3 (K > 1): the chunk bests -> token (lowest index on ties), q(token)."""
-    pdl_wait(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    ss = tl.arange(0, SP)
-    smask = ss < S
-    prow = part_ptr + (b * S + ss) * (2 * KP + 2)
-    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"))
-    bq = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0)
-    bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V)
-    top = tl.max(bv, axis=0)
-    tok = tl.min(tl.where(bv == top, bi, V), axis=0)
-    tl.store(token_ptr + b, tok.to(tl.int64))
-    tl.store(token_prob_ptr + b, tl.sum(tl.where(smask & (bi == tok), bq, 0.0), axis=0))
-
-
 def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature=1.0,
                  return_mixture=False, mixture_out=None, certified_out=None):
     """Triton launcher; see `tabed_engine.ops.ensemble_mix.ensemble_mix` for the contract.
@@ -477,14 +474,11 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     # one program per row (greedy K = 1 finishes the pick, sampling reads the drawn chunk)
     _mix_chunk_kernel[(B, S if (write_mix or (greedy and not picked)) else 1)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
-        certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse,
+        certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, counters(dev, B),
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
         CERT=cert, REPORT=cert and certified_out is not None, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
-    if greedy and not picked:
-        _mix_pick_kernel[(B,)](part, part_idx, token, token_prob, V, S, KP=KP, SP=SP,
-                               PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP <= 32 else 4)
     return token, token_prob, mixture, lse
