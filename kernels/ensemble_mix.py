@@ -370,7 +370,7 @@ def _mix_draw_kernel(
     if arrived == NT - 1:  # every tile's mass is in: pick the tile, scan it
         tt = tl.arange(0, NTP)
         tmask = tt < NT
-        tm = tl.load(tile_mass_ptr + b * NT + tt, mask=tmask, other=0.0)
+        tm = tl.load(tile_mass_ptr + b * NT + tt, mask=tmask, other=0.0, cache_modifier=".cg")  # past L1
         cum = tl.cumsum(tm, 0)
         tile = tl.sum((tmask & (cum <= r_in)).to(tl.int32), axis=0)
         tile = tl.minimum(tile, tl.max(tl.where(tmask & (tm > 0), tt, 0), axis=0))
