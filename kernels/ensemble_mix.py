@@ -229,16 +229,6 @@ def _mix_chunk_kernel(
             start = chunk_id * CHUNK
             end = tl.minimum(start + CHUNK, V)
             cols = tl.arange(0, BLOCK)
-            # The views one [BLOCK] row at a time (K is a constexpr here): the sum over views
-            # stays inside each thread; a [KP, BLOCK] tile spreads the views over warps and
-            # its sum costs a shared-memory exchange and barriers every step.
-            rows = ()
-            wk = ()
-            lk = ()
-            for k in tl.static_range(K):
-                rows = rows + (logits_ptr + (b * K + k) * stride_logits,)
-                wk = wk + (tl.sum(tl.where(ks == k, w, 0.0), axis=0),)
-                lk = lk + (tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),)
             best = tl.full([BLOCK], float("-inf"), tl.float32)
             best_v0 = tl.zeros([BLOCK], tl.int32) + start
             best_q = tl.zeros([BLOCK], tl.float32)
@@ -248,10 +238,7 @@ def _mix_chunk_kernel(
             for v0 in range(start, end, BLOCK):
                 offs = v0 + cols
                 vmask = offs < end
-                q = tl.zeros([BLOCK], tl.float32)
-                for k in tl.static_range(K):
-                    x = tl.load(rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-                    q += wk[k] * exp2(x * scale - lk[k], FAST)
+                q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST)
                 if WRITE_MIX:
                     tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
                 if GREEDY and not PICKED:
@@ -322,8 +309,10 @@ def _draw_chunk(pm, ps, lse2, w, pmask, smask, ss, seed_ptr, offset_ptr, b, V, s
 @triton.jit
 def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl.constexpr, BLOCK: tl.constexpr,
             FAST: tl.constexpr):
-    """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` of row b ([BLOCK]; the
-    views one row at a time, so the sum stays inside each thread)."""
+    """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` of row b, [BLOCK].
+    The views one [BLOCK] row at a time (K is a constexpr): the sum over views stays inside
+    each thread; a [KP, BLOCK] tile spreads the views over warps and its sum costs a
+    shared-memory exchange and barriers every step."""
     q = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(K):
         x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask, other=float("-inf")).to(tl.float32)
