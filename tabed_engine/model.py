@@ -247,15 +247,18 @@ class LlamaLM(nn.Module):
         self._rope = None
 
     def rope(self, max_pos: int, device):
-        if self._rope is None or self._rope[0].shape[0] < max_pos or self._rope[0].device != device:
-            self._rope = rope_tables(self.cfg, max(max_pos, 256), device)
+        """[P, 2 * head_dim] float32: the cos table, then the sin table, per position (one
+        gather per forward fetches both)."""
+        if self._rope is None or self._rope.shape[0] < max_pos or self._rope.device != device:
+            self._rope = torch.cat(rope_tables(self.cfg, max(max_pos, 256), device), dim=-1)
         return self._rope
 
     def forward(self, cache: KVCache, positions: torch.Tensor, *, input_ids=None, embeds=None,
                 tree_mask: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
                 kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
-                fresh: bool = False):
-        """Run T new tokens per row; returns logits in float32.
+                fresh: bool = False, float_logits: bool = True):
+        """Run T new tokens per row; returns logits in float32 (in the model's dtype with
+        `float_logits=False`: no conversion kernel, for consumers that read any float dtype).
 
         positions: [R, T] RoPE positions. input_ids: [R, T] or embeds: [R, T, hidden].
         tree_mask: [R, T, T] bool (node i sees node j) or None for causal.
@@ -269,13 +272,14 @@ class LlamaLM(nn.Module):
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
         ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh)
-        cos_t, sin_t = self.rope(max(self.cfg.max_position_embeddings, cache.max_len), x.device)
-        cos = cos_t[positions][:, :, None, :]
-        sin = sin_t[positions][:, :, None, :]
+        cs = self.rope(max(self.cfg.max_position_embeddings, cache.max_len), x.device)[positions]  # [R, T, 2D]
+        D = self.cfg.head_dim
+        cos, sin = cs[:, :, None, :D], cs[:, :, None, D:]
         delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], ctx)
         _, x = self.norm.add_forward(x, delta)  # the last residual add and the final norm: one kernel on CUDA
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        return logits.float() if float_logits else logits

@@ -59,7 +59,9 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
 
     inp2: [B*K, 2] the rows' last two tokens, written at slots lens, lens+1; lens: [B*K];
     w: [B, K] ensemble weights; seed/offset: [1] int64 RNG state for the mixture samples.
-    Returns drafted [B, γ], per-view logits [γ, B*K, V] and mixtures [γ, B, V] (sampling).
+    Returns drafted [B, γ], per-view logits [γ, B*K, V] in the draft's dtype (the mixing
+    and divergence kernels read any float dtype; no conversion kernel per step) and
+    mixtures [γ, B, V] fp32 (sampling).
     per_view (greedy): every row follows its own argmax instead of the mixture's token, and
     drafted is [B*K, γ] (the first block's view tree).
     """
@@ -67,19 +69,23 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
     if per_view:
         B, K, w = R, 1, torch.ones(R, 1, device=dev)
     logits = draft_lm(cache, lens[:, None] + torch.arange(2, device=dev), input_ids=inp2, lengths=lens,
-                      logits_index=torch.ones(R, 1, dtype=torch.long, device=dev), kv_len=kv_len)[:, -1]
+                      logits_index=torch.ones(R, 1, dtype=torch.long, device=dev), kv_len=kv_len,
+                      float_logits=False)[:, -1]
     lens = lens + 2
     q_logits, mixtures, tokens = [], [], []
     for i in range(gamma):
         step_w = confidence_weights(logits, B, K, temperature) if confidence else w
-        tok, _, mix, _ = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=offset + i * B * logits.shape[-1],
+        # greedy draws no random numbers: no per-step offset kernel
+        step_offset = offset if greedy else offset + i * B * logits.shape[-1]
+        tok, _, mix, _ = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
                                       temperature=temperature, return_mixture=not greedy)
         q_logits.append(logits)
         mixtures.append(mix)
         tokens.append(tok)
         if i < gamma - 1:
-            logits = draft_lm(cache, lens[:, None], input_ids=tok.repeat_interleave(K)[:, None],
-                              lengths=lens, kv_len=kv_len)[:, -1]
+            ids = tok[:, None] if K == 1 else tok.repeat_interleave(K)[:, None]   # the token to every view
+            logits = draft_lm(cache, lens[:, None], input_ids=ids, lengths=lens, kv_len=kv_len,
+                              float_logits=False)[:, -1]
             lens = lens + 1
     return (torch.stack(tokens, 1), torch.stack(q_logits),
             torch.stack(mixtures) if not greedy else torch.empty(0, device=dev))
@@ -87,7 +93,7 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
 
 def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
     """Target logits [B, γ+1, V] for vin [B, γ+1] written at slots tlens.."""
-    pos = tlens.long()[:, None] + torch.arange(vin.shape[1], device=vin.device)
+    pos = tlens[:, None] + torch.arange(vin.shape[1], device=vin.device)   # int64 by promotion: one kernel
     return target_lm(cache, pos, input_ids=vin, lengths=tlens, kv_len=kv_len)
 
 
