@@ -138,7 +138,7 @@ def _mix_chunk_kernel(
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
-    REPORT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    REPORT: tl.constexpr, TOK_K: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
 
@@ -200,7 +200,7 @@ def _mix_chunk_kernel(
                 tl.store(certified_ptr + b, 1 - run_chunk)
         if run_chunk == 0:  # certified: the row's token is decided, no chunk pass, no fold
             if sp == 0:
-                tl.store(token_ptr + b, tok_c.to(tl.int64))
+                _store_token(token_ptr, b, tok_c, ks, TOK_K)
                 tl.store(token_prob_ptr + b, q_cert)
 
     if PICKED:  # greedy, one view: pass 1 found the pick, program (b, 0) finishes it
@@ -212,7 +212,7 @@ def _mix_chunk_kernel(
             tok = tl.min(tl.where(bv == best, bi, V), axis=0)  # ties: lowest index
             y_tok = tl.sum(tl.where(smask & (bi == tok), by, 0.0), axis=0)
             q_tok = exp2(y_tok - tl.sum(lse2, axis=0), FAST) * tl.sum(w, axis=0)
-            tl.store(token_ptr + b, tok.to(tl.int64))
+            _store_token(token_ptr, b, tok, ks, TOK_K)
             tl.store(token_prob_ptr + b, q_tok)
 
     pick_chunk = -1  # sampling: the chunk holding the draw, and the mass before the target in it
@@ -265,7 +265,7 @@ def _mix_chunk_kernel(
                     bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V, cache_modifier=".cg")
                     top = tl.max(bv, axis=0)
                     tok = tl.min(tl.where(bv == top, bi, V), axis=0)
-                    tl.store(token_ptr + b, tok.to(tl.int64))
+                    _store_token(token_ptr, b, tok, ks, TOK_K)
                     tl.store(token_prob_ptr + b, tl.sum(tl.where(smask & (bi == tok), bq, 0.0), axis=0))
                     tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
             if not GREEDY:
@@ -273,9 +273,16 @@ def _mix_chunk_kernel(
                     tok = tl.where(hit < BIG_IDX, hit, last)
                     x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
                                   other=float("-inf")).to(tl.float32)
-                    tl.store(token_ptr + b, tok.to(tl.int64))
+                    _store_token(token_ptr, b, tok, ks, TOK_K)
                     tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0),
                                                         axis=0))
+
+
+@triton.jit
+def _store_token(token_ptr, b, tok, ks, TOK_K: tl.constexpr):
+    """Request b's token: stored once (TOK_K = 1), or into each of its TOK_K view rows
+    (token_ptr + b * TOK_K + k), the next draft step's input ids. ks: arange(KP), KP >= TOK_K."""
+    tl.store(token_ptr + b * TOK_K + ks, (tok + 0 * ks).to(tl.int64), mask=ks < TOK_K)
 
 
 @triton.jit
@@ -326,7 +333,7 @@ def _mix_draw_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, tile_mass_ptr, cnt_ptr, token_ptr, token_prob_ptr,
     lse_ptr, V, S, CHUNK, NT, stride_logits, stride_wb, stride_wk, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, NTP: tl.constexpr, BLOCK: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr,
+    TOK_K: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 2 of sampling without the mixture row when a chunk spans several tiles: grid
     (B, NT), one program per tile of the drawn chunk. Every program of row b draws the same
@@ -374,14 +381,18 @@ def _mix_draw_kernel(
         tok = tl.where(hit < BIG_IDX, hit, last)
         x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
                       other=float("-inf")).to(tl.float32)
-        tl.store(token_ptr + b, tok.to(tl.int64))
+        _store_token(token_ptr, b, tok, ks, TOK_K)
         tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0), axis=0))
         tl.store(cnt_ptr + b, 0)  # every tile has arrived: ready for the next launch
 
 
 def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature=1.0,
-                 return_mixture=False, mixture_out=None, certified_out=None):
+                 return_mixture=False, mixture_out=None, certified_out=None, view_tokens_out=None):
     """Triton launcher; see `tabed_engine.ops.ensemble_mix.ensemble_mix` for the contract.
+
+    `view_tokens_out` ([B*K] int64, contiguous): the kernel stores request b's token in rows
+    b*K .. b*K+K-1 (the next draft step's input ids, no repeat kernel), and the returned
+    token is the strided view of its rows b*K.
 
     `mixture_out` ([B, V] fp32, unit last stride, any row stride) is written in place when
     given (e.g. a slice of the engine's [B, gamma, V] buffer) and implies return_mixture.
@@ -413,7 +424,13 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
                 raise ValueError(f"sampling needs {name} as an int64 tensor [1] on {logits.device}")
     dev = logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
-    token = torch.empty(B, dtype=torch.int64, device=dev)
+    if view_tokens_out is not None:
+        if (view_tokens_out.shape != (R,) or view_tokens_out.dtype != torch.int64
+                or view_tokens_out.device != dev or not view_tokens_out.is_contiguous()):
+            raise ValueError(f"view_tokens_out must be a contiguous int64 [{R}] tensor on {dev}")
+        token, tok_k = view_tokens_out, K      # the kernel writes every view row
+    else:
+        token, tok_k = torch.empty(B, dtype=torch.int64, device=dev), 1
     token_prob = torch.empty(B, dtype=torch.float32, device=dev)
     lse = torch.empty(R, dtype=torch.float32, device=dev)
     mixture = mixture_out
@@ -455,10 +472,10 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         _mix_draw_kernel[(B, n_tiles)](
             logits, weights, seed, offset, part, tile_mass, counters(dev, B), token, token_prob, lse,
             V, S, chunk, n_tiles, logits.stride(0), weights.stride(0), weights.stride(1), scale,
-            K=K, KP=KP, SP=SP, NTP=triton.next_power_of_2(n_tiles), BLOCK=BLOCK, FAST=fast,
+            K=K, KP=KP, SP=SP, NTP=triton.next_power_of_2(n_tiles), BLOCK=BLOCK, TOK_K=tok_k, FAST=fast,
             num_warps=tile_warps(BLOCK), PDL=use_pdl, launch_pdl=use_pdl,
         )
-        return token, token_prob, mixture, lse
+        return token[::tok_k], token_prob, mixture, lse
     # every chunk when the mixture row is written or greedy K > 1 compares chunk bests; else
     # one program per row (greedy K = 1 finishes the pick, sampling reads the drawn chunk)
     _mix_chunk_kernel[(B, S if (write_mix or (greedy and not picked)) else 1)](
@@ -467,7 +484,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
-        CERT=cert, REPORT=cert and certified_out is not None, FAST=fast, num_warps=num_warps,
+        CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, FAST=fast, num_warps=num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
-    return token, token_prob, mixture, lse
+    return token[::tok_k], token_prob, mixture, lse

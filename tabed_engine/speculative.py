@@ -77,15 +77,16 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
         step_w = confidence_weights(logits, B, K, temperature) if confidence else w
         # greedy draws no random numbers: no per-step offset kernel
         step_offset = offset if greedy else offset + i * B * logits.shape[-1]
+        # K > 1: the mixing kernel also writes the token into every view's row (next input ids)
+        ids = torch.empty(R, dtype=torch.long, device=dev) if K > 1 else None
         tok, _, mix, _ = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
-                                      temperature=temperature, return_mixture=not greedy)
+                                      temperature=temperature, return_mixture=not greedy, view_tokens_out=ids)
         q_logits.append(logits)
         mixtures.append(mix)
         tokens.append(tok)
         if i < gamma - 1:
-            ids = tok[:, None] if K == 1 else tok.repeat_interleave(K)[:, None]   # the token to every view
-            logits = draft_lm(cache, lens[:, None], input_ids=ids, lengths=lens, kv_len=kv_len,
-                              float_logits=False)[:, -1]
+            logits = draft_lm(cache, lens[:, None], input_ids=tok[:, None] if K == 1 else ids[:, None],
+                              lengths=lens, kv_len=kv_len, float_logits=False)[:, -1]
             lens = lens + 1
     return (torch.stack(tokens, 1), torch.stack(q_logits),
             torch.stack(mixtures) if not greedy else torch.empty(0, device=dev))

@@ -95,6 +95,10 @@ def _exercise():
         ensemble_mix.ensemble_mix(torch.randn(2 * K, 9000, generator=g).to(bf), w, greedy=False, seed=seed,
                                   offset=off)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, certified_out=torch.zeros(2, dtype=torch.int32))
+    # the token into every view row (the draft loop's K > 1 steps)
+    ensemble_mix.ensemble_mix(logits, w, greedy=True, view_tokens_out=torch.zeros(6, dtype=torch.int64))
+    ensemble_mix.ensemble_mix(logits, w, greedy=False, seed=seed, offset=off, return_mixture=True,
+                              view_tokens_out=torch.zeros(6, dtype=torch.int64))
 
     p = torch.randn(1, 3, V, generator=g).to(bf)
     q = torch.randn(1, 2, 3, V, generator=g).to(bf)

@@ -431,3 +431,47 @@ def test_certified_tie_between_candidates_takes_the_lower_index(n_split, kernel_
     assert token.item() == 20 and certified.item() == 1
     ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
     torch.testing.assert_close(prob.cpu(), ref[1], atol=1e-7, rtol=1e-6)
+
+
+# ---- the token written into every view row (the draft loop's next input ids)
+
+@pytest.mark.parametrize("case", ["greedy K=1", "greedy certified", "greedy folded", "sample+mixture",
+                                  "sample tiled"])
+def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
+    """Each path that stores the token (pass 2's pick, the certificate, the last-arriving
+    fold, the chunk scan, the tile draw) writes it into all K rows of its request when asked;
+    the returned token is the same as without, and so are the other outputs."""
+    B, V = 5, 1000
+    K = {"greedy K=1": 1, "greedy certified": 3, "greedy folded": 3, "sample+mixture": 2, "sample tiled": 4}[case]
+    greedy = case.startswith("greedy")
+    if case == "greedy certified":
+        logits, w = _agreeing(B, K, V, torch.bfloat16, kernel_device, noise=0.05, seed=3)
+    else:
+        logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K + 20)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 3)
+    if case == "sample tiled":
+        _tiles_of(monkeypatch, 128)
+    seed = torch.tensor([9], device=kernel_device)
+    offset = torch.tensor([77], device=kernel_device)
+    kw = dict(greedy=greedy, seed=seed, offset=offset, temperature=0.8, return_mixture=case == "sample+mixture")
+    cert = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
+    plain = _k.ensemble_mix(logits, w, certified_out=cert, **kw)
+    if case == "greedy certified":
+        assert bool((cert == 1).all())
+    if case == "greedy folded":
+        assert bool((cert == 0).any())
+    rows = torch.full((B * K,), -1, dtype=torch.int64, device=kernel_device)
+    out = _k.ensemble_mix(logits, w, view_tokens_out=rows, **kw)
+    assert torch.equal(out[0], plain[0])
+    assert torch.equal(rows, plain[0].repeat_interleave(K))
+    for a, b in zip(out[1:], plain[1:]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    ref_rows = torch.full((B * K,), -1, dtype=torch.int64)
+    ref = ensemble_mix_reference(logits.cpu(), w.cpu(), greedy=True, temperature=0.8, view_tokens_out=ref_rows)
+    assert torch.equal(ref_rows, ref[0].repeat_interleave(K))
+    if greedy:
+        assert torch.equal(ref[0], plain[0].cpu())
+    with pytest.raises(ValueError):
+        _k.ensemble_mix(logits, w, view_tokens_out=rows[:-1], **kw)
+    with pytest.raises(ValueError):
+        _k.ensemble_mix(logits, w, view_tokens_out=rows.int(), **kw)

@@ -15,7 +15,7 @@ except ImportError:  # triton missing: the reference serves every device
 
 
 def ensemble_mix_reference(logits, weights, *, greedy, seed=None, offset=None,
-                           temperature=1.0, return_mixture=False, mixture_out=None):
+                           temperature=1.0, return_mixture=False, mixture_out=None, view_tokens_out=None):
     """Plain-PyTorch ensemble mix (ground truth for tests; CPU path of the engine).
 
     Sampling draws E_v from a torch.Generator seeded with (seed, offset): it reads the
@@ -38,6 +38,8 @@ def ensemble_mix_reference(logits, weights, *, greedy, seed=None, offset=None,
         e = torch.empty(B, V, device=logits.device).exponential_(generator=gen)
         token = (mixture / e).argmax(dim=-1)
     token_prob = mixture.gather(1, token[:, None]).squeeze(1)
+    if view_tokens_out is not None:
+        view_tokens_out.copy_(token.repeat_interleave(K))
     if mixture_out is not None:
         mixture_out.copy_(mixture)
         mixture = mixture_out
@@ -47,7 +49,7 @@ def ensemble_mix_reference(logits, weights, *, greedy, seed=None, offset=None,
 
 
 def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature=1.0,
-                 return_mixture=False, mixture_out=None):
+                 return_mixture=False, mixture_out=None, view_tokens_out=None):
     """Mix the K views' next-token distributions and pick one token per request.
 
     Parameters
@@ -67,6 +69,9 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         Also return the mixture rows.
     mixture_out : Tensor [B, V] fp32, optional
         Preallocated mixture rows (unit last stride) written in place.
+    view_tokens_out : Tensor [B*K] int64, optional (contiguous)
+        Also receives request b's token in each of its K view rows b*K .. b*K+K-1 (the
+        draft loop's next input ids; the kernel writes them, no separate repeat).
 
     Returns
     -------
@@ -78,4 +83,4 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     fn = _k.ensemble_mix if (logits.is_cuda and _k is not None) else ensemble_mix_reference
     return fn(logits, weights, greedy=greedy, seed=seed, offset=offset,
               temperature=temperature, return_mixture=return_mixture,
-              mixture_out=mixture_out)
+              mixture_out=mixture_out, view_tokens_out=view_tokens_out)
