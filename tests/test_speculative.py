@@ -312,6 +312,44 @@ def test_stop_at_eos_mid_generation(engine, speculative):
     assert again == full
 
 
+@pytest.mark.parametrize("policy, temperature", [("hedge", 0.0), ("w-grid", 0.0), ("kld", 0.8)])
+def test_draft_logits_in_bf16_change_no_result(policy, temperature, monkeypatch):
+    """The draft loop keeps a bf16 draft's logits in bf16 (no conversion per step); every
+    consumer (mixing, weights, divergences, acceptance) upcasts them exactly, so the tokens,
+    the acceptance record and the weights equal those of the same run on float32 logits."""
+    from tabed_engine.model import LlamaLM
+
+    eng = Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.bfloat16)
+    configure(eng, ("M", "T", "P", "C"), policy, 3)
+    text, imgs = prompt(1)
+    sp = SamplingParams(max_new_tokens=14, temperature=temperature, seed=5)
+
+    def run():
+        out = eng.generate(text, images=imgs, sampling=sp, speculative=True, caption="a b c")
+        return out.token_ids, out.stats.accepted_lengths, out.stats.weights
+
+    def block():  # one sampled draft block of 4 views straight from an empty cache
+        from tabed_engine.model import KVCache
+        from tabed_engine.speculative import draft_block
+
+        lm = eng.draft.lm
+        cache = KVCache(lm.cfg, 4, 32, "cpu", torch.bfloat16)
+        seed, offset = torch.tensor([3]), torch.tensor([0])
+        return draft_block(lm, cache, torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]]), torch.zeros(4, dtype=torch.long),
+                           torch.tensor([[0.1, 0.2, 0.3, 0.4]]), seed, offset, B=1, K=4, gamma=3, greedy=False,
+                           temperature=0.8, confidence=False)
+
+    kept, kept_block = run(), block()
+    assert kept_block[1].dtype == torch.bfloat16
+    forward = LlamaLM.forward
+    monkeypatch.setattr(LlamaLM, "forward", lambda self, *a, **kw: forward(self, *a, **{**kw, "float_logits": True}))
+    assert run() == kept
+    drafted, q_logits, mixtures = block()
+    assert q_logits.dtype == torch.float32
+    assert torch.equal(drafted, kept_block[0]) and torch.equal(q_logits, kept_block[1].float())
+    assert torch.equal(mixtures, kept_block[2])
+
+
 def test_view_trie_and_its_greedy_walk():
     """The views' chains merge their shared prefixes; verify_tree's walk over the merged tree
     finds the longest branch the target accepts, also when branches part late."""
