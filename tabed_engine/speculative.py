@@ -77,8 +77,9 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
         step_w = confidence_weights(logits, B, K, temperature) if confidence else w
         # greedy draws no random numbers: no per-step offset kernel
         step_offset = offset if greedy else offset + i * B * logits.shape[-1]
-        # K > 1: the mixing kernel also writes the token into every view's row (next input ids)
-        ids = torch.empty(R, dtype=torch.long, device=dev) if K > 1 else None
+        # K > 1: the mixing kernel also writes the token into every view's row, the next
+        # step's input ids (none after the last step)
+        ids = torch.empty(R, dtype=torch.long, device=dev) if K > 1 and i < gamma - 1 else None
         tok, _, mix, _ = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
                                       temperature=temperature, return_mixture=not greedy, view_tokens_out=ids)
         q_logits.append(logits)
