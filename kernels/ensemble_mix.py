@@ -205,12 +205,7 @@ def _mix_chunk_kernel(
 
     if PICKED:  # greedy, one view: pass 1 found the pick, program (b, 0) finishes it
         if sp == 0:
-            bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"))
-            by = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0)
-            bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V)
-            best = tl.max(bv, axis=0)
-            tok = tl.min(tl.where(bv == best, bi, V), axis=0)  # ties: lowest index
-            y_tok = tl.sum(tl.where(smask & (bi == tok), by, 0.0), axis=0)
+            tok, y_tok = _fold_bests(prow, part_idx_ptr + b * S, ss, smask, KP, V)
             q_tok = exp2(y_tok - tl.sum(lse2, axis=0), FAST) * tl.sum(w, axis=0)
             _store_token(token_ptr, b, tok, ks, TOK_K)
             tl.store(token_prob_ptr + b, q_tok)
@@ -260,13 +255,9 @@ def _mix_chunk_kernel(
                 tl.debug_barrier()  # the chunk's best is stored before the release below
                 arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
                 if arrived == S - 1:  # the row's last chunk: its S bests -> token (lowest index on ties)
-                    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                    bq = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0, cache_modifier=".cg")
-                    bi = tl.load(part_idx_ptr + b * S + ss, mask=smask, other=V, cache_modifier=".cg")
-                    top = tl.max(bv, axis=0)
-                    tok = tl.min(tl.where(bv == top, bi, V), axis=0)
+                    tok, q_tok = _fold_bests(prow, part_idx_ptr + b * S, ss, smask, KP, V)
                     _store_token(token_ptr, b, tok, ks, TOK_K)
-                    tl.store(token_prob_ptr + b, tl.sum(tl.where(smask & (bi == tok), bq, 0.0), axis=0))
+                    tl.store(token_prob_ptr + b, q_tok)
                     tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
             if not GREEDY:
                 if scan:
@@ -276,6 +267,20 @@ def _mix_chunk_kernel(
                     _store_token(token_ptr, b, tok, ks, TOK_K)
                     tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0),
                                                         axis=0))
+
+
+@triton.jit
+def _fold_bests(prow, idx_row, ss, smask, KP: tl.constexpr, V):
+    """The row's S chunk bests (part rows `prow` [SP]: best score at 2 * KP, its value at
+    2 * KP + 1; indices at idx_row + s) -> (token, its value): the highest score, lowest
+    index on ties (as torch.argmax). Loaded past L1: other programs of the same launch may
+    have written them."""
+    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    by = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0, cache_modifier=".cg")
+    bi = tl.load(idx_row + ss, mask=smask, other=V, cache_modifier=".cg")
+    top = tl.max(bv, axis=0)
+    tok = tl.min(tl.where(bv == top, bi, V), axis=0)
+    return tok, tl.sum(tl.where(smask & (bi == tok), by, 0.0), axis=0)
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 The PyTorch path (`tabed_engine.ops.history_update.history_update_reference`) is ~20 small
 kernels per block (index copies into the history, masked sums over it, the policy's
 arithmetic); inside the block's CUDA graph each costs a dependent launch. Here one program
-per request b:
+per request b (for `w-grid`, one per request and slice of GS weight vectors, see below):
 
 1. writes the block's P positions into the history at slots cursor.. (valid flag, per-view
    divergence, and for `w-grid` the per-weight-vector match and KL) - the same slots with
@@ -16,29 +16,49 @@ per request b:
    with the most argmax matches, ties to the lowest summed KL, then the lowest index) and
    writes them; program 0 writes cursor + P.
 
+`w-grid` with more than GRID_SLICE weight vectors runs on grid (B, NG): program (b, s)
+records and sums the match and KL rows of vectors s*GS .. s*GS + GS - 1 (slice 0 also
+writes the valid flags and divergences; every slice counts the window's positions itself),
+takes its slice's best (match sum, KL sum, index) by the rule above and stores it; the last
+of the row's NG programs to arrive (atomic counter, reset by it) folds the NG candidates by
+the same rule and writes the weights. The fold is exact: every vector's sums are whole in
+one program, only the choice is split. A single program reading the whole grid's history
+was latency bound (G = 286, cursor 322: 60.5 us in a graph on an H200, against 11.7 for
+torch.compile of the reference). Sliced, 4 vectors per program (72 programs), it takes
+3.9-4.2 us there (slice sweep on an H200, graph replays: 1/2/4/8/16 vectors per program
+6.2/4.6/3.9/4.3/6.7 us; G = 11: 8.7 us in one program, 3.5 us in three). Grids of at most
+GRID_SLICE vectors and the other policies keep one program per request (SPLIT off: no
+workspace, no atomic).
+
 Everything in fp32.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._common import pdl, pdl_wait
+from ._common import counters, pdl, pdl_wait
 
 POLICY_DIV, POLICY_GRID, POLICY_HEDGE = 0, 1, 2
-MAX_GRID = 64   # weight vectors; larger grids: the PyTorch path is faster (see the launcher)
 _BIG_IDX = tl.constexpr(2147483647)
+# w-grid: weight vectors per program when the grid has more (a power of two; tests lower
+# it to cover the multi-slice path on small grids), and elements of a [GS, BLOCK_H] tile
+GRID_SLICE = 4
+GRID_TILE = 4096
 
 
 @triton.jit
 def _history_kernel(
     div_new_ptr, match_new_ptr, gkl_new_ptr, n_acc_ptr, cursor_ptr,
     valid_ptr, div_ptr, match_ptr, gkl_ptr, grid_ptr, w_ptr, new_cursor_ptr,
-    K, P, G, CAP, WINDOW, inv_t, clip,
+    part_ptr, part_idx_ptr, cnt_ptr,
+    K, P, G, CAP, WINDOW, inv_t, clip, NG,
     POLICY: tl.constexpr, ALL_POS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    KP: tl.constexpr, PP: tl.constexpr, GP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    KP: tl.constexpr, PP: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)  # slice of the grid's weight vectors (0 unless SPLIT)
     cur = tl.load(cursor_ptr)
     n_acc = tl.load(n_acc_ptr + b)
     ks = tl.arange(0, KP)
@@ -51,22 +71,25 @@ def _history_kernel(
     vnew = pmask & ((ps <= n_acc) | ALL_POS)
     vnew_i = vnew.to(tl.int32)
     n_new = tl.sum(vnew_i, axis=0)
-    kp_mask = kmask[:, None] & pmask[None, :]
+    own = pmask  # the valid flags and divergences: written by slice 0 only
+    if SPLIT:    # (not pmask & (sl == 0): the interpreter makes that mask int32)
+        own = ps < tl.where(sl == 0, P, 0)
+    kp_mask = kmask[:, None] & own[None, :]
     dnew = tl.load(div_new_ptr + (b * K + ks[:, None]) * P + ps[None, :], mask=kp_mask, other=0.0)
-    tl.store(valid_ptr + b * CAP + cur + ps, vnew.to(tl.int8), mask=pmask)
+    tl.store(valid_ptr + b * CAP + cur + ps, vnew.to(tl.int8), mask=own)
     tl.store(div_ptr + (b * K + ks[:, None]) * CAP + cur + ps[None, :], dnew, mask=kp_mask)
-    gs = tl.arange(0, GP)
+    gs = sl * GS + tl.arange(0, GS)
     gmask = gs < G
     # window rank of a new position: valid new positions at or after it
     from_end_new = n_new - (tl.cumsum(vnew_i, axis=0) - vnew_i)
     inc_new = vnew
     if HAS_WINDOW:
         inc_new = vnew & (from_end_new <= WINDOW)
-    d = tl.sum(tl.where(inc_new[None, :], dnew, 0.0), axis=1)                       # [KP]
-    dc = tl.sum(tl.where(inc_new[None, :], tl.minimum(dnew, clip), 0.0), axis=1)
     npos = tl.sum(inc_new.to(tl.int32), axis=0)
-    msum = tl.zeros([GP], tl.float32)
-    ksum = tl.zeros([GP], tl.float32)
+    d = tl.zeros([KP], tl.float32)   # the divergence sums: div policies only
+    dc = tl.zeros([KP], tl.float32)
+    msum = tl.zeros([GS], tl.float32)
+    ksum = tl.zeros([GS], tl.float32)
     if GRID:
         gp_mask = gmask[:, None] & pmask[None, :]
         gnew = (b * G + gs[:, None]) * P + ps[None, :]
@@ -77,6 +100,9 @@ def _history_kernel(
         tl.store(gkl_ptr + gslot, knew, mask=gp_mask)
         msum = tl.sum(tl.where(inc_new[None, :], mnew, 0.0), axis=1)
         ksum = tl.sum(tl.where(inc_new[None, :], knew, 0.0), axis=1)
+    else:
+        d = tl.sum(tl.where(inc_new[None, :], dnew, 0.0), axis=1)                   # [KP]
+        dc = tl.sum(tl.where(inc_new[None, :], tl.minimum(dnew, clip), 0.0), axis=1)
 
     # ---- 2. the recorded positions before this block, [0, cur)
     n_old = 0
@@ -89,31 +115,61 @@ def _history_kernel(
     for h0 in range(0, cur, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
         hmask = hs < cur
+        # the step's loads first: a load placed after the window's reductions (barriers)
+        # waits for them, one more round trip per step
         v = tl.load(valid_ptr + b * CAP + hs, mask=hmask, other=0) != 0
+        if GRID:
+            gh = (b * G + gs[:, None]) * CAP + hs[None, :]
+            gh_mask = gmask[:, None] & hmask[None, :]
+            mh = tl.load(match_ptr + gh, mask=gh_mask, other=0.0)
+            kh = tl.load(gkl_ptr + gh, mask=gh_mask, other=0.0)
+        else:
+            kh_mask = kmask[:, None] & hmask[None, :]
+            dv = tl.load(div_ptr + (b * K + ks[:, None]) * CAP + hs[None, :], mask=kh_mask, other=0.0)
         inc = v
         if HAS_WINDOW:
             v_i = v.to(tl.int32)
             from_end = n_old - (tl.cumsum(v_i, axis=0) + seen) + 1 + n_new
             inc = v & (from_end <= WINDOW)
             seen += tl.sum(v_i, axis=0)
-        kh_mask = kmask[:, None] & hmask[None, :]
-        dv = tl.load(div_ptr + (b * K + ks[:, None]) * CAP + hs[None, :], mask=kh_mask, other=0.0)
-        d += tl.sum(tl.where(inc[None, :], dv, 0.0), axis=1)
-        dc += tl.sum(tl.where(inc[None, :], tl.minimum(dv, clip), 0.0), axis=1)
         npos += tl.sum(inc.to(tl.int32), axis=0)
         if GRID:
-            gh = (b * G + gs[:, None]) * CAP + hs[None, :]
-            gh_mask = gmask[:, None] & hmask[None, :]
-            msum += tl.sum(tl.where(inc[None, :], tl.load(match_ptr + gh, mask=gh_mask, other=0.0), 0.0), axis=1)
-            ksum += tl.sum(tl.where(inc[None, :], tl.load(gkl_ptr + gh, mask=gh_mask, other=0.0), 0.0), axis=1)
+            msum += tl.sum(tl.where(inc[None, :], mh, 0.0), axis=1)
+            ksum += tl.sum(tl.where(inc[None, :], kh, 0.0), axis=1)
+        else:
+            d += tl.sum(tl.where(inc[None, :], dv, 0.0), axis=1)
+            dc += tl.sum(tl.where(inc[None, :], tl.minimum(dv, clip), 0.0), axis=1)
 
     # ---- 3. weights
     if GRID:
+        # this program's vectors: most matches, then the lowest KL sum, then the lowest index
         best = tl.max(tl.where(gmask, msum, -1.0), axis=0)
         kl_best = tl.where(gmask & (msum >= best), ksum, float("inf"))
         kmin = tl.min(kl_best, axis=0)
         g_star = tl.min(tl.where(kl_best == kmin, gs, _BIG_IDX), axis=0)
-        w = tl.load(grid_ptr + g_star * K + ks, mask=kmask, other=0.0)
+        if SPLIT:
+            tl.store(part_ptr + (b * NG + sl) * 2, best)
+            tl.store(part_ptr + (b * NG + sl) * 2 + 1, kmin)
+            tl.store(part_idx_ptr + b * NG + sl, g_star)
+            tl.debug_barrier()  # the slice's best is stored before the release below
+            arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+            if arrived == NG - 1:  # the row's last slice: its NG bests -> the grid row, same rule
+                ns = tl.arange(0, NGP)
+                nmask = ns < NG
+                bm = tl.load(part_ptr + (b * NG + ns) * 2, mask=nmask, other=-1.0, cache_modifier=".cg")
+                bk = tl.load(part_ptr + (b * NG + ns) * 2 + 1, mask=nmask, other=float("inf"),
+                             cache_modifier=".cg")
+                bi = tl.load(part_idx_ptr + b * NG + ns, mask=nmask, other=_BIG_IDX, cache_modifier=".cg")
+                top = tl.max(bm, axis=0)
+                kl_top = tl.where(nmask & (bm >= top), bk, float("inf"))
+                kmin = tl.min(kl_top, axis=0)
+                g_star = tl.min(tl.where(kl_top == kmin, bi, _BIG_IDX), axis=0)
+                # every best vector's KL sum +inf: row 0, as one program (and the reference) picks
+                g_star = tl.where(kmin < float("inf"), g_star, 0)
+                _store_weights(w_ptr, grid_ptr, b, g_star, ks, kmask, npos, K)
+                tl.store(cnt_ptr + b, 0)  # every slice has arrived: ready for the next launch
+        else:
+            _store_weights(w_ptr, grid_ptr, b, g_star, ks, kmask, npos, K)
     else:
         x = -tl.log(tl.maximum(d, 1e-12))
         if POLICY == 2:
@@ -123,10 +179,18 @@ def _history_kernel(
         x = tl.where(kmask, x, float("-inf"))
         e = tl.exp(x - tl.max(x, axis=0))
         w = e / tl.sum(e, axis=0)
+        w = tl.where(npos > 0, w, 1.0 / K)
+        tl.store(w_ptr + b * K + ks, w, mask=kmask)
+    if (b == 0) & (sl == 0):
+        tl.store(new_cursor_ptr, cur + P)
+
+
+@triton.jit
+def _store_weights(w_ptr, grid_ptr, b, g_star, ks, kmask, npos, K):
+    """Request b's weights: grid row g_star, uniform before any position is recorded."""
+    w = tl.load(grid_ptr + g_star * K + ks, mask=kmask, other=0.0)
     w = tl.where(npos > 0, w, 1.0 / K)
     tl.store(w_ptr + b * K + ks, w, mask=kmask)
-    if b == 0:
-        tl.store(new_cursor_ptr, cur + P)
 
 
 def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, *,
@@ -155,21 +219,34 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
     if w.shape != (B, K) or w.dtype != torch.float32 or not w.is_contiguous():
         raise ValueError(f"out must be contiguous fp32 [{B}, {K}], got {w.dtype} {tuple(w.shape)}")
     new_cursor = torch.empty(1, device=dev, dtype=torch.long)
-    GP = triton.next_power_of_2(max(G, 1))
-    # [GP, BLOCK_H] tiles of two grid statistics per step, ~4K elements each. One program
-    # reads a request's whole history, so a large grid is slow here (G = 286: 61 us in a
-    # graph on an H200, 73 us with 16K-element tiles and 16 warps); the dispatcher sends
-    # grids above MAX_GRID to the PyTorch path.
-    BLOCK_H = max(2, min(64, 4096 // GP)) if has_grid else 64
+    # w-grid: one program reading a request's whole grid history was latency bound at G = 286
+    # (60.5 us in a graph on an H200; 73 us with 16K-element tiles and 16 warps), so a grid of
+    # more than GRID_SLICE vectors is cut into NG slices of GS, one program each (see the
+    # module docstring for the slice sweep). Tiles of [GS, BLOCK_H], ~GRID_TILE elements per
+    # statistic.
+    NG = triton.cdiv(G, GRID_SLICE) if has_grid else 1
+    split = NG > 1
+    GS = GRID_SLICE if split else triton.next_power_of_2(max(G, 1))
+    if split:
+        BLOCK_H = max(2, GRID_TILE // GS)   # GS = 4: 1024 slots, one step over 322
+    elif has_grid:
+        BLOCK_H = max(2, min(64, GRID_TILE // GS))
+    else:
+        BLOCK_H = 64
     num_warps = 4
     dummy = div_new
-    _history_kernel[(B,)](
+    part = part_idx = cnt = dummy
+    if split:  # per (request, slice): its best's (match sum, KL sum) and vector; arrival counters
+        part = torch.empty(B * NG * 2, device=dev, dtype=torch.float32)
+        part_idx = torch.empty(B * NG, device=dev, dtype=torch.int32)
+        cnt = counters(dev, B)
+    _history_kernel[(B, NG)](
         div_new, match_new.view(torch.uint8) if has_grid else dummy, gkl_new if has_grid else dummy,
         n_acc, cursor, valid.view(torch.int8), div, match if has_grid else dummy, gkl if has_grid else dummy,
-        grid if has_grid else dummy, w, new_cursor,
-        K, P, G, CAP, window, 1.0 / temperature, clip,
+        grid if has_grid else dummy, w, new_cursor, part, part_idx, cnt,
+        K, P, G, CAP, window, 1.0 / temperature, clip, NG,
         POLICY=policy, ALL_POS=all_positions, HAS_WINDOW=window > 0,
-        KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P), GP=GP, BLOCK_H=BLOCK_H, num_warps=num_warps,
-        PDL=use_pdl, launch_pdl=use_pdl,
+        KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P), GS=GS, NGP=triton.next_power_of_2(NG),
+        SPLIT=split, BLOCK_H=BLOCK_H, num_warps=num_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
     return w, new_cursor

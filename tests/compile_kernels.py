@@ -125,6 +125,13 @@ def _exercise():
             torch.zeros(Bh, C, dtype=torch.bool), torch.zeros(Bh, K, C), torch.zeros(Bh, G, C),
             torch.zeros(Bh, G, C), grid if G else None, policy=policy, window=0, temperature=1.0, clip=1.0,
             all_positions=policy == POLICY_HEDGE)
+    G = history_update.GRID_SLICE + 5   # w-grid over several programs per request, the last folding
+    for window in (0, 2):
+        history_update.history_update(
+            torch.rand(Bh, K, P), torch.zeros(Bh, G, P, dtype=torch.bool), torch.rand(Bh, G, P), torch.tensor([1]),
+            torch.zeros(1, dtype=torch.long), torch.zeros(Bh, C, dtype=torch.bool), torch.zeros(Bh, K, C),
+            torch.zeros(Bh, G, C), torch.zeros(Bh, G, C), torch.rand(G, K), policy=POLICY_GRID, window=window,
+            temperature=1.0, clip=1.0, all_positions=False)
 
     R, N, H, Hkv, D, S = 1, 3, 4, 2, 16, 40
     qa = torch.randn(R, N, H, D, generator=g).to(bf)

@@ -79,9 +79,9 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
         raise ValueError(f"unknown history policy {policy!r}")
     if window < 0 or temperature <= 0:
         raise ValueError(f"window must be >= 0 and temperature > 0, got {window}, {temperature}")
-    # the kernel reads a request's whole history in one program: for a large w-grid (K = 4 on a
-    # 0.1 grid: 286 vectors) the reference's parallel kernels are faster (61 vs 50 us, H200)
-    use_kernel = div_new.is_cuda and _k is not None and (grid is None or grid.shape[0] <= _k.MAX_GRID)
+    # every policy and grid size: a large w-grid (K = 4 on a 0.1 grid: 286 vectors) is split
+    # over several programs per request (see tabed_engine.kernels.history_update)
+    use_kernel = div_new.is_cuda and _k is not None
     fn = _k.history_update if use_kernel else history_update_reference
     return fn(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, policy=policy,
               window=window, temperature=temperature, clip=clip, all_positions=all_positions)
