@@ -42,6 +42,16 @@ _MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of t
 _MIX_SHIFT = tl.constexpr(24.0)
 _BIG_IDX = tl.constexpr(2147483647)
 _target_programs = target_programs
+# With a weight grid, by the launch's mixture rows R * G (R = B * P positions): (most
+# vectors per [G_BLOCK, columns] tile, tile elements, programs per SM). Few mixture rows
+# leave the launch latency bound: small tiles, more of them per SM. Many rows make it
+# throughput bound: 16-row tiles share each column's loads and K exps among 16 mixtures.
+# H200 (graph replays, V = 32064; sweep of G_BLOCK 4 / 8 / 16 x tiles of 1024 / 2048 / 4096
+# x 4 / 8 warps x 4 / 8 / 16 programs per SM at B = 1, 4 warps always best): B = 1, P = 5, G = 11
+# (R * G = 55) 14.6 -> 9.9 us with (4, 1024, 4); B = 1, G = 66 (396) 31.0 -> 24.7 with
+# (8, 1024, 8); B = 1, G = 286 (1716) fastest with (16, 2048, 8), 62.9 us; B = 16, G = 11
+# (880) 47.1 us with (16, 2048, 8), 67.6 with (4, 1024, 4).
+_GRID_TILES = ((128, 4, 1024, 4), (512, 8, 1024, 8), (None, 16, 2048, 8))
 
 
 def _split(V, unit, rows, target):
@@ -376,6 +386,9 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     if R == 0 or K == 0 or V == 0:  # degenerate shapes: nothing to launch
         return kl, tv, (match.view(torch.bool) if match is not None else None), gkl
     target = _target_programs(dev)
+    if has_grid:
+        g_max, g_tile, per_sm = next(t[1:] for t in _GRID_TILES if t[0] is None or B * P * G <= t[0])
+        target = _target_programs(dev, per_sm)
     KP = triton.next_power_of_2(K)
     # [KP, BLOCKV] tiles of the K views plus a BLOCKV target row: ~2-4K elements per step.
     BLOCKV = max(16, min(triton.next_power_of_2(V), 2048 // KP))
@@ -386,8 +399,8 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         # Each thread holds one V column of a [G_BLOCK, BLOCKG] tile for all G_BLOCK weight
         # vectors: the per-column work (K exps, loads) is shared by G_BLOCK mixtures.
         # Registers per thread ~ G_BLOCK * (K + 3): 16 rows up to K = 4 (168 at K = 4).
-        G_BLOCK = min(16, triton.next_power_of_2(G), 1 << (max(1, 96 // (K + 2)).bit_length() - 1))
-        BLOCKG = 2048 // G_BLOCK
+        G_BLOCK = min(g_max, triton.next_power_of_2(G), 1 << (max(1, 96 // (K + 2)).bit_length() - 1))
+        BLOCKG = g_tile // G_BLOCK
         n_chunks = triton.cdiv(G, G_BLOCK)
         ch2, ns2 = _split(V, BLOCKG, R * n_chunks, target)
     else:

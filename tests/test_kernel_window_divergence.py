@@ -111,7 +111,7 @@ def _engine_inputs(B, K, P, V, dtype, device, noise=0.6, seed=2):
 ])
 def test_small_vocab_engine_layout(B, K, P, V, steps, dtype, many_splits, kernel_device, monkeypatch):
     if many_splits:  # the GPU's split counts (one block per split) on the interpreter too
-        monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+        monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20)
     p_logits, q_logits = _engine_inputs(B, K, P, V, dtype, kernel_device)
     assert not q_logits.is_contiguous() and q_logits.stride(2) == B * K * V
     grid = simplex_grid(K, steps).to(kernel_device)
@@ -133,7 +133,7 @@ def test_small_vocab_engine_layout(B, K, P, V, steps, dtype, many_splits, kernel
 def test_split_cap_and_repeat_calls(kernel_device, monkeypatch):
     # At most _MAX_SPLITS splits, so each split runs several blocks.  A second call (as a
     # graph replay, counters re-zeroed by the first launch) agrees bitwise.
-    monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+    monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20)
     monkeypatch.setattr(_k, "_MAX_SPLITS", 3)
     p_logits, q_logits = _engine_inputs(1, 2, 2, 5000, torch.bfloat16, kernel_device)
     grid = simplex_grid(2, 2).to(kernel_device)
@@ -152,7 +152,7 @@ def test_split_cap_and_repeat_calls(kernel_device, monkeypatch):
 def test_exact_ties_take_the_lowest_index(kernel_device, monkeypatch, many_splits):
     # Equal maxima far apart (in different splits when split): both argmaxes are the first.
     if many_splits:
-        monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+        monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20)
     V = 3000
     p_logits = torch.zeros(1, 2, V)
     q_logits = torch.zeros(1, 2, 2, V)
@@ -207,7 +207,7 @@ def test_kl_only_one_pass(kernel_device, monkeypatch, many_splits):
     # bitwise equal, and the arrival counters left at zero for the next launch.
     from tabed_engine.kernels import _common
     if many_splits:
-        monkeypatch.setattr(_k, "_target_programs", lambda device: 1 << 20)
+        monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20)
     B, K, P, V = 2, 3, 3, 4099
     p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.8, seed=5)
     p_logits = (p_logits * 6.0).contiguous()           # logits over a ~100-nat range
