@@ -69,7 +69,8 @@ def test_kernel_matches_reference(B, K, P, cap, policy, window, temperature, ker
     seed = B * 100 + K * 10 + P + policy + window
 
     g_dev = None if grid is None else grid.to(kernel_device)
-    got, h_got = run_blocks(poisoned(kernel_device), B, K, P, cap, policy, window, temperature, blocks, g_dev, kernel_device, seed)
+    got, h_got = run_blocks(poisoned(kernel_device), B, K, P, cap, policy, window, temperature, blocks, g_dev,
+                            kernel_device, seed)
     ref, h_ref = run_blocks(history_update_reference, B, K, P, cap, policy, window, temperature, blocks, grid,
                             "cpu", seed)
     for i, ((w, c), (wr, cr)) in enumerate(zip(got, ref)):
