@@ -106,6 +106,10 @@ def _exercise():
     window_divergence.window_divergence(p, q)
     window_divergence.window_divergence(p, q, tv=False)
     window_divergence.window_divergence(p, q, grid=grid)
+    # the other two grid tile shapes (by B * P * G): 8-vector and 16-vector tiles
+    window_divergence.window_divergence(p, q, grid=torch.rand(60, 2, generator=g))
+    q4 = torch.randn(1, 4, 3, V, generator=g).to(bf)
+    window_divergence.window_divergence(p, q4, grid=torch.rand(286, 4, generator=g))
 
     B, gamma = 2, 3
     plog = torch.randn(B, gamma + 1, V, generator=g)

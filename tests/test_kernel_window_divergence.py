@@ -72,9 +72,10 @@ def test_divergences_match_reference(B, K, P, V, temperature, dtype, atol, rtol,
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
 @pytest.mark.parametrize("B, K, P, V, steps, temperature", [
-    (2, 2, 3, 1000, 10, 1.0),   # G = 11
-    (1, 3, 2, 1000, 5, 0.8),    # G = 21
-    (1, 4, 1, 1000, 10, 1.0),   # G = 286, the engine's K=4 grid
+    (2, 2, 3, 1000, 10, 1.0),   # G = 11            (B*P*G = 66: 4-vector tiles)
+    (1, 3, 2, 1000, 5, 0.8),    # G = 21            (42)
+    (1, 4, 1, 1000, 10, 1.0),   # G = 286, the engine's K=4 grid (286: 8-vector tiles)
+    (1, 4, 2, 1000, 10, 1.0),   # G = 286           (572: 16-vector tiles)
     (1, 4, 2, 5003, 2, 1.0),    # G = 10
 ])
 def test_grid_matches_reference(B, K, P, V, steps, temperature, dtype, atol, rtol, kernel_device):
