@@ -78,7 +78,8 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
         # greedy draws no random numbers: no per-step offset kernel
         step_offset = offset if greedy else offset + i * B * logits.shape[-1]
         # K > 1: the mixing kernel also writes the token into every view's row, the next
-        # step's input ids (none after the last step)
+        # step's input ids (none after the last step); a fresh buffer each step, since the
+        # returned token is a view of it and is kept in `tokens`
         ids = torch.empty(R, dtype=torch.long, device=dev) if K > 1 and i < gamma - 1 else None
         tok, _, mix, _ = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
                                       temperature=temperature, return_mixture=not greedy, view_tokens_out=ids)
