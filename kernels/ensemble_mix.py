@@ -1,8 +1,8 @@
 """Fused ensemble mixing of the K draft views: softmax per view, mix, pick a token.
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
-and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 16
-when sampling, at least 1024 columns per chunk), so the launcher never syncs and can be
+and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 8
+greedy with K > 1, 16 when sampling, at least 1024 columns per chunk), so the launcher never syncs and can be
 captured in a CUDA graph.  Two launches exchange small partials:
 
   1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; greedy with
@@ -28,9 +28,12 @@ B = 128, K = 4, V = 32064).  Greedy without the mixture row: pass 1 also keeps e
 view's argmax and second-largest logit; a token that is no view's argmax has q_v <= sum_k
 w_k q_k(second largest), so when the best of the K candidates beats that bound, it is the
 argmax and the second pass is skipped (always, when the views agree on their argmax).
-Both passes keep element-wise running values (max / sum-exp, best / step, see `_common`)
-and reduce across the tile once per program, and use exp2 with the temperature and
-log2(e) folded into one scale: x * scale - lse2 is one FMA.
+Pass 1 streams 16-byte groups, each loaded and reduced by one thread (its running max,
+sum-exp and best group live in that thread: no shuffle or barrier in the loop, ~9 SASS
+instructions and 1.1 exp2 per element against ~12 and 1 with element-wise running values),
+the cross-thread reduction once per program; pass 2 keeps element-wise running values
+(best / step, see `_common`). Both use exp2 with the temperature and log2(e) folded into
+one scale: x * scale - lse2 is one FMA.
 
 Chunk bests combine by value, then lowest index, so ties resolve like torch.argmax and
 the result does not depend on the split.  A sample uses one uniform per request, output 0
@@ -43,45 +46,56 @@ import triton
 import triton.language as tl
 
 from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, counters,
-                      exp2, load_rows, log2, lse_reduce, lse_step, n_vsplit as _n_vsplit, pdl, pdl_wait,
+                      exp2, log2, lse_reduce, n_vsplit as _n_vsplit, pdl, pdl_wait,
                       uniforms, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Elements per [KP, BLOCK] tile (4 KiB of bf16 per program and step, 16 per thread at 4
-# warps) and programs per SM: a sweep on an H200 (graph replays, greedy, V = 32064, tiles
-# 2048/4096/8192 x 4/8/16/32 programs per SM) had 2048 x 4 fastest at every large shape:
-# B = 512, K = 1: 14.8 us (52% of copy bandwidth) vs 21.0 us with 4096 x 8; B = 128,
-# K = 4: 23.9 vs 29.9 us. At B <= 16 the split (32 chunks of 1008) does not change.
+# Columns per view and pass-1 step (_TILE // KP) and programs per SM. H200, cold
+# [B * K, 32064] bf16 inputs (graph replays, HEAD vs the thread-owned groups of pass 1 in
+# one process, 2 rounds): greedy B = 512, K = 1 16.3 -> 12.7 us (48% -> 61% of copy
+# bandwidth) at 2048 x 4; 4096 x 4 14.1, 2048 x 8 15.3, 2 pipelining stages 14.0. Greedy with
+# K > 1 (the certifying pass 1 keeps more per slot) is faster at 8 programs per SM: B = 256,
+# K = 2 29.2 -> 23.5 us, B = 128, K = 4 32.3 -> 26.9, agreeing views (certified) 25.2 -> 19.9
+# and 22.7 -> 21.1 (at 4 per SM 29.7, 33.6, 24.0, 27.7). At B <= 16 the split (32 chunks of
+# 1008) does not change.
 _TILE = 2048
 _PROGRAMS_PER_SM = 4
+_VIEWS_PROGRAMS_PER_SM = 8
 # Sampling: finer chunks, so the second read (the drawn chunk; with the mixture row every
 # chunk plus the drawn chunk's scan) is shorter. H100 sweep (graph replays, V = 32064), 4 ->
 # 16 programs per SM: B = 128, K = 4 30.2 -> 20.6 us; B = 256, K = 2 24.6 -> 19.6; B = 512,
 # K = 1 26.9 -> 22.0; B = 64, K = 1 6.8 -> 7.2; with the mixture row 55.2 -> 33.4, 50.5 -> 39.7,
-# 60.3 -> 55.2, 10.9 -> 9.0. Greedy keeps 4 (B = 512, K = 1: 14.7 vs 18.8 us with 16). B <= 16
-# is capped by the 1024-column minimum chunk either way.
+# 60.3 -> 55.2, 10.9 -> 9.0. With pass 1's thread-owned groups (H200): 16 per SM B = 512, K = 1
+# 20.4 us, B = 256, K = 2 17.6, B = 128, K = 4 18.3; 8 per SM 22.6, 18.1, 16.5.
 _SAMPLE_PROGRAMS_PER_SM = 16
 # Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
 # (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
 _CERTIFY = True
-# Software-pipelining stages of pass 1's loop. H200 sweep (graph replays, greedy, agreeing
-# views; tiles 2048/4096 x 4/8 programs per SM x 1-3 stages): 1 stage fastest at every
-# shape (B = 128, K = 4: 22.3 vs 24.2 us with 3; B = 512, K = 1: 15.1 vs 16.5 us). The loop is
-# bound by its ~10-14 instructions and one exp2 per element (the budget at copy bandwidth
-# is ~16 issue slots and half the SFU rate per bf16 element), not by loads in flight.
+# Software-pipelining stages of pass 1's loop: 1 (H200, greedy B = 512, K = 1: 12.7 us vs
+# 14.0 with 2; B = 128, K = 4 33.6 vs 29.4 at 4 programs per SM but 26.9 with 1 stage at 8).
 _STAGES = 1
+# Pass-1 elements per thread and step (warps = tile / (32 * this), 4 to 16): 16 (32: B = 512,
+# K = 1 12.7 us either way at 2048-column tiles, 25.3 vs 14.1 at 4096).
+_PER_THREAD = 16
 
 
 @triton.jit
 def _mix_partial_kernel(
     logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
     K, V, S, CHUNK, stride_logits, scale,
-    KP: tl.constexpr, BLOCK: tl.constexpr, PICK: tl.constexpr,
+    KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
     argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
     logit.
+
+    Each step reads a [KP, BLOCK // VEC, VEC] tile: VEC contiguous columns (16 bytes) form
+    a group that one thread loads and reduces alone, so the running values live per thread
+    and group slot ([KP, BLOCK // VEC]): the group's max, one exp2 per element against the
+    new running max, one exp2 per group to rescale the running sum. The argmax keeps the
+    best group's values and its step; the column within the group is found once, after the
+    loop. No step needs another thread's data.
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
@@ -92,31 +106,47 @@ def _mix_partial_kernel(
     sp = tl.program_id(1)
     start = sp * CHUNK
     end = tl.minimum(start + CHUNK, V)
+    NT: tl.constexpr = BLOCK // (RPT * VEC)                        # slots (threads) per view
     ks = tl.arange(0, KP)
     kmask = ks < K
-    cols = tl.arange(0, BLOCK)
-    rows_ptr = logits_ptr + (b * K + ks).to(tl.int64) * stride_logits
-    m = tl.full([KP, BLOCK], NEG_BIG, tl.float32)
-    s = tl.zeros([KP, BLOCK], tl.float32)
-    best_v0 = tl.zeros([BLOCK], tl.int32) + start  # PICK: step of the running max
-    m2 = tl.full([KP, BLOCK], NEG_BIG, tl.float32)       # CERT: element-wise second largest
-    arg_v0 = tl.zeros([KP, BLOCK], tl.int32) + start     # CERT: step of the element-wise max
+    slot = tl.arange(0, NT) * VEC                                  # [NT] first column of each slot's group
+    gcols = (tl.arange(0, RPT)[:, None, None] * (NT * VEC) + slot[None, :, None]
+             + tl.arange(0, VEC)[None, None, :])                   # [RPT, NT, VEC] columns of a step
+    rows_ptr = (logits_ptr + (b * K + ks).to(tl.int64) * stride_logits)[:, None, None, None]
+    m = tl.full([KP, NT], NEG_BIG, tl.float32)                     # running max of each slot
+    s = tl.zeros([KP, NT], tl.float32)                             # sum of exp2((x - m) * scale)
+    bx = tl.full([KP, RPT, NT, VEC], NEG_BIG, tl.float32)          # PICK/CERT: the best step's values
+    b_v0 = tl.zeros([KP, NT], tl.int32) + start                    # PICK/CERT: that step
+    m2 = tl.full([KP, NT], NEG_BIG, tl.float32)                    # CERT: max of the slot's other steps
     for v0 in tl.range(start, end, BLOCK, num_stages=STAGES):
-        offs = v0 + cols
-        x = load_rows(rows_ptr, offs, kmask, offs < end)  # [KP, BLOCK], -inf outside
+        offs = v0 + gcols
+        x = tl.load(rows_ptr + offs[None], mask=kmask[:, None, None, None] & (offs < end)[None],
+                    other=float("-inf")).to(tl.float32)
+        g_max = tl.max(tl.max(x, axis=3), axis=1)                  # [KP, NT]
+        take = g_max > m                                           # strict: the earlier step keeps ties
+        m_new = tl.maximum(m, g_max)
+        c = tl.maximum(m_new * scale, NEG_BIG)                     # finite: x * scale - c is never NaN
+        e = exp2(x * scale - c[:, None, :, None], FAST)
+        s = s * exp2((m - m_new) * scale, FAST) + tl.sum(tl.sum(e, axis=3), axis=1)
         if CERT:
-            m2 = tl.where(x > m, m, tl.maximum(m2, x))
-        m, s, take = lse_step(x, m, s, scale, FAST)
-        if CERT:
-            arg_v0 = tl.where(take, v0, arg_v0)           # strict: the earlier step keeps ties
-        if PICK:  # KP == 1: [1, BLOCK] is the row itself; the pick is the running max
-            best_v0 = tl.where(tl.reshape(take, [BLOCK]), v0, best_v0)
+            m2 = tl.where(take, m, tl.maximum(m2, g_max))
+        if PICK or CERT:
+            bx = tl.where(take[:, None, :, None], x, bx)
+            b_v0 = tl.where(take, v0, b_v0)
+        m = m_new
+    if PICK or CERT:
+        # each slot's max: its first column in the best step (lowest index on ties)
+        bcol = gcols[None] + b_v0[:, None, :, None]                 # [KP, RPT, NT, VEC]
+        col = tl.min(tl.min(tl.where(bx == m[:, None, :, None], bcol, BIG_IDX), axis=3), axis=1)  # [KP, NT]
     if CERT:
-        # per view: the chunk's max (lowest index on ties) and its second-largest value
-        # (equal to the max when the max occurs twice)
-        _, c_idx, _ = best_combine(m, arg_v0, m, cols[None, :], 1)
-        c_2nd = tl.maximum(tl.max(m2, axis=1),
-                           tl.max(tl.where(arg_v0 + cols[None, :] == c_idx[:, None], NEG_BIG, m), axis=1))
+        # per view: the chunk's max (lowest index on ties) and its second-largest value (equal
+        # to the max when the max occurs twice): the best step's other values, the slot's
+        # other steps, the other slots' maxima
+        rest = tl.where(bcol == col[:, None, :, None], NEG_BIG, bx)
+        second = tl.maximum(m2, tl.max(tl.max(rest, axis=3), axis=1))
+        c_top = tl.max(m, axis=1)
+        c_idx = tl.min(tl.where(m == c_top[:, None], col, BIG_IDX), axis=1)
+        c_2nd = tl.max(tl.where(col == c_idx[:, None], second, m), axis=1)
         tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
     top, tot = lse_reduce(m, s, scale, 1, FAST)
@@ -124,10 +154,11 @@ def _mix_partial_kernel(
     tl.store(row + ks, top, mask=kmask)
     tl.store(row + KP + ks, tot, mask=kmask)
     if PICK:
-        best = tl.reshape(m, [BLOCK]) * scale
-        best, idx, y_best = best_combine(best, best_v0, best, cols, 0)
-        tl.store(row + 2 * KP, best)
-        tl.store(row + 2 * KP + 1, y_best)
+        best = tl.reshape(m, [NT]) * scale
+        best_top = tl.max(best, axis=0)
+        idx = tl.min(tl.where(best == best_top, tl.reshape(col, [NT]), BIG_IDX), axis=0)
+        tl.store(row + 2 * KP, best_top)
+        tl.store(row + 2 * KP + 1, best_top)
         tl.store(part_idx_ptr + b * S + sp, idx)
 
 
@@ -454,11 +485,15 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     offset_arg = offset if not greedy else token
     mix_arg = mixture if write_mix else token_prob
     stride_mix = mixture.stride(0) if write_mix else 0
-    S, chunk = chunking(V, _n_vsplit(B, V, dev, _PROGRAMS_PER_SM if greedy else _SAMPLE_PROGRAMS_PER_SM))
+    per_sm = (_PROGRAMS_PER_SM if K == 1 else _VIEWS_PROGRAMS_PER_SM) if greedy else _SAMPLE_PROGRAMS_PER_SM
+    S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm))
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
     BLOCK = chunk_block(chunk, _TILE // KP)
     num_warps = tile_warps(KP * BLOCK)
     SP = triton.next_power_of_2(S)
+    vec = 16 // logits.element_size()          # one 16-byte load per group
+    p1_warps = tile_warps(KP * BLOCK, _PER_THREAD)
+    rpt = max(1, BLOCK // (vec * 32 * p1_warps))  # groups per thread and step
     part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)
     part_idx = torch.empty(B * S, dtype=torch.int32, device=dev)
     cert = _CERTIFY and greedy and not picked and not write_mix
@@ -467,8 +502,8 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     _mix_partial_kernel[(B, S)](
         logits, part, part_idx, cert_buf, cert_idx,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast, num_warps=num_warps,
-        PDL=use_pdl, launch_pdl=use_pdl,
+        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast,
+        num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
     n_tiles = triton.cdiv(chunk, BLOCK)
     if not greedy and not write_mix and n_tiles > 1:

@@ -433,6 +433,57 @@ def test_certified_tie_between_candidates_takes_the_lower_index(n_split, kernel_
     torch.testing.assert_close(prob.cpu(), ref[1], atol=1e-7, rtol=1e-6)
 
 
+# ---- pass 1's bookkeeping: each thread keeps the best of its 16-byte groups over the steps
+
+# One chunk of 20000 columns read in steps of 2048 columns per view: a thread's slot holds
+# groups of 8 (bf16) or 4 (fp32) columns, 2 or 4 of them per step (1024 or 512 columns
+# apart), so an argmax at column 5004 shares its group, its slot in the same step, its slot
+# in another step, or nothing with the positions below.
+_SLOT_CASES = {"same group, lower": 5001, "same group, higher": 5006, "same slot, next group of the step": 5004 + 1024,
+               "same slot, earlier step": 5004 - 2048, "same slot, later step": 5004 + 3 * 2048,
+               "other slot": 5100}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("where", list(_SLOT_CASES))
+def test_pass1_argmax_ties_across_groups_slots_and_steps(where, dtype, kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 1)
+    monkeypatch.setattr(_k, "_TILE", 2048)
+    other = _SLOT_CASES[where]
+    logits = torch.full((1, 20000), -5.0)
+    logits[0, [5004, other]] = 3.0
+    token, prob, _, lse = _k.ensemble_mix(logits.to(dtype).to(kernel_device), torch.ones(1, 1, device=kernel_device),
+                                          greedy=True)
+    assert token.item() == min(5004, other)
+    ref = ensemble_mix_reference(logits.to(dtype), torch.ones(1, 1), greedy=True)
+    torch.testing.assert_close(prob.cpu(), ref[1], atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu(), ref[3], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("where", list(_SLOT_CASES))
+def test_certificate_sees_the_second_largest_anywhere(where, dtype, kernel_device, monkeypatch):
+    # Each view's argmax (4.0) and, at one shared token, its second-largest logit (3.9): that
+    # token is the mixture's argmax, above both candidates. Missing the second-largest of
+    # either view (wherever pass 1 met it) would certify a candidate: the wrong token.
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 1)
+    monkeypatch.setattr(_k, "_TILE", 4096)          # [2, 2048] tiles: 2048 columns per view and step
+    second = _SLOT_CASES[where]
+    logits = torch.full((2, 20000), -3.0)
+    logits[0, 5004], logits[1, 15000] = 4.0, 4.0
+    logits[:, second] = 3.9
+    w = torch.tensor([[0.6, 0.4]])
+    certified = torch.full((1,), -1, dtype=torch.int32, device=kernel_device)
+    token, *_ = _k.ensemble_mix(logits.to(dtype).to(kernel_device), w.to(kernel_device), greedy=True,
+                                certified_out=certified)
+    assert token.item() == second and certified.item() == 0
+    assert token.item() == ensemble_mix_reference(logits.to(dtype), w, greedy=True)[0].item()
+    logits[:, second] = 2.0                          # far below: now the certificate holds
+    token, *_ = _k.ensemble_mix(logits.to(dtype).to(kernel_device), w.to(kernel_device), greedy=True,
+                                certified_out=certified)
+    assert token.item() == 5004 and certified.item() == 1
+
+
 # ---- the token written into every view row (the draft loop's next input ids)
 
 @pytest.mark.parametrize("case", ["greedy K=1", "greedy certified", "greedy folded", "sample+mixture",
