@@ -17,9 +17,10 @@ V=32064: B*P is tiny, so the vocabulary itself is split over programs.  Two laun
 Two passes over the logits: TV needs both normalisers before any |p - q_k| term. KL
 alone (the kld and hedge policies) does not: `_wd_kl_kernel` is one launch and one pass,
 sum_v p_v (y_p - y_k) accumulated against the running max of the target and rescaled
-with its sum-exp, the last program of each row folding the splits.  All passes keep
-element-wise running values (max / sum-exp, partial KL and TV, see `_common`) and reduce
-across the tile once per program; exponentials are exp2 with temperature and log2(e)
+with its sum-exp, the last program of each row folding the splits.  The two-launch passes
+keep element-wise running values (max / sum-exp, partial KL and TV, see `_common`), the KL
+pass running values per thread over 16-byte groups that thread alone loads (as
+`ensemble_mix` pass 1); all reduce across the tile once per program; exponentials are exp2 with temperature and log2(e)
 folded into one scale, and the divergences are summed in log2 units and scaled by ln 2
 once.
 
@@ -255,18 +256,21 @@ def _wd_div_kernel(
 def _wd_kl_kernel(
     p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
     P, V, CH, NS, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
-    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr,
+    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
+    STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """KL only (no TV, no grid): one pass over the logits, grid (B*P, NS).
 
     KL(p || q_k) = sum_v p_v (y_p - y_k) - lse_p + lse_k (y = x * scale, log2 units), and
     sum_v p_v (y_p - y_k) = A_k / S with S = sum exp2(y_p - m) and A_k = sum exp2(y_p - m)
     (x_p - x_k): A_k is rescaled with S whenever the running max m moves, so neither
-    normaliser is needed before the sums.  Element-wise running values as in `_common`;
-    the views are a static loop of [BLOCK] vectors (each thread keeps its columns' sums for
-    every view, no cross-warp exchange).  Partials per (row, split): [m, S, A_k | m_k, s_k];
-    the last program of a row to arrive folds them in split order and resets the counter."""
+    normaliser is needed before the sums.  Each step reads [RPT, BLOCK // (RPT * VEC), VEC]
+    tiles of the target and of each view (a static loop): VEC contiguous columns (16 bytes)
+    form a group that one thread loads and reduces alone, so every running value lives per
+    thread slot ([BLOCK // (RPT * VEC)]): the slot's max, one exp2 per element against the
+    new max, one per slot and step to rescale the sums (as in `ensemble_mix` pass 1).
+    Partials per (row, split): [m, S, A_k | m_k, s_k]; the last program of a row to arrive
+    folds them in split order and resets the counter."""
     pdl_wait(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -276,37 +280,40 @@ def _wd_kl_kernel(
     p_row = p_ptr + b * stride_pb + pos * stride_pp
     v_start = split * CH
     v_end = tl.minimum(v_start + CH, V)
-    cols = tl.arange(0, BLOCK)
-    mp = tl.full([BLOCK], NEG_BIG, tl.float32)
-    sp = tl.zeros([BLOCK], tl.float32)
+    NT: tl.constexpr = BLOCK // (RPT * VEC)
+    cols = (tl.arange(0, RPT)[:, None, None] * (NT * VEC) + tl.arange(0, NT)[None, :, None] * VEC
+            + tl.arange(0, VEC)[None, None, :])          # [RPT, NT, VEC] columns of a step
+    mp = tl.full([NT], NEG_BIG, tl.float32)
+    sp = tl.zeros([NT], tl.float32)
     q_rows = ()
     mq = ()
     sq = ()
     acc = ()
     for k in tl.static_range(K):
         q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + k * stride_qk,)
-        mq = mq + (tl.full([BLOCK], NEG_BIG, tl.float32),)
-        sq = sq + (tl.zeros([BLOCK], tl.float32),)
-        acc = acc + (tl.zeros([BLOCK], tl.float32),)
+        mq = mq + (tl.full([NT], NEG_BIG, tl.float32),)
+        sq = sq + (tl.zeros([NT], tl.float32),)
+        acc = acc + (tl.zeros([NT], tl.float32),)
     for v0 in tl.range(v_start, v_end, BLOCK, num_stages=STAGES):
         offs = v0 + cols
         vmask = offs < v_end
         xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-        e = exp2(-tl.abs(mp - xp) * scale, FAST)
-        take = xp > mp
-        rescale = tl.where(take, e, 1.0)   # old sums move to the new max
-        w_new = tl.where(take, 1.0, e)     # this column's exp2(y_p - m); 0 where p_v = 0
-        mp = tl.where(take, xp, mp)
-        sp = sp * rescale + w_new
+        mp_new = tl.maximum(mp, tl.max(tl.max(xp, axis=2), axis=0))
+        rescale = exp2((mp - mp_new) * scale, FAST)                  # old sums move to the new max
+        ep = exp2(xp * scale - tl.maximum(mp_new * scale, NEG_BIG)[None, :, None], FAST)  # 0 where p_v = 0
+        sp = sp * rescale + tl.sum(tl.sum(ep, axis=2), axis=0)
+        mp = mp_new
         n_mq = ()
         n_sq = ()
         n_acc = ()
         for k in tl.static_range(K):
             xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-            m_k, s_k, _ = lse_step(xq, mq[k], sq[k], scale, FAST)
+            m_k = tl.maximum(mq[k], tl.max(tl.max(xq, axis=2), axis=0))
+            eq = exp2(xq * scale - tl.maximum(m_k * scale, NEG_BIG)[None, :, None], FAST)
+            n_sq = n_sq + (sq[k] * exp2((mq[k] - m_k) * scale, FAST) + tl.sum(tl.sum(eq, axis=2), axis=0),)
             n_mq = n_mq + (m_k,)
-            n_sq = n_sq + (s_k,)
-            n_acc = n_acc + (acc[k] * rescale + tl.where(w_new > 0, w_new * (xp - xq), 0.0),)
+            n_acc = n_acc + (acc[k] * rescale
+                             + tl.sum(tl.sum(tl.where(ep > 0, ep * (xp - xq), 0.0), axis=2), axis=0),)
         mq = n_mq
         sq = n_sq
         acc = n_acc
@@ -450,12 +457,16 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     return kl, tv, match, gkl
 
 
-# The KL-only pass: [BLOCK] vectors of the target and each view per step, ~4 columns per
-# thread at 4 warps (each column keeps 2 + 3K running values), the V split aiming at ~8
-# programs per SM. H200 sweep (graph replays; blocks 512/1024 x 1-3 pipelining stages x
-# 4/8 warps x 8/16 programs per SM): 512 x 1 stage x 4 warps x 8 fastest at B = 16, K = 4,
-# P = 6 (19.4 us; 20.7 with 3 stages) and within 3% of the best at B = 64, K = 1 (22.6 vs 21.9).
-_KL_BLOCK = 512
+# The KL-only pass: columns per step _KL_TILE // (K + 1) rounded down to a power of two
+# (the target and K views share the step; _KL_BLOCK, when set, overrides it), 4 warps, the
+# V split aiming at ~8 programs per SM. H200, cold bf16 inputs, P = 6, V = 32064 (graph
+# replays; element-wise running values of HEAD vs thread-owned groups, 2 rounds): B = 64,
+# K = 1 36.1 -> 17.2 us (2048 columns; 1024: 23.7), B = 32, K = 2 19.3 -> 16.4 (1024; 2048:
+# 17.0), B = 16, K = 4 20.3 -> 16.8 (512; 1024: 18.5); B = 1, K = 2, P = 5 5.6 -> 4.0 and
+# B = 1, K = 4 9.5 -> 6.3-6.4. 8 warps at 2048 columns or 2 pipelining stages: no better
+# where they are not worse (B = 16, K = 4: 23.9 / 18.3 vs 16.8).
+_KL_TILE = 4096
+_KL_BLOCK = None
 _KL_STAGES = 1
 _KL_WARPS = 4
 
@@ -466,13 +477,16 @@ def _kl_only(p_logits, q_logits, kl, temperature):
     dev = p_logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     R = B * P
-    chunk, ns = _split(V, _KL_BLOCK, R, _target_programs(dev))
-    block = max(16, min(_KL_BLOCK, triton.next_power_of_2(chunk)))
+    step = _KL_BLOCK or 1 << ((_KL_TILE // (K + 1)).bit_length() - 1)
+    chunk, ns = _split(V, step, R, _target_programs(dev))
+    block = max(16, min(step, triton.next_power_of_2(chunk)))
+    vec = 16 // max(p_logits.element_size(), q_logits.element_size())  # groups of <= 16 bytes in both
+    rpt = max(1, block // (vec * 32 * _KL_WARPS))
     part = torch.empty(R * ns * (2 + 3 * K), dtype=torch.float32, device=dev)
     _wd_kl_kernel[(R, ns)](
         p_logits, q_logits, part, counters(dev, R), kl,
         P, V, chunk, ns, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
-        K=K, NSP=triton.next_power_of_2(ns), BLOCK=block, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
+        K=K, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
         PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )

@@ -201,18 +201,22 @@ def test_neg_inf_logits_are_masked_vocabulary(kernel_device):
     torch.testing.assert_close(kl1, ref[0], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("many_splits", [False, True])
-def test_kl_only_one_pass(kernel_device, monkeypatch, many_splits):
+@pytest.mark.parametrize("dtype, block", [(torch.float32, 1024), (torch.bfloat16, 1024), (torch.bfloat16, 2048)])
+@pytest.mark.parametrize("splits", ["one", "default", "many"])
+def test_kl_only_one_pass(kernel_device, monkeypatch, splits, dtype, block):
     # The one-pass KL: outputs NaN-poisoned, large logit ranges (the running sums are
     # rescaled many times), a masked column range, identical rows giving 0, repeat calls
-    # bitwise equal, and the arrival counters left at zero for the next launch.
+    # bitwise equal, and the arrival counters left at zero for the next launch. Steps of
+    # 1024 / 2048 columns: 1, 2 or 4 groups (of 4 fp32 / 8 bf16 columns) per thread and step;
+    # one split per row: 3-5 steps per program (the running sums rescaled between steps).
     from tabed_engine.kernels import _common
-    if many_splits:
-        monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20)
+    if splits != "default":
+        monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20 if splits == "many" else 1)
+    monkeypatch.setattr(_k, "_KL_BLOCK", block)
     B, K, P, V = 2, 3, 3, 4099
     p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.8, seed=5)
-    p_logits = (p_logits * 6.0).contiguous()           # logits over a ~100-nat range
-    q_logits = q_logits.clone()
+    p_logits = (p_logits * 6.0).to(dtype).contiguous()  # logits over a ~100-nat range
+    q_logits = q_logits.to(dtype)
     p_logits[0, 1, 1000:3000] = float("-inf")          # p_v = 0 there: no KL term
     q_logits[1, 2] = p_logits[1]                       # an identical view: KL 0
     outs = []
@@ -225,6 +229,18 @@ def test_kl_only_one_pass(kernel_device, monkeypatch, many_splits):
     torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
     assert outs[0][1, 2].abs().max() < 1e-5 and (outs[0][0] > 1e-3).all()
     assert int(_common.COUNTERS[torch.device(kernel_device)].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("p_dtype, q_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                              (torch.float16, torch.bfloat16)])
+def test_mixed_dtypes(p_dtype, q_dtype, kernel_device):
+    p_logits, q_logits = _inputs(2, 2, 3, 3001, torch.float32, kernel_device)
+    p_logits, q_logits = p_logits.to(p_dtype), q_logits.to(q_dtype)
+    ref = window_divergence_reference(p_logits, q_logits, temperature=0.9)
+    kl, tv, _, _ = _k.window_divergence(p_logits, q_logits, temperature=0.9)
+    kl1, _, _, _ = _k.window_divergence(p_logits, q_logits, temperature=0.9, tv=False)
+    for got, want in ((kl, ref[0]), (tv, ref[1]), (kl1, ref[0])):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_dispatch_cpu_uses_reference():
