@@ -192,6 +192,43 @@ def lse_reduce(m, s, scale, axis: tl.constexpr, FAST: tl.constexpr):
     return top, tl.sum(s * exp2((m - tl.expand_dims(top, axis)) * scale, FAST), axis=axis)
 
 
+# Thread-owned groups: a streaming pass reads [R, RPT, NT, VEC] tiles per step, VEC
+# contiguous columns (16 bytes) forming a group that one thread loads and reduces alone,
+# NT slots (threads) per row, RPT groups per slot and step. Running values live per slot
+# ([R, NT]): the max of the slot's groups, one exp2 per element against the new max and one
+# per slot and step to rescale the sum. No step needs another thread's data: on sm_90 the
+# loop has no shuffle or barrier and ~9 SASS instructions per element (ensemble_mix pass 1:
+# 12 with element-wise running values, which also need 2-3 registers per element).
+
+
+@triton.jit
+def group_cols(RPT: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr):
+    """[RPT, NT, VEC] column offsets of one step: slot t's r-th group starts at (r * NT + t) * VEC."""
+    return (tl.arange(0, RPT)[:, None, None] * (NT * VEC) + tl.arange(0, NT)[None, :, None] * VEC
+            + tl.arange(0, VEC)[None, None, :])
+
+
+@triton.jit
+def group_lse_step(x, m, s, scale, FAST: tl.constexpr):
+    """Fold a [R, RPT, NT, VEC] tile x into per-slot running (m, s) ([R, NT]; m starts at
+    NEG_BIG, s at 0; s = sum of exp2((x - m) * scale)). Returns (m, s, take, g): take where
+    a slot's group max g beats its old max (strict: earlier steps keep ties)."""
+    g = tl.max(tl.max(x, axis=3), axis=1)
+    take = g > m
+    m_new = tl.maximum(m, g)
+    c = tl.maximum(m_new * scale, NEG_BIG)  # finite: x * scale - c is never NaN
+    e = exp2(x * scale - c[:, None, :, None], FAST)
+    return m_new, s * exp2((m - m_new) * scale, FAST) + tl.sum(tl.sum(e, axis=3), axis=1), take, g
+
+
+@triton.jit
+def group_best_cols(bx, m, b_v0, cols):
+    """Per slot ([R, NT]) the column of its max m: the first column equal to m in the kept
+    best step's values bx ([R, RPT, NT, VEC], read at step b_v0; cols from `group_cols`)."""
+    bcol = cols[None] + b_v0[:, None, :, None]
+    return tl.min(tl.min(tl.where(bx == m[:, None, :, None], bcol, BIG_IDX), axis=3), axis=1)
+
+
 @triton.jit
 def uniforms(seed, base, v0, BLOCK: tl.constexpr):
     """U[0, 1) for the columns v0 + arange(BLOCK), v0 a multiple of 4: column v takes

@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, counters,
-                      exp2, log2, lse_reduce, n_vsplit as _n_vsplit, pdl, pdl_wait,
+                      exp2, group_best_cols, group_cols, group_lse_step, log2, lse_reduce, n_vsplit as _n_vsplit,
+                      pdl, pdl_wait,
                       uniforms, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,12 +91,9 @@ def _mix_partial_kernel(
     argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
     logit.
 
-    Each step reads a [KP, BLOCK // VEC, VEC] tile: VEC contiguous columns (16 bytes) form
-    a group that one thread loads and reduces alone, so the running values live per thread
-    and group slot ([KP, BLOCK // VEC]): the group's max, one exp2 per element against the
-    new running max, one exp2 per group to rescale the running sum. The argmax keeps the
-    best group's values and its step; the column within the group is found once, after the
-    loop. No step needs another thread's data.
+    Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups (see `_common`):
+    running max and sum-exp per view and slot. The argmax keeps each slot's best step (its
+    values and start); the column within it is found once, after the loop.
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
@@ -109,9 +107,7 @@ def _mix_partial_kernel(
     NT: tl.constexpr = BLOCK // (RPT * VEC)                        # slots (threads) per view
     ks = tl.arange(0, KP)
     kmask = ks < K
-    slot = tl.arange(0, NT) * VEC                                  # [NT] first column of each slot's group
-    gcols = (tl.arange(0, RPT)[:, None, None] * (NT * VEC) + slot[None, :, None]
-             + tl.arange(0, VEC)[None, None, :])                   # [RPT, NT, VEC] columns of a step
+    gcols = group_cols(RPT, NT, VEC)                               # [RPT, NT, VEC] columns of a step
     rows_ptr = (logits_ptr + (b * K + ks).to(tl.int64) * stride_logits)[:, None, None, None]
     m = tl.full([KP, NT], NEG_BIG, tl.float32)                     # running max of each slot
     s = tl.zeros([KP, NT], tl.float32)                             # sum of exp2((x - m) * scale)
@@ -122,27 +118,21 @@ def _mix_partial_kernel(
         offs = v0 + gcols
         x = tl.load(rows_ptr + offs[None], mask=kmask[:, None, None, None] & (offs < end)[None],
                     other=float("-inf")).to(tl.float32)
-        g_max = tl.max(tl.max(x, axis=3), axis=1)                  # [KP, NT]
-        take = g_max > m                                           # strict: the earlier step keeps ties
-        m_new = tl.maximum(m, g_max)
-        c = tl.maximum(m_new * scale, NEG_BIG)                     # finite: x * scale - c is never NaN
-        e = exp2(x * scale - c[:, None, :, None], FAST)
-        s = s * exp2((m - m_new) * scale, FAST) + tl.sum(tl.sum(e, axis=3), axis=1)
+        m_old = m
+        m, s, take, g_max = group_lse_step(x, m, s, scale, FAST)
         if CERT:
-            m2 = tl.where(take, m, tl.maximum(m2, g_max))
+            m2 = tl.where(take, m_old, tl.maximum(m2, g_max))
         if PICK or CERT:
             bx = tl.where(take[:, None, :, None], x, bx)
             b_v0 = tl.where(take, v0, b_v0)
-        m = m_new
     if PICK or CERT:
         # each slot's max: its first column in the best step (lowest index on ties)
-        bcol = gcols[None] + b_v0[:, None, :, None]                 # [KP, RPT, NT, VEC]
-        col = tl.min(tl.min(tl.where(bx == m[:, None, :, None], bcol, BIG_IDX), axis=3), axis=1)  # [KP, NT]
+        col = group_best_cols(bx, m, b_v0, gcols)                  # [KP, NT]
     if CERT:
         # per view: the chunk's max (lowest index on ties) and its second-largest value (equal
         # to the max when the max occurs twice): the best step's other values, the slot's
         # other steps, the other slots' maxima
-        rest = tl.where(bcol == col[:, None, :, None], NEG_BIG, bx)
+        rest = tl.where(gcols[None] + b_v0[:, None, :, None] == col[:, None, :, None], NEG_BIG, bx)
         second = tl.maximum(m2, tl.max(tl.max(rest, axis=3), axis=1))
         c_top = tl.max(m, axis=1)
         c_idx = tl.min(tl.where(m == c_top[:, None], col, BIG_IDX), axis=1)

@@ -33,15 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LN2, LOG2E, NEG_BIG, best_combine, counters, exp2, log2, lse_reduce, lse_step,
-                      pdl, pdl_wait, target_programs, tile_warps)
+from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, counters, exp2, group_best_cols, group_cols, group_lse_step,
+                      log2, lse_reduce, pdl, pdl_wait, target_programs, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of the reductions
 # The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
 # that fp32 softmax keeps (q >= 2^-149); the shift is exact in log2 and cancels in argmax.
 _MIX_SHIFT = tl.constexpr(24.0)
-_BIG_IDX = tl.constexpr(2147483647)
 _target_programs = target_programs
 # With a weight grid, by the launch's mixture rows R * G (R = B * P positions): (most
 # vectors per [G_BLOCK, columns] tile, tile elements, programs per SM). Few mixture rows
@@ -83,8 +82,13 @@ def _target_block(p_row, v0, cols, v_end, scale, lse_p, rows, FAST: tl.constexpr
 def _wd_stats_kernel(
     p_ptr, q_ptr, m_ptr, s_ptr, idx_ptr, cnt_ptr,
     P, V, CH, NS, NCNT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Launch 1: per (row, V split) max and sum-exp of the target and the K views, and the
+    target's first argmax. Thread-owned groups (see `_common`): [1, RPT, NT, VEC] target and
+    [KP, RPT, NT, VEC] view tiles per step, running values per slot, in logit units (the
+    target argmax is taken on the logits, as torch.argmax)."""
     pdl_wait(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -92,37 +96,39 @@ def _wd_stats_kernel(
     pos = row.to(tl.int64) % P
     ks = tl.arange(0, KP)
     kmask = ks < K
-    p_row = p_ptr + b * stride_pb + pos * stride_pp
-    q_rows = q_ptr + b * stride_qb + pos * stride_qp + ks.to(tl.int64)[:, None] * stride_qk
+    one = tl.arange(0, 1)
+    p_rows = (p_ptr + b * stride_pb + pos * stride_pp + one.to(tl.int64))[:, None, None, None]
+    q_rows = (q_ptr + b * stride_qb + pos * stride_qp + ks.to(tl.int64) * stride_qk)[:, None, None, None]
     v_start = split * CH
     v_end = tl.minimum(v_start + CH, V)
-    cols = tl.arange(0, BLOCK)
-    # Element-wise running (max, sum-exp) of the target and the views, in logit units:
-    # the target argmax is taken on the logits, as torch.argmax.
-    mp = tl.full([BLOCK], NEG_BIG, tl.float32)
-    sp = tl.zeros([BLOCK], tl.float32)
-    p_v0 = tl.zeros([BLOCK], tl.int32) + v_start
-    mq = tl.full([KP, BLOCK], NEG_BIG, tl.float32)
-    sq = tl.zeros([KP, BLOCK], tl.float32)
+    NT: tl.constexpr = BLOCK // (RPT * VEC)
+    cols = group_cols(RPT, NT, VEC)
+    mp = tl.full([1, NT], NEG_BIG, tl.float32)
+    sp = tl.zeros([1, NT], tl.float32)
+    bx = tl.full([1, RPT, NT, VEC], NEG_BIG, tl.float32)   # each slot's best step of the target
+    b_v0 = tl.zeros([1, NT], tl.int32) + v_start
+    mq = tl.full([KP, NT], NEG_BIG, tl.float32)
+    sq = tl.zeros([KP, NT], tl.float32)
     for v0 in range(v_start, v_end, BLOCK):
-        offs = v0 + cols
+        offs = (v0 + cols)[None]
         vmask = offs < v_end
-        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-        xq = tl.load(q_rows + offs[None, :], mask=kmask[:, None] & vmask[None, :],
-                     other=float("-inf")).to(tl.float32)
-        mp, sp, take = lse_step(xp, mp, sp, scale, FAST)
-        p_v0 = tl.where(take, v0, p_v0)  # strict: the earlier step keeps ties
-        mq, sq, _ = lse_step(xq, mq, sq, scale, FAST)
-    _, p_idx, _ = best_combine(mp, p_v0, mp, cols, 0)
-    mp, sp = lse_reduce(mp, sp, scale, 0, FAST)
+        xp = tl.load(p_rows + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        xq = tl.load(q_rows + offs, mask=kmask[:, None, None, None] & vmask, other=float("-inf")).to(tl.float32)
+        mp, sp, take, _ = group_lse_step(xp, mp, sp, scale, FAST)
+        bx = tl.where(take[:, None, :, None], xp, bx)
+        b_v0 = tl.where(take, v0, b_v0)
+        mq, sq, _, _ = group_lse_step(xq, mq, sq, scale, FAST)
+    p_col = group_best_cols(bx, mp, b_v0, cols)                # [1, NT]
+    p_idx = tl.min(tl.where(mp == tl.max(mp, axis=1)[:, None], p_col, BIG_IDX), axis=1)
+    mp, sp = lse_reduce(mp, sp, scale, 1, FAST)
     mq, sq = lse_reduce(mq, sq, scale, 1, FAST)
     # stats layout [rows, K + 1, NS]: entry 0 is the target, 1 + k view k
     base = row.to(tl.int64) * (K + 1) * NS + split
-    tl.store(m_ptr + base, mp)
-    tl.store(s_ptr + base, sp)
+    tl.store(m_ptr + base + one, mp)
+    tl.store(s_ptr + base + one, sp)
     tl.store(m_ptr + base + (1 + ks) * NS, mq, mask=kmask)
     tl.store(s_ptr + base + (1 + ks) * NS, sq, mask=kmask)
-    tl.store(idx_ptr + row.to(tl.int64) * NS + split, p_idx)
+    tl.store(idx_ptr + row.to(tl.int64) * NS + split + one, p_idx)
     for c in range(split, NCNT, NS):  # arrival counters of launch 2 (graph replays reuse none)
         tl.store(cnt_ptr + row.to(tl.int64) * NCNT + c, 0)
 
@@ -213,7 +219,7 @@ def _wd_div_kernel(
             bidx = tl.where(take, offs[None, :], bidx)
             g_kl += pv * (c - log2(tl.where(ppos, mix, 1.0), FAST_MATH))
         blk_best = tl.max(best, axis=1)
-        blk_idx = tl.min(tl.where(best == blk_best[:, None], bidx, _BIG_IDX), axis=1)
+        blk_idx = tl.min(tl.where(best == blk_best[:, None], bidx, BIG_IDX), axis=1)
         gl = tl.arange(0, G_BLOCK)
         gpart = ((row64 * NCH + chunk) * NS2 + split) * G_BLOCK + gl
         tl.store(gbest_ptr + gpart, blk_best)
@@ -237,16 +243,16 @@ def _wd_div_kernel(
         if HAS_GRID:
             # target argmax: first split holding the maximum, its first index
             pm = tl.load(m_ptr + stat + ss, mask=smask, other=NEG_BIG)
-            pi = tl.load(idx_ptr + row64 * NS1 + ss, mask=smask, other=_BIG_IDX)
-            p_arg = tl.min(tl.where(smask & (pm == tl.max(pm, axis=0)), pi, _BIG_IDX), axis=0)
+            pi = tl.load(idx_ptr + row64 * NS1 + ss, mask=smask, other=BIG_IDX)
+            p_arg = tl.min(tl.where(smask & (pm == tl.max(pm, axis=0)), pi, BIG_IDX), axis=0)
             gl = tl.arange(0, G_BLOCK)
             goff = ((row64 * NCH + chunk) * NS2 + sp_[:, None]) * G_BLOCK + gl[None, :]
             gm = spmask[:, None] & (gs < G)[None, :]
             vbest = tl.load(gbest_ptr + goff, mask=gm, other=float("-inf"), cache_modifier=".cg")
-            vidx = tl.load(gidx_ptr + goff, mask=gm, other=_BIG_IDX, cache_modifier=".cg")
+            vidx = tl.load(gidx_ptr + goff, mask=gm, other=BIG_IDX, cache_modifier=".cg")
             vkl = tl.load(gklp_ptr + goff, mask=gm, other=0.0, cache_modifier=".cg")
             top_g = tl.max(vbest, axis=0)
-            arg_g = tl.min(tl.where(spmask[:, None] & (vbest == top_g[None, :]), vidx, _BIG_IDX), axis=0)
+            arg_g = tl.min(tl.where(spmask[:, None] & (vbest == top_g[None, :]), vidx, BIG_IDX), axis=0)
             gout = (b * G + gs) * P + pos
             tl.store(match_ptr + gout, (arg_g == p_arg).to(tl.int8), mask=gs < G)
             tl.store(gkl_ptr + gout, tl.sum(vkl, axis=0), mask=gs < G)
@@ -281,8 +287,7 @@ def _wd_kl_kernel(
     v_start = split * CH
     v_end = tl.minimum(v_start + CH, V)
     NT: tl.constexpr = BLOCK // (RPT * VEC)
-    cols = (tl.arange(0, RPT)[:, None, None] * (NT * VEC) + tl.arange(0, NT)[None, :, None] * VEC
-            + tl.arange(0, VEC)[None, None, :])          # [RPT, NT, VEC] columns of a step
+    cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
     mp = tl.full([NT], NEG_BIG, tl.float32)
     sp = tl.zeros([NT], tl.float32)
     q_rows = ()
@@ -434,11 +439,14 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         gidx = idx_ws
     scale = LOG2E.value / float(temperature)  # exp(x / T) = exp2(x * scale)
     fast = dev.type == "cuda"
+    vec = min(16 // max(p_logits.element_size(), q_logits.element_size()), BLOCKV)
+    warps1 = tile_warps((KP + 1) * BLOCKV)
+    rpt1 = max(1, BLOCKV // (vec * 32 * warps1))
     _wd_stats_kernel[(R, ns1)](
         p_logits, q_logits, m_ws, s_ws, idx_ws, cnt_ws,
         P, V, ch1, ns1, n_chunks, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), scale,
-        K=K, KP=KP, BLOCK=BLOCKV, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=tile_warps((KP + 1) * BLOCKV),
+        K=K, KP=KP, BLOCK=BLOCKV, VEC=vec, RPT=rpt1, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=warps1,
     )
     _wd_div_kernel[(R, ns2, n_chunks)](
         p_logits, q_logits, grid if has_grid else kl, m_ws, s_ws, idx_ws, cnt_ws,

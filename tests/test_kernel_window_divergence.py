@@ -169,6 +169,29 @@ def test_exact_ties_take_the_lowest_index(kernel_device, monkeypatch, many_split
     assert match[0, :, 0].all() and not match[0, :, 1].any()
 
 
+# Target ties against the argmax at column 5004, read in one split of 2048-column steps: in
+# its 16-byte group, its thread's other group of the step (fp32), another step, another thread.
+_TIE_CASES = {"same group, lower": 5001, "same group, higher": 5006, "same slot, next group": 5004 + 1024,
+              "earlier step": 5004 - 2048, "later step": 5004 + 3 * 2048, "other slot": 5100}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("where", list(_TIE_CASES))
+def test_target_argmax_ties_across_groups_slots_and_steps(where, dtype, kernel_device, monkeypatch):
+    monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1)   # one split per row
+    other = _TIE_CASES[where]
+    first, last = min(5004, other), max(5004, other)
+    p_logits = torch.full((1, 2, 20000), -5.0)
+    p_logits[0, :, [5004, other]] = 3.0
+    q_logits = torch.full((1, 1, 2, 20000), -5.0)
+    q_logits[0, 0, 0, first] = 3.0        # the view's argmax is the target's first tie: a match
+    q_logits[0, 0, 1, last] = 3.0         # the later tie: no match
+    grid = torch.ones(1, 1, device=kernel_device)
+    _, _, match, _ = _k.window_divergence(p_logits.to(dtype).to(kernel_device), q_logits.to(dtype).to(kernel_device),
+                                          grid=grid)
+    assert match[0, 0].tolist() == [True, False]
+
+
 def test_unit_grid_vectors_reproduce_per_view_kl(kernel_device):
     # g = e_k makes the mixture q_k: grid_kl must equal kl[:, k], an internal cross-check.
     B, K, P, V = 2, 3, 2, 1000
