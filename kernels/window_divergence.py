@@ -472,8 +472,11 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
 # K = 1 36.1 -> 17.2 us (2048 columns; 1024: 23.7), B = 32, K = 2 19.3 -> 16.4 (1024; 2048:
 # 17.0), B = 16, K = 4 20.3 -> 16.8 (512; 1024: 18.5); B = 1, K = 2, P = 5 5.6 -> 4.0 and
 # B = 1, K = 4 9.5 -> 6.3-6.4. 8 warps at 2048 columns or 2 pipelining stages: no better
-# where they are not worse (B = 16, K = 4: 23.9 / 18.3 vs 16.8).
+# where they are not worse (B = 16, K = 4: 23.9 / 18.3 vs 16.8). Chunks of at least
+# _KL_MIN_CHUNK columns: B = 1, K = 4 took 8.5 us with 512-column chunks (63 per row, as many
+# partials for the last program to fold) against 6.4 with 1024.
 _KL_TILE = 4096
+_KL_MIN_CHUNK = 1024
 _KL_BLOCK = None
 _KL_STAGES = 1
 _KL_WARPS = 4
@@ -486,7 +489,7 @@ def _kl_only(p_logits, q_logits, kl, temperature):
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     R = B * P
     step = _KL_BLOCK or 1 << ((_KL_TILE // (K + 1)).bit_length() - 1)
-    chunk, ns = _split(V, step, R, _target_programs(dev))
+    chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R, _target_programs(dev))
     block = max(16, min(step, triton.next_power_of_2(chunk)))
     vec = 16 // max(p_logits.element_size(), q_logits.element_size())  # groups of <= 16 bytes in both
     rpt = max(1, block // (vec * 32 * _KL_WARPS))
