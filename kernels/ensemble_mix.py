@@ -29,8 +29,8 @@ view's argmax and second-largest logit; a token that is no view's argmax has q_v
 w_k q_k(second largest), so when the best of the K candidates beats that bound, it is the
 argmax and the second pass is skipped (always, when the views agree on their argmax).
 Pass 1 streams 16-byte groups, each loaded and reduced by one thread (its running max,
-sum-exp and best group live in that thread: no shuffle or barrier in the loop, ~9 SASS
-instructions and 1.1 exp2 per element against ~12 and 1 with element-wise running values),
+sum-exp and best group live in that thread: no barrier in the loop, ~9 SASS instructions
+and 1.1 exp2 per element against ~13 and 1 with element-wise running values),
 the cross-thread reduction once per program; pass 2 keeps element-wise running values
 (best / step, see `_common`). Both use exp2 with the temperature and log2(e) folded into
 one scale: x * scale - lse2 is one FMA.
