@@ -1,6 +1,6 @@
 """Building blocks shared by the ensemble kernels (ensemble_mix, chain_verify,
-window_divergence): the V split rule, fast exp2/log2, and element-wise running
-reductions.
+window_divergence): the V split rule, fast exp2/log2, element-wise running reductions
+and thread-owned groups.
 
 Element-wise running reductions: a kernel that streams V in [R, BLOCK] tiles keeps one
 accumulator per tile element (running max and sum-exp, or running best and the step
@@ -10,6 +10,8 @@ the next tile's loads waiting.  With that and exp2 on a folded scale, the loops'
 (sm_90, large-B tiles) went from 15-20 to 6-11 instructions per element (per thread):
 chain_verify greedy 15.3 -> 5.7, ensemble_mix pass 1 17.2 -> 10.7 and pass 2
 15.3 -> 7.6, window_divergence stats 20.2 -> 10.9, and no barrier is left in a loop.
+The passes that only need a max and a sum-exp per row (ensemble_mix pass 1, the
+window_divergence stats and KL passes) went further, to thread-owned groups (below).
 
 `@triton.jit` helpers are inlined into the kernels that call them (constexpr arguments
 pass through).
@@ -171,17 +173,6 @@ def load_rows(rows_ptr, offs, row_mask, col_mask):
     x = tl.load(rows_ptr[:, None] + offs[None, :], mask=row_mask[:, None] & col_mask[None, :],
                 other=float("-inf"))
     return x.to(tl.float32)
-
-
-@triton.jit
-def lse_step(x, m, s, scale, FAST: tl.constexpr):
-    """Fold x into element-wise running (m, s): m the max of x, s the sum of
-    exp2((x - m) * scale).  One exp2 per element: a new maximum rescales s by the same
-    exp2(-|x - m| * scale) that an old one would add.  Also returns x > m (the new
-    maxima, earlier ones kept on ties).  m starts at NEG_BIG, s at 0."""
-    e = exp2(-tl.abs(m - x) * scale, FAST)
-    take = x > m
-    return tl.where(take, x, m), tl.where(take, s * e + 1.0, s + e), take
 
 
 @triton.jit
