@@ -78,9 +78,6 @@ _STAGES = 1
 # Pass-1 elements per thread and step (warps = tile / (32 * this), 4 to 16): 16 (32: B = 512,
 # K = 1 12.7 us either way at 2048-column tiles, 25.3 vs 14.1 at 4096).
 _PER_THREAD = 16
-# Greedy K > 1 without the mixture row, pass 2 (rows the certificate did not decide): chunks
-# for about this many programs per SM, so each reads a short stretch.
-_PASS2_PROGRAMS_PER_SM = 32
 
 
 @triton.jit
@@ -158,16 +155,13 @@ def _mix_partial_kernel(
 @triton.jit
 def _mix_chunk_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
-    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr, best_ptr, best_idx_ptr,
-    V, S, CHUNK, S2, CHUNK2, stride_logits, stride_wb, stride_wk, stride_mix, scale,
-    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, SP2: tl.constexpr, BLOCK: tl.constexpr,
+    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
+    V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
+    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
     REPORT: tl.constexpr, TOK_K: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Pass 2: fold the S partials into the normalisers, then q over this program's chunk:
-    pass 1's chunks (CHUNK2 = CHUNK, S2 = S), or for greedy K > 1 without the mixture row
-    finer ones (S2 per row), so that the rows the certificate leaves to this pass are read
-    by many short programs.
+    """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
 
     CERT (greedy, K > 1, no mixture row): first the candidates, each view's argmax c_j. A
     token that is no view's argmax has q_v <= bound = sum_k w_k q_k(second largest of view
@@ -176,8 +170,8 @@ def _mix_chunk_kernel(
     (b, 0) stores the token. Otherwise the chunk pass below runs as without CERT.
 
     Greedy, K > 1, chunk pass: each program stores its chunk's best (q, index) and counts
-    itself in (atomic counter of row b); the last of the row's S2 programs to arrive reads
-    the S2 bests (past L1: other programs wrote them) and stores the token.
+    itself in (atomic counter of row b); the last of the row's S programs to arrive reads
+    the S bests (past L1: other programs wrote them) and stores the token.
 
     Sampling (inverse CDF, no per-element randomness): the partials also give each chunk's
     mixture mass M_s = sum_k w_k sumexp_k,s 2^(max_k,s * scale - lse_k); one uniform u of the
@@ -232,7 +226,7 @@ def _mix_chunk_kernel(
 
     if PICKED:  # greedy, one view: pass 1 found the pick, program (b, 0) finishes it
         if sp == 0:
-            tok, y_tok = _fold_bests(prow + 2 * KP, prow + 2 * KP + 1, part_idx_ptr + b * S + ss, smask, V)
+            tok, y_tok = _fold_bests(prow, part_idx_ptr + b * S, ss, smask, KP, V)
             q_tok = exp2(y_tok - tl.sum(lse2, axis=0), FAST) * tl.sum(w, axis=0)
             _store_token(token_ptr, b, tok, ks, TOK_K)
             tl.store(token_prob_ptr + b, q_tok)
@@ -248,8 +242,8 @@ def _mix_chunk_kernel(
             if not GREEDY and not WRITE_MIX:  # grid (B, 1): this program reads the drawn chunk only
                 chunk_id = pick_chunk
             scan = chunk_id == pick_chunk
-            start = chunk_id * CHUNK2
-            end = tl.minimum(start + CHUNK2, V)
+            start = chunk_id * CHUNK
+            end = tl.minimum(start + CHUNK, V)
             cols = tl.arange(0, BLOCK)
             best = tl.full([BLOCK], float("-inf"), tl.float32)
             best_v0 = tl.zeros([BLOCK], tl.int32) + start
@@ -273,17 +267,16 @@ def _mix_chunk_kernel(
                         hit = tl.minimum(hit, tl.min(tl.where(passed, offs, BIG_IDX), axis=0))
                         last = tl.maximum(last, tl.max(tl.where(vmask & (q > 0), offs, start), axis=0))
                         run += tl.sum(q, axis=0)
-            if GREEDY and not PICKED:
+            if GREEDY and not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
                 best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
-                tl.store(best_ptr + (b * S2 + sp) * 2, best)
-                tl.store(best_ptr + (b * S2 + sp) * 2 + 1, q_best)
-                tl.store(best_idx_ptr + b * S2 + sp, idx)
+                row = part_ptr + (b * S + sp) * W
+                tl.store(row + 2 * KP, best)
+                tl.store(row + 2 * KP + 1, q_best)
+                tl.store(part_idx_ptr + b * S + sp, idx)
                 tl.debug_barrier()  # the chunk's best is stored before the release below
                 arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
-                if arrived == S2 - 1:  # the row's last chunk: its S2 bests -> token (lowest index on ties)
-                    s2 = tl.arange(0, SP2)
-                    brow = best_ptr + (b * S2 + s2) * 2
-                    tok, q_tok = _fold_bests(brow, brow + 1, best_idx_ptr + b * S2 + s2, s2 < S2, V)
+                if arrived == S - 1:  # the row's last chunk: its S bests -> token (lowest index on ties)
+                    tok, q_tok = _fold_bests(prow, part_idx_ptr + b * S, ss, smask, KP, V)
                     _store_token(token_ptr, b, tok, ks, TOK_K)
                     tl.store(token_prob_ptr + b, q_tok)
                     tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
@@ -298,13 +291,14 @@ def _mix_chunk_kernel(
 
 
 @triton.jit
-def _fold_bests(score_ptrs, val_ptrs, idx_ptrs, smask, V):
-    """A row's chunk bests (pointer vectors to each chunk's best score, its value and its
-    index) -> (token, its value): the highest score, lowest index on ties (as
-    torch.argmax). Loaded past L1: other programs of the same launch may have written them."""
-    bv = tl.load(score_ptrs, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    by = tl.load(val_ptrs, mask=smask, other=0.0, cache_modifier=".cg")
-    bi = tl.load(idx_ptrs, mask=smask, other=V, cache_modifier=".cg")
+def _fold_bests(prow, idx_row, ss, smask, KP: tl.constexpr, V):
+    """The row's S chunk bests (part rows `prow` [SP]: best score at 2 * KP, its value at
+    2 * KP + 1; indices at idx_row + s) -> (token, its value): the highest score, lowest
+    index on ties (as torch.argmax). Loaded past L1: other programs of the same launch may
+    have written them."""
+    bv = tl.load(prow + 2 * KP, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    by = tl.load(prow + 2 * KP + 1, mask=smask, other=0.0, cache_modifier=".cg")
+    bi = tl.load(idx_row + ss, mask=smask, other=V, cache_modifier=".cg")
     top = tl.max(bv, axis=0)
     tok = tl.min(tl.where(bv == top, bi, V), axis=0)
     return tok, tl.sum(tl.where(smask & (bi == tok), by, 0.0), axis=0)
@@ -485,6 +479,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm))
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
     BLOCK = chunk_block(chunk, _TILE // KP)
+    num_warps = tile_warps(KP * BLOCK)
     SP = triton.next_power_of_2(S)
     vec = 16 // logits.element_size()          # one 16-byte load per group
     p1_warps = tile_warps(KP * BLOCK, _PER_THREAD)
@@ -512,22 +507,14 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         )
         return token[::tok_k], token_prob, mixture, lse
     # every chunk when the mixture row is written or greedy K > 1 compares chunk bests; else
-    # one program per row (greedy K = 1 finishes the pick, sampling reads the drawn chunk).
-    # Greedy K > 1 without the mixture row: finer chunks of its own.
-    S2, chunk2, block2 = S, chunk, BLOCK
-    if greedy and not picked and not write_mix:
-        S2, chunk2 = chunking(V, _n_vsplit(B, V, dev, _PASS2_PROGRAMS_PER_SM))
-        block2 = chunk_block(chunk2, _TILE // KP)
-    n_best = B * S2 if greedy and not picked else 1
-    best_buf = torch.empty(2 * n_best, dtype=torch.float32, device=dev)
-    best_idx = torch.empty(n_best, dtype=torch.int32, device=dev)
-    _mix_chunk_kernel[(B, S2 if (write_mix or (greedy and not picked)) else 1)](
+    # one program per row (greedy K = 1 finishes the pick, sampling reads the drawn chunk)
+    _mix_chunk_kernel[(B, S if (write_mix or (greedy and not picked)) else 1)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
         certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, counters(dev, B),
-        best_buf, best_idx, V, S, chunk, S2, chunk2, logits.stride(0), weights.stride(0), weights.stride(1),
+        V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
-        K=K, KP=KP, SP=SP, SP2=triton.next_power_of_2(S2), BLOCK=block2, GREEDY=greedy, WRITE_MIX=write_mix,
-        PICKED=picked, CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, FAST=fast,
-        num_warps=tile_warps(KP * block2), PDL=use_pdl, launch_pdl=use_pdl,
+        K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
+        CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, FAST=fast, num_warps=num_warps,
+        PDL=use_pdl, launch_pdl=use_pdl,
     )
     return token[::tok_k], token_prob, mixture, lse

@@ -395,30 +395,6 @@ def test_certified_greedy_matches_reference(B, K, V, dtype, n_split, kernel_devi
         torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n_split, n_split2", [(2, 7), (5, 3), (1, 13)])
-def test_greedy_second_pass_on_its_own_chunks(n_split, n_split2, kernel_device, monkeypatch):
-    # Greedy K > 1 without the mixture row: pass 2 cuts V into its own chunks (finer or
-    # coarser than pass 1's); the token, its probability and the normalisers are unchanged,
-    # ties resolve to the lowest index across pass-2 chunk boundaries.
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, per_sm: n_split2 if per_sm == _k._PASS2_PROGRAMS_PER_SM
-                        else n_split)
-    monkeypatch.setattr(_k, "_CERTIFY", False)                 # every row takes the chunk pass
-    for K, V, dtype in ((2, 1000, torch.float32), (3, 32064, torch.bfloat16), (4, 173, torch.float16)):
-        logits, w = _inputs(4, K, V, dtype, kernel_device, seed=K)
-        ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
-        token, token_prob, _, lse = _k.ensemble_mix(logits, w, greedy=True)
-        _check_token(token, token_prob, ref[2], 1e-6)
-        top2 = ref[2].topk(2, dim=1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 1e-5
-        assert torch.equal(token[clear], ref[0][clear])
-        torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
-    logits = torch.full((2, 173), -5.0)                       # ties at 31 | 32, inside a chunk, later
-    for v in (160, 40, 32, 31):
-        logits[:, v] = 3.0
-    token, *_ = _k.ensemble_mix(logits.to(kernel_device), torch.full((1, 2), 0.5, device=kernel_device), greedy=True)
-    assert token.item() == 31
-
-
 def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, monkeypatch):
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 4)
     certified = torch.full((3,), -1, dtype=torch.int32, device=kernel_device)
