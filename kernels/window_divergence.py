@@ -17,12 +17,12 @@ V=32064: B*P is tiny, so the vocabulary itself is split over programs.  Two laun
 Two passes over the logits: TV needs both normalisers before any |p - q_k| term. KL
 alone (the kld and hedge policies) does not: `_wd_kl_kernel` is one launch and one pass,
 sum_v p_v (y_p - y_k) accumulated against the running max of the target and rescaled
-with its sum-exp, the last program of each row folding the splits.  The two-launch passes
-keep element-wise running values (max / sum-exp, partial KL and TV, see `_common`), the KL
-pass running values per thread over 16-byte groups that thread alone loads (as
-`ensemble_mix` pass 1); all reduce across the tile once per program; exponentials are exp2 with temperature and log2(e)
-folded into one scale, and the divergences are summed in log2 units and scaled by ln 2
-once.
+with its sum-exp, the last program of each row folding the splits.  The stats launch and
+the KL pass keep running max / sum-exp per thread over 16-byte groups that thread alone
+loads (as `ensemble_mix` pass 1, see `_common`), the divergence launch element-wise running
+partial KL and TV; all reduce across the tile once per program; exponentials are exp2 with
+temperature and log2(e) folded into one scale, and the divergences are summed in log2
+units and scaled by ln 2 once.
 
 Everything accumulates in fp32; argmax ties resolve to the lowest index (torch.argmax);
 split counts depend on shapes and the SM count only (no host sync: the launcher runs in
