@@ -65,8 +65,11 @@ def _split(V, unit, rows, target):
 
 @triton.jit
 def _target_block(p_row, v0, cols, v_end, scale, lse_p, rows, FAST: tl.constexpr):
-    """Target log2-probabilities and probabilities at columns v0 + cols (below v_end), as
-    a [len(rows), BLOCK] tile (the grid loop passes one row)."""
+    """Target log2-probabilities and probabilities at columns v0 + cols (below v_end),
+    the row repeated for each of `rows`: a [R, BLOCK] tile laid out like the [KP, BLOCK]
+    view tiles (R = KP) costs R - 1 extra L1 hits and exp2s per column, where a [BLOCK]
+    vector broadcast over the views took a shared-memory layout change (6 barriers) per
+    step."""
     offs = v0 + cols
     vmask = offs < v_end
     x = tl.load(p_row + offs[None, :] + 0 * rows[:, None], mask=vmask[None, :],
@@ -138,7 +141,7 @@ def _wd_div_kernel(
     P, V, G, NS1, CH, NS2, NCH,
     stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, stride_gg, stride_gk, scale,
     K: tl.constexpr, KP: tl.constexpr, NS1P: tl.constexpr, NS2P: tl.constexpr,
-    BLOCKV: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, G_BLOCK: tl.constexpr, BLOCKG: tl.constexpr,
+    BLOCKV: tl.constexpr, G_BLOCK: tl.constexpr, BLOCKG: tl.constexpr,
     HAS_GRID: tl.constexpr, FAST_MATH: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -173,32 +176,18 @@ def _wd_div_kernel(
     # Per-view partial KL and TV over this split (first grid chunk only), in log2 units.
     vpart = vpart_ptr + (row64 * NS2 + split) * 2 * KP
     if chunk == 0:
-        # thread-owned groups (see `_common`): the target's exp2 once per column, then each
-        # view's; per slot and view the partial sums
-        NT: tl.constexpr = BLOCKV // (RPT * VEC)
-        gcols = group_cols(RPT, NT, VEC)
-        kl_acc = ()
-        tv_acc = ()
-        for k in tl.static_range(K):
-            kl_acc = kl_acc + (tl.zeros([NT], tl.float32),)
-            tv_acc = tv_acc + (tl.zeros([NT], tl.float32),)
+        cols = tl.arange(0, BLOCKV)
+        kl_acc = tl.zeros([KP, BLOCKV], tl.float32)
+        tv_acc = tl.zeros([KP, BLOCKV], tl.float32)
         for v0 in range(v_start, v_end, BLOCKV):
-            offs = v0 + gcols
-            vmask = offs < v_end
-            logp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32) * scale - lse_p
-            pv = exp2(logp, FAST_MATH)
-            n_kl = ()
-            n_tv = ()
-            for k in tl.static_range(K):
-                logq = (tl.load(q_row + k * stride_qk + offs, mask=vmask, other=float("-inf")).to(tl.float32) * scale
-                        - tl.sum(tl.where(ks == k, lse_q, 0.0), axis=0))
-                n_kl = n_kl + (kl_acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (logp - logq), 0.0), axis=2), axis=0),)
-                n_tv = n_tv + (tv_acc[k] + tl.sum(tl.sum(tl.abs(pv - exp2(logq, FAST_MATH)), axis=2), axis=0),)
-            kl_acc = n_kl
-            tv_acc = n_tv
-        for k in tl.static_range(K):
-            tl.store(vpart + k, tl.sum(kl_acc[k], axis=0) * LN2)
-            tl.store(vpart + KP + k, tl.sum(tv_acc[k], axis=0))
+            logp, pv, offs, vmask = _target_block(p_row, v0, cols, v_end, scale, lse_p, ks, FAST_MATH)
+            logq = tl.load(q_row + ks.to(tl.int64)[:, None] * stride_qk + offs[None, :],
+                           mask=kmask[:, None] & vmask[None, :],
+                           other=float("-inf")).to(tl.float32) * scale - lse_q[:, None]
+            kl_acc += tl.where(pv > 0, pv * (logp - logq), 0.0)
+            tv_acc += tl.abs(pv - exp2(logq, FAST_MATH))
+        tl.store(vpart + ks, tl.sum(kl_acc, axis=1) * LN2)
+        tl.store(vpart + KP + ks, tl.sum(tv_acc, axis=1))
 
     # Grid mixtures of this chunk: elementwise running (max, first index, KL) over the split.
     if HAS_GRID:
@@ -468,7 +457,7 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
         grid.stride(0) if has_grid else 0, grid.stride(1) if has_grid else 0, scale,
         K=K, KP=KP, NS1P=triton.next_power_of_2(ns1), NS2P=triton.next_power_of_2(ns2),
-        BLOCKV=BLOCKV2, VEC=min(vec, BLOCKV2), RPT=max(1, BLOCKV2 // (vec * 32 * 4)), G_BLOCK=G_BLOCK, BLOCKG=BLOCKG,
+        BLOCKV=BLOCKV2, G_BLOCK=G_BLOCK, BLOCKG=BLOCKG,
         HAS_GRID=has_grid, FAST_MATH=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=4,
     )
     if match is not None:
