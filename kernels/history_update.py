@@ -47,6 +47,17 @@ GRID_TILE = 4096
 
 
 @triton.jit
+def _lex_best(matches, kl, idx, mask):
+    """Among the `mask`ed entries: the most matches, then the lowest KL sum, then the lowest
+    index. Returns (matches, KL sum, index) of the winner; the index is the lowest overall
+    when every best entry's KL sum is +inf (callers decide that case)."""
+    best = tl.max(tl.where(mask, matches, -1.0), axis=0)
+    kl_best = tl.where(mask & (matches >= best), kl, float("inf"))
+    kmin = tl.min(kl_best, axis=0)
+    return best, kmin, tl.min(tl.where(kl_best == kmin, idx, _BIG_IDX), axis=0)
+
+
+@triton.jit
 def _history_kernel(
     div_new_ptr, match_new_ptr, gkl_new_ptr, n_acc_ptr, cursor_ptr,
     valid_ptr, div_ptr, match_ptr, gkl_ptr, grid_ptr, w_ptr, new_cursor_ptr,
@@ -142,11 +153,7 @@ def _history_kernel(
 
     # ---- 3. weights
     if GRID:
-        # this program's vectors: most matches, then the lowest KL sum, then the lowest index
-        best = tl.max(tl.where(gmask, msum, -1.0), axis=0)
-        kl_best = tl.where(gmask & (msum >= best), ksum, float("inf"))
-        kmin = tl.min(kl_best, axis=0)
-        g_star = tl.min(tl.where(kl_best == kmin, gs, _BIG_IDX), axis=0)
+        best, kmin, g_star = _lex_best(msum, ksum, gs, gmask)   # this program's vectors
         if SPLIT:
             tl.store(part_ptr + (b * NG + sl) * 2, best)
             tl.store(part_ptr + (b * NG + sl) * 2 + 1, kmin)
@@ -160,10 +167,7 @@ def _history_kernel(
                 bk = tl.load(part_ptr + (b * NG + ns) * 2 + 1, mask=nmask, other=float("inf"),
                              cache_modifier=".cg")
                 bi = tl.load(part_idx_ptr + b * NG + ns, mask=nmask, other=_BIG_IDX, cache_modifier=".cg")
-                top = tl.max(bm, axis=0)
-                kl_top = tl.where(nmask & (bm >= top), bk, float("inf"))
-                kmin = tl.min(kl_top, axis=0)
-                g_star = tl.min(tl.where(kl_top == kmin, bi, _BIG_IDX), axis=0)
+                _, kmin, g_star = _lex_best(bm, bk, bi, nmask)
                 # every best vector's KL sum +inf: row 0, as one program (and the reference) picks
                 g_star = tl.where(kmin < float("inf"), g_star, 0)
                 _store_weights(w_ptr, grid_ptr, b, g_star, ks, kmask, npos, K)

@@ -397,10 +397,11 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     has_grid = grid is not None and G > 0
     if R == 0 or K == 0 or V == 0:  # degenerate shapes: nothing to launch
         return kl, tv, (match.view(torch.bool) if match is not None else None), gkl
-    target = _target_programs(dev)
     if has_grid:
         g_max, g_tile, per_sm = next(t[1:] for t in _GRID_TILES if t[0] is None or B * P * G <= t[0])
         target = _target_programs(dev, per_sm)
+    else:
+        target = _target_programs(dev)
     KP = triton.next_power_of_2(K)
     # [KP, BLOCKV] tiles of the K views plus a BLOCKV target row: ~2-4K elements per step.
     BLOCKV = max(16, min(triton.next_power_of_2(V), 2048 // KP))
