@@ -2,8 +2,8 @@
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
 and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 8
-greedy with K > 1, 16 when sampling, at least 1024 columns per chunk), so the launcher never syncs and can be
-captured in a CUDA graph.  Two launches exchange small partials:
+greedy with K > 1, 16 when sampling, at least 1024 columns per chunk), so the launcher
+never syncs and can be captured in a CUDA graph.  Two launches exchange small partials:
 
   1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; greedy with
      one view (KP == 1) also the chunk's argmax.
@@ -30,8 +30,8 @@ w_k q_k(second largest), so when the best of the K candidates beats that bound, 
 argmax and the second pass is skipped (always, when the views agree on their argmax).
 Pass 1 streams 16-byte groups, each loaded and reduced by one thread (its running max,
 sum-exp and best group live in that thread: no barrier in the loop, ~9 SASS instructions
-and 1.1 exp2 per element against ~13 and 1 with element-wise running values),
-the cross-thread reduction once per program; pass 2 keeps element-wise running values
+and 1.1 exp2 per element against ~13 and 1 with element-wise running values), the
+cross-thread reduction once per program; pass 2 keeps element-wise running values
 (best / step, see `_common`). Both use exp2 with the temperature and log2(e) folded into
 one scale: x * scale - lse2 is one FMA.
 
