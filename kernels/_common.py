@@ -117,11 +117,13 @@ def n_vsplit(B, V, device, per_sm=_PROGRAMS_PER_SM):
     return max(1, min(triton.cdiv(V, _MIN_CHUNK), _MAX_SPLITS, want))
 
 
-def chunking(V, S):
-    """(S, chunk): `S` requested chunks of V made 16-aligned and all non-empty."""
+def chunking(V, S, align=16):
+    """(S, chunk): `S` requested chunks of V, each a multiple of `align` (>= 16) columns
+    but the last, all non-empty."""
     if S <= 1:
         return 1, V
-    chunk = triton.cdiv(triton.cdiv(V, S), 16) * 16
+    align = max(16, align)
+    chunk = triton.cdiv(triton.cdiv(V, S), align) * align
     return triton.cdiv(V, chunk), chunk
 
 

@@ -69,6 +69,11 @@ _VIEWS_PROGRAMS_PER_SM = 8
 # 60.3 -> 55.2, 10.9 -> 9.0. With pass 1's thread-owned groups (H200): 16 per SM B = 512, K = 1
 # 20.4 us, B = 256, K = 2 17.6, B = 128, K = 4 18.3; 8 per SM 22.6, 18.1, 16.5.
 _SAMPLE_PROGRAMS_PER_SM = 16
+# Sampling's draw order (see `_slot_draw`): period P and slot width SW in columns, P // SW
+# draw slots; pass 1 stores a max and sum-exp per (chunk, view, slot), the draw re-reads
+# one slot, SW / P of the row. Tests shrink P to split small V.
+_DRAW_PERIOD = 512
+_DRAW_WIDTH = 16
 # Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
 # (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
 _CERTIFY = True
@@ -82,10 +87,11 @@ _PER_THREAD = 16
 
 @triton.jit
 def _mix_partial_kernel(
-    logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
+    logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_m_ptr, slot_s_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
-    CERT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    CERT: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, STAGES: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
     argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
@@ -98,6 +104,11 @@ def _mix_partial_kernel(
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
     cert_idx rows (b, s) of KP: second-largest logit / argmax index per view.
+
+    DRAW (sampling): also the chunk's max and sum-exp per view and draw slot (P // SW
+    slots: slot T holds the columns c with (c mod P) // SW == T; the chunk starts at a
+    multiple of P and NT * VEC is one, so each thread slot lies in one draw slot), rows
+    (b, s, k) of P // SW in slot_m / slot_s.
     """
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -139,6 +150,15 @@ def _mix_partial_kernel(
         c_2nd = tl.max(tl.where(col == c_idx[:, None], second, m), axis=1)
         tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
+    if DRAW:
+        NSS: tl.constexpr = P // SW
+        m4 = tl.reshape(m, [KP, NT * VEC // P, NSS, SW // VEC])    # thread t -> slot (t * VEC mod P) // SW
+        s4 = tl.reshape(s, [KP, NT * VEC // P, NSS, SW // VEC])
+        d_m = tl.max(tl.max(m4, axis=3), axis=1)                   # [KP, NSS]
+        d_s = tl.sum(tl.sum(s4 * exp2((m4 - d_m[:, None, :, None]) * scale, FAST), axis=3), axis=1)
+        d_off = ((b * S + sp) * KP + ks[:, None]) * NSS + tl.arange(0, NSS)[None, :]
+        tl.store(slot_m_ptr + d_off, d_m, mask=kmask[:, None])
+        tl.store(slot_s_ptr + d_off, d_s, mask=kmask[:, None])
     top, tot = lse_reduce(m, s, scale, 1, FAST)
     row = part_ptr + (b * S + sp) * (2 * KP + 2)
     tl.store(row + ks, top, mask=kmask)
@@ -155,11 +175,12 @@ def _mix_partial_kernel(
 @triton.jit
 def _mix_chunk_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
-    certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
+    slot_m_ptr, slot_s_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
-    REPORT: tl.constexpr, TOK_K: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
+    NB: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
 
@@ -173,12 +194,9 @@ def _mix_chunk_kernel(
     itself in (atomic counter of row b); the last of the row's S programs to arrive reads
     the S bests (past L1: other programs wrote them) and stores the token.
 
-    Sampling (inverse CDF, no per-element randomness): the partials also give each chunk's
-    mixture mass M_s = sum_k w_k sumexp_k,s 2^(max_k,s * scale - lse_k); one uniform u of the
-    row picks the chunk c whose cumulative mass first exceeds u * sum_s M_s, and the program
-    of chunk c (with the mixture row: the one whose chunk it is; without: the row's only
-    program, grid (B, 1)) walks c's prefix sums of q to the token. Floating-point sums that
-    fall short of the target in that chunk take its last token with q > 0.
+    Sampling: program (b, 0) draws the token from pass 1's draw-slot partials (`_slot_draw`;
+    without the mixture row the grid is (B, 1) and that is all it does); with the mixture
+    row every program also writes q over its chunk.
 
     Programs run in the reverse of pass 1's order, so the chunks pass 1 read last (the
     likeliest to be still in L2 when the logits exceed it) are read first."""
@@ -231,26 +249,19 @@ def _mix_chunk_kernel(
             _store_token(token_ptr, b, tok, ks, TOK_K)
             tl.store(token_prob_ptr + b, q_tok)
 
-    pick_chunk = -1  # sampling: the chunk holding the draw, and the mass before the target in it
-    r_in = 0.0
     if not GREEDY:
-        pick_chunk, r_in = _draw_chunk(pm, ps, lse2, w, pmask, smask, ss, seed_ptr, offset_ptr, b, V, scale, FAST)
+        if sp == 0:
+            _slot_draw(logits_ptr, slot_m_ptr, slot_s_ptr, seed_ptr, offset_ptr, token_ptr, token_prob_ptr,
+                       b, w, lse2, ks, kmask, V, S, stride_logits, scale, K, KP, P, SW, SB, NB, TOK_K, FAST)
 
-    if WRITE_MIX or not PICKED:
+    if WRITE_MIX or (GREEDY and not PICKED):
         if run_chunk != 0:
-            chunk_id = sp
-            if not GREEDY and not WRITE_MIX:  # grid (B, 1): this program reads the drawn chunk only
-                chunk_id = pick_chunk
-            scan = chunk_id == pick_chunk
-            start = chunk_id * CHUNK
+            start = sp * CHUNK
             end = tl.minimum(start + CHUNK, V)
             cols = tl.arange(0, BLOCK)
             best = tl.full([BLOCK], float("-inf"), tl.float32)
             best_v0 = tl.zeros([BLOCK], tl.int32) + start
             best_q = tl.zeros([BLOCK], tl.float32)
-            run = 0.0                     # sampling: q summed over the chunk's earlier tiles
-            hit = BIG_IDX                 # first column whose prefix sum passes r_in
-            last = start                  # last column with q > 0 (the fallback)
             for v0 in range(start, end, BLOCK):
                 offs = v0 + cols
                 vmask = offs < end
@@ -260,13 +271,6 @@ def _mix_chunk_kernel(
                 if GREEDY and not PICKED:
                     score = tl.where(vmask, q, float("-inf"))
                     best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
-                if not GREEDY:
-                    if scan:
-                        cs = tl.cumsum(q, 0) + run
-                        passed = vmask & (q > 0) & (cs > r_in)   # q > 0: never a zero-probability token
-                        hit = tl.minimum(hit, tl.min(tl.where(passed, offs, BIG_IDX), axis=0))
-                        last = tl.maximum(last, tl.max(tl.where(vmask & (q > 0), offs, start), axis=0))
-                        run += tl.sum(q, axis=0)
             if GREEDY and not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
                 best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
                 row = part_ptr + (b * S + sp) * W
@@ -280,14 +284,6 @@ def _mix_chunk_kernel(
                     _store_token(token_ptr, b, tok, ks, TOK_K)
                     tl.store(token_prob_ptr + b, q_tok)
                     tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
-            if not GREEDY:
-                if scan:
-                    tok = tl.where(hit < BIG_IDX, hit, last)
-                    x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
-                                  other=float("-inf")).to(tl.float32)
-                    _store_token(token_ptr, b, tok, ks, TOK_K)
-                    tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0),
-                                                        axis=0))
 
 
 @triton.jit
@@ -323,20 +319,58 @@ def _row_normalisers(prow, ks, pmask, kmask, scale, KP: tl.constexpr, FAST: tl.c
 
 
 @triton.jit
-def _draw_chunk(pm, ps, lse2, w, pmask, smask, ss, seed_ptr, offset_ptr, b, V, scale, FAST: tl.constexpr):
-    """Inverse CDF over chunks: chunk s's mixture mass is M_s = sum_k w_k ps_k,s
-    2^(pm_k,s * scale - lse2_k); the row's uniform u (Philox output 0 at counter offset + b*V)
-    sets the target r = u * sum_s M_s. Returns the first chunk whose cumulative mass exceeds r
-    (never one of zero mass) and the mass r_in still to pass inside it."""
-    cm = tl.sum(tl.where(pmask, w[None, :] * ps * exp2(pm * scale - lse2[None, :], FAST), 0.0), axis=1)
-    cum = tl.cumsum(cm, 0)                              # [SP], non-decreasing
+def _slot_draw(logits_ptr, slot_m_ptr, slot_s_ptr, seed_ptr, offset_ptr, token_ptr, token_prob_ptr,
+               b, w, lse2, ks, kmask, V, S, stride_logits, scale,
+               K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
+               NB: tl.constexpr, TOK_K: tl.constexpr, FAST: tl.constexpr):
+    """Draw request b's token by inverse CDF in the draw order (slot T = (c mod P) // SW
+    first, then column): slot T's mixture mass M_T = sum_{s,k} w_k sumexp 2^(max * scale -
+    lse2_k) over pass 1's partials (chunks s, SB at a time); the row's uniform u (Philox
+    output 0 at counter offset + b * V) picks the first slot whose cumulative mass exceeds
+    r = u * sum_T M_T (never one of zero mass), and its columns (SW per period of P, NB
+    periods per step: 1/(P/SW) of the row) are re-read and walked in order to the first
+    whose prefix sum of q passes what is left of r. A sum that falls short (float rounding)
+    takes the slot's last column with q > 0. The order depends on P and SW only, not on the
+    split, so any split draws the same token from the same uniform (up to rounding at a
+    boundary). Stores the token and q(token)."""
+    NSS: tl.constexpr = P // SW
+    tt = tl.arange(0, NSS)
+    sb = tl.arange(0, SB)
+    mass = tl.zeros([NSS], tl.float32)
+    for s0 in range(0, S, SB):
+        smask = (s0 + sb) < S
+        off = ((b * S + s0 + sb[:, None, None]) * KP + ks[None, :, None]) * NSS + tt[None, None, :]
+        dmask = smask[:, None, None] & kmask[None, :, None]
+        d_m = tl.load(slot_m_ptr + off, mask=dmask, other=NEG_BIG)
+        d_s = tl.load(slot_s_ptr + off, mask=dmask, other=0.0)
+        e = w[None, :, None] * d_s * exp2(d_m * scale - lse2[None, :, None], FAST)
+        mass += tl.sum(tl.sum(tl.where(dmask, e, 0.0), axis=1), axis=0)
+    cum = tl.cumsum(mass, 0)                                          # non-decreasing
     u = tl.sum(tl.where(tl.arange(0, 4) == 0,
                         uniforms(tl.load(seed_ptr), tl.load(offset_ptr) + b * V, 0, 4), 0.0), axis=0)
     r = u * tl.max(cum, axis=0)
-    pick_chunk = tl.sum((smask & (cum <= r)).to(tl.int32), axis=0)
-    pick_chunk = tl.minimum(pick_chunk, tl.max(tl.where(smask & (cm > 0), ss, 0), axis=0))
-    r_in = r - tl.sum(tl.where(ss < pick_chunk, cm, 0.0), axis=0)
-    return pick_chunk, r_in
+    slot = tl.sum((cum <= r).to(tl.int32), axis=0)
+    slot = tl.minimum(slot, tl.max(tl.where(mass > 0, tt, 0), axis=0))
+    r_in = r - tl.sum(tl.where(tt < slot, mass, 0.0), axis=0)
+    nn = tl.arange(0, NB)[:, None]
+    jj = tl.arange(0, SW)[None, :]
+    run = 0.0                       # q summed over the slot's earlier steps
+    hit = BIG_IDX                   # first column whose prefix sum passes r_in
+    last = slot * SW                # last column with q > 0 (the fallback)
+    for n0 in range(0, tl.cdiv(V, P), NB):
+        offs = tl.reshape((n0 + nn) * P + slot * SW + jj, [NB * SW])   # ascending: the draw order
+        vmask = offs < V
+        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, NB * SW, FAST)
+        pos = vmask & (q > 0)       # never a zero-probability token
+        cs = tl.cumsum(q, 0) + run
+        hit = tl.minimum(hit, tl.min(tl.where(pos & (cs > r_in), offs, BIG_IDX), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(pos, offs, 0), axis=0))
+        run += tl.sum(q, axis=0)
+    tok = tl.where(hit < BIG_IDX, hit, last)
+    x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
+                  other=float("-inf")).to(tl.float32)
+    _store_token(token_ptr, b, tok, ks, TOK_K)
+    tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0), axis=0))
 
 
 @triton.jit
@@ -352,64 +386,6 @@ def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl
         q += tl.sum(tl.where(ks == k, w, 0.0), axis=0) * exp2(x * scale - tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),
                                                                FAST)
     return q
-
-
-@triton.jit
-def _mix_draw_kernel(
-    logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, tile_mass_ptr, cnt_ptr, token_ptr, token_prob_ptr,
-    lse_ptr, V, S, CHUNK, NT, stride_logits, stride_wb, stride_wk, scale,
-    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, NTP: tl.constexpr, BLOCK: tl.constexpr,
-    TOK_K: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-):
-    """Pass 2 of sampling without the mixture row when a chunk spans several tiles: grid
-    (B, NT), one program per tile of the drawn chunk. Every program of row b draws the same
-    chunk (same partials, same uniform), sums q over its tile and stores that mass; the last
-    to arrive (atomic counter, the "last block" pattern) picks the tile whose cumulative mass
-    first exceeds r_in (never one of zero mass) and walks that tile's prefix sums alone. The
-    tail is one tile's scan, not NT dependent ones; the tile is re-read from L2."""
-    pdl_wait(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    ss = tl.arange(0, SP)
-    smask = ss < S
-    prow = part_ptr + (b * S + ss) * (2 * KP + 2)
-    pmask = smask[:, None] & kmask[None, :]
-    pm, ps, lse2 = _row_normalisers(prow, ks, pmask, kmask, scale, KP, FAST)
-    if t == 0:
-        tl.store(lse_ptr + b * K + ks, lse2 * LN2, mask=kmask)
-    w = tl.load(weights_ptr + b * stride_wb + ks * stride_wk, mask=kmask, other=0.0)
-    pick_chunk, r_in = _draw_chunk(pm, ps, lse2, w, pmask, smask, ss, seed_ptr, offset_ptr, b, V, scale, FAST)
-    start = pick_chunk * CHUNK
-    end = tl.minimum(start + CHUNK, V)
-    cols = tl.arange(0, BLOCK)
-    offs = start + t * BLOCK + cols
-    q = _tile_q(logits_ptr, b, offs, offs < end, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST)
-    tl.store(tile_mass_ptr + b * NT + t, tl.sum(q, axis=0))
-    tl.debug_barrier()  # the mass is stored before the release below
-    arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
-    if arrived == NT - 1:  # every tile's mass is in: pick the tile, scan it
-        tt = tl.arange(0, NTP)
-        tmask = tt < NT
-        tm = tl.load(tile_mass_ptr + b * NT + tt, mask=tmask, other=0.0, cache_modifier=".cg")  # past L1
-        cum = tl.cumsum(tm, 0)
-        tile = tl.sum((tmask & (cum <= r_in)).to(tl.int32), axis=0)
-        tile = tl.minimum(tile, tl.max(tl.where(tmask & (tm > 0), tt, 0), axis=0))
-        r_t = r_in - tl.sum(tl.where(tt < tile, tm, 0.0), axis=0)
-        offs = start + tile * BLOCK + cols
-        vmask = offs < end
-        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST)
-        cs = tl.cumsum(q, 0)
-        pos = vmask & (q > 0)                      # never a zero-probability token
-        hit = tl.min(tl.where(pos & (cs > r_t), offs, BIG_IDX), axis=0)
-        last = tl.max(tl.where(pos, offs, start + tile * BLOCK), axis=0)  # sums short of r_t
-        tok = tl.where(hit < BIG_IDX, hit, last)
-        x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
-                      other=float("-inf")).to(tl.float32)
-        _store_token(token_ptr, b, tok, ks, TOK_K)
-        tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0), axis=0))
-        tl.store(cnt_ptr + b, 0)  # every tile has arrived: ready for the next launch
 
 
 def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature=1.0,
@@ -476,45 +452,43 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     mix_arg = mixture if write_mix else token_prob
     stride_mix = mixture.stride(0) if write_mix else 0
     per_sm = (_PROGRAMS_PER_SM if K == 1 else _VIEWS_PROGRAMS_PER_SM) if greedy else _SAMPLE_PROGRAMS_PER_SM
-    S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm))
+    # sampling: the draw order's period (V <= _DRAW_PERIOD: natural order whatever P), chunks
+    # and pass-1 steps are multiples of it
+    period = _DRAW_WIDTH if greedy else min(_DRAW_PERIOD, max(_DRAW_WIDTH, triton.next_power_of_2(V)))
+    S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
-    BLOCK = chunk_block(chunk, _TILE // KP)
+    BLOCK = max(chunk_block(chunk, _TILE // KP), period)
     num_warps = tile_warps(KP * BLOCK)
     SP = triton.next_power_of_2(S)
     vec = 16 // logits.element_size()          # one 16-byte load per group
     p1_warps = tile_warps(KP * BLOCK, _PER_THREAD)
-    rpt = max(1, BLOCK // (vec * 32 * p1_warps))  # groups per thread and step
+    # groups per thread and step; sampling: a thread's slot lies in one draw slot
+    rpt = max(1, min(BLOCK // (vec * 32 * p1_warps), BLOCK // period))
     part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)
     part_idx = torch.empty(B * S, dtype=torch.int32, device=dev)
     cert = _CERTIFY and greedy and not picked and not write_mix
     cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
     cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
+    n_slots = 1 if greedy else period // _DRAW_WIDTH
+    slot_m = torch.empty(B * S * KP * n_slots, dtype=torch.float32, device=dev)
+    slot_s = torch.empty_like(slot_m)
     _mix_partial_kernel[(B, S)](
-        logits, part, part_idx, cert_buf, cert_idx,
+        logits, part, part_idx, cert_buf, cert_idx, slot_m, slot_s,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, STAGES=_STAGES, FAST=fast,
-        num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
+        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, DRAW=not greedy, P=period,
+        SW=_DRAW_WIDTH, STAGES=_STAGES, FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
-    n_tiles = triton.cdiv(chunk, BLOCK)
-    if not greedy and not write_mix and n_tiles > 1:
-        # sampling over chunks of several tiles: one program per tile of the drawn chunk
-        tile_mass = torch.empty(B * n_tiles, dtype=torch.float32, device=dev)
-        _mix_draw_kernel[(B, n_tiles)](
-            logits, weights, seed, offset, part, tile_mass, counters(dev, B), token, token_prob, lse,
-            V, S, chunk, n_tiles, logits.stride(0), weights.stride(0), weights.stride(1), scale,
-            K=K, KP=KP, SP=SP, NTP=triton.next_power_of_2(n_tiles), BLOCK=BLOCK, TOK_K=tok_k, FAST=fast,
-            num_warps=tile_warps(BLOCK), PDL=use_pdl, launch_pdl=use_pdl,
-        )
-        return token[::tok_k], token_prob, mixture, lse
     # every chunk when the mixture row is written or greedy K > 1 compares chunk bests; else
-    # one program per row (greedy K = 1 finishes the pick, sampling reads the drawn chunk)
+    # one program per row (greedy K = 1 finishes the pick, sampling draws)
     _mix_chunk_kernel[(B, S if (write_mix or (greedy and not picked)) else 1)](
-        logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx,
+        logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx, slot_m, slot_s,
         certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, counters(dev, B),
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
-        CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, FAST=fast, num_warps=num_warps,
-        PDL=use_pdl, launch_pdl=use_pdl,
+        CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
+        SW=_DRAW_WIDTH, SB=min(SP, max(1, 4096 // (KP * n_slots))),
+        NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
+        FAST=fast, num_warps=num_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
     return token[::tok_k], token_prob, mixture, lse

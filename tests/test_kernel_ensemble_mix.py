@@ -4,6 +4,7 @@ import torch
 from scipy import stats
 
 import triton
+import triton.language as tl
 from tabed_engine.kernels import _common
 from tabed_engine.kernels import ensemble_mix as _k
 from tabed_engine.ops.ensemble_mix import ensemble_mix, ensemble_mix_reference
@@ -141,18 +142,39 @@ def test_sampling_follows_mixture(K, kernel_device):
 
 
 def _tiles_of(monkeypatch, width):
-    """Force chunks of more than one tile (`width` columns per tile and loop step): the tiled
-    draw of sampling without the mixture row and the multi-step chunk loops."""
+    """Force chunks of more than one tile (`width` columns per tile and loop step): the
+    multi-step chunk loops."""
     monkeypatch.setattr(_common, "ONE_STEP", 1)
     monkeypatch.setattr(_k, "_TILE", width)
 
 
+def _draw_order(monkeypatch, period, width=16):
+    """Sampling's draw order with a `period` small enough to split small V (chunks and
+    pass-1 steps are multiples of it) and draw slots of `width` columns."""
+    monkeypatch.setattr(_k, "_DRAW_PERIOD", period)
+    monkeypatch.setattr(_k, "_DRAW_WIDTH", width)
+
+
+def _draw_order_reference(q, u, period, width):
+    """The kernel's draw in PyTorch: inverse CDF of q ([V]) at u in the order slot
+    (c mod period) // width first, then column (the first token whose prefix sum exceeds
+    u * total, never one with q = 0)."""
+    V = q.numel()
+    cols = torch.arange(V)
+    order = sorted(range(V), key=lambda c: ((c % period) // width, c))
+    cs = torch.cumsum(q[order].double(), 0)
+    pos = torch.nonzero((cs > u * cs[-1]) & (q[order] > 0))[0, 0]
+    return int(cols[order][pos])
+
+
 @pytest.mark.parametrize("return_mixture, tiled", [(False, False), (True, False), (False, True), (True, True)])
 def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, tiled, kernel_device, monkeypatch):
-    # Inverse-CDF draws across 4 chunks of 16 (tiled: 2 chunks of two 16-column tiles): a
-    # 16-column block with no mass (all -inf: a chunk, or a tile) and single zero-probability
-    # tokens next to chunk and tile edges are never drawn; the rest follows q.
+    # Draws across 4 chunks of 16 (tiled: 2 chunks of two 16-column steps) in the draw order
+    # of period 16, slots of 8 (fp32: 4-column groups): a 16-column block with no mass (all
+    # -inf: a chunk, or a step) and single zero-probability tokens next to chunk, step and
+    # slot edges are never drawn; the rest follows q.
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 2 if tiled else 4)
+    _draw_order(monkeypatch, 16, 8)
     if tiled:
         _tiles_of(monkeypatch, 32)  # [KP = 2, 16] tiles
     N, K, V = 300, 2, 64
@@ -160,7 +182,7 @@ def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, t
     base = torch.randn(K, V, generator=g)
     base[0, :8] += 2.0
     base[1, 40:48] += 2.0
-    zero = [15, 32, 47, 48, 63] + list(range(16, 32))
+    zero = [7, 8, 15, 32, 47, 48, 55, 63] + list(range(16, 32))
     base[:, zero] = float("-inf")
     w = torch.tensor([[0.35, 0.65]])
     mix = ensemble_mix_reference(base, w, greedy=True, temperature=0.8, return_mixture=True)[2][0]
@@ -174,6 +196,40 @@ def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, t
     assert p > 1e-3, f"sampled tokens do not follow the mixture (p={p:.2e})"
     if return_mixture:
         torch.testing.assert_close(mixture[0].cpu(), mix, atol=1e-6, rtol=1e-5)
+
+
+@triton.jit
+def _first_uniform_kernel(seed_ptr, out_ptr, base):
+    u = _common.uniforms(tl.load(seed_ptr), base + tl.program_id(0) * 0, 0, 4)
+    tl.store(out_ptr + tl.arange(0, 4), u)
+
+
+def _row_uniform(seed, base, device):
+    """The uniform the kernel draws request b with: Philox output 0 at counter `base`."""
+    out = torch.full((4,), float("nan"), device=device)
+    _first_uniform_kernel[(1,)](seed, out, base)
+    return float(out[0])
+
+
+@pytest.mark.parametrize("n_split, return_mixture", [(1, False), (3, True), (4, False)])
+def test_draw_takes_the_documented_order(n_split, return_mixture, kernel_device, monkeypatch):
+    """Each token is the inverse CDF of the row's mixture at the row's uniform in the draw
+    order (slot (c mod P) // SW, then column), here P = 32 and slots of 8 over V = 200 (7
+    periods, the last cut short), computed in PyTorch."""
+    B, K, V, P, SW = 6, 2, 200, 32, 8
+    _draw_order(monkeypatch, P, SW)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
+    logits, w = _inputs(B, K, V, torch.float32, kernel_device, seed=5, scale=1.0)
+    seed = torch.tensor([2024], device=kernel_device)
+    offset = torch.tensor([555], device=kernel_device)
+    token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset, temperature=0.7,
+                                        return_mixture=return_mixture)
+    mix = ensemble_mix_reference(logits.cpu(), w.cpu(), greedy=True, temperature=0.7, return_mixture=True)[2]
+    want = [_draw_order_reference(mix[b], _row_uniform(seed, 555 + b * V, kernel_device), P, SW)
+            for b in range(B)]
+    assert token.tolist() == want
+    assert len(set(want)) > 3
+    torch.testing.assert_close(prob.cpu(), mix.gather(1, token.cpu()[:, None]).squeeze(1), atol=1e-6, rtol=1e-5)
 
 
 def test_sampling_is_deterministic_in_seed_and_offset(kernel_device):
@@ -311,6 +367,7 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device,
     logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K)
     seed = torch.tensor([77], device=kernel_device)
     offset = torch.tensor([12345], device=kernel_device)
+    _draw_order(monkeypatch, 64)  # 5 requested chunks: 3 of 64 columns at V = 173, 4 of 256 at 1000
     outs = []
     for n_split in (1, 5):
         monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
@@ -330,15 +387,15 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device,
 @pytest.mark.parametrize("K, V, n_split, width", [(1, 1000, 1, 64), (3, 1000, 2, 128), (2, 173, 1, 32),
                                                   (4, 1000, 3, 256)])
 def test_tiled_sampling_draws_match_untiled(K, V, n_split, width, kernel_device, monkeypatch):
-    """Sampling without the mixture row over chunks of several tiles (one program per tile,
-    the last to arrive scans the drawn tile): the same uniform per request, the same tokens
-    as one program walking the whole chunk, q(token) and the normalisers as the reference.
-    Two calls in a row: the arrival counters are left at zero for the next launch."""
+    """Sampling without the mixture row over chunks of several pass-1 steps: the same
+    uniform per request, the same tokens as one step per chunk, q(token) and the
+    normalisers as the reference. Two calls in a row (no state is left behind)."""
     B = 7
     logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K + 10)
     seed = torch.tensor([5], device=kernel_device)
     offset = torch.tensor([321], device=kernel_device)
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
+    _draw_order(monkeypatch, 32)
 
     def draw():
         token = torch.full((B,), -1, dtype=torch.int64, device=kernel_device)
@@ -490,7 +547,7 @@ def test_certificate_sees_the_second_largest_anywhere(where, dtype, kernel_devic
                                   "sample tiled"])
 def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
     """Each path that stores the token (pass 2's pick, the certificate, the last-arriving
-    fold, the chunk scan, the tile draw) writes it into all K rows of its request when asked;
+    fold, the draw with and without the mixture row) writes it into all K rows of its request when asked;
     the returned token is the same as without, and so are the other outputs."""
     B, V = 5, 1000
     K = {"greedy K=1": 1, "greedy certified": 3, "greedy folded": 3, "sample+mixture": 2, "sample tiled": 4}[case]
@@ -502,6 +559,7 @@ def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 3)
     if case == "sample tiled":
         _tiles_of(monkeypatch, 128)
+        _draw_order(monkeypatch, 32)
     seed = torch.tensor([9], device=kernel_device)
     offset = torch.tensor([77], device=kernel_device)
     kw = dict(greedy=greedy, seed=seed, offset=offset, temperature=0.8, return_mixture=case == "sample+mixture")
