@@ -2,32 +2,28 @@
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
 and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 8
-greedy with K > 1, 16 when sampling, at least 1024 columns per chunk), so the launcher
-never syncs and can be captured in a CUDA graph.  Two launches exchange small partials:
+greedy with K > 1, 16 when sampling (8 with K > 1 and no mixture row), at least 1024
+columns per chunk), so the launcher never syncs and can be captured in a CUDA graph.  Two
+launches exchange small partials:
 
   1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; greedy with
-     one view (KP == 1) also the chunk's argmax.
+     one view (KP == 1) also the chunk's argmax; sampling also the sum-exp of each draw
+     slot (below).
   2. `_mix_chunk_kernel`: folds the S partials of its row into the normalisers (S * K
      floats), then forms q = sum_k w_k softmax_k over a chunk: writes the mixture row,
      and greedy with K > 1 its chunk's best (q, index), the row's last program to arrive
      (atomic counter) folding the S bests into the token; a certified row (below) is
      finished by program (b, 0) at once.  Greedy with one view the pick is already
-     known, so program (b, 0) finishes it.  Sampling draws by inverse CDF: the
-     partials give every chunk's mixture mass, one uniform picks the chunk, and that
-     chunk's program walks its prefix sums of q to the token.  Without the mixture row
-     and with chunks of several tiles (large B), `_mix_draw_kernel` instead: one program
-     per tile of the drawn chunk sums q over it, the last to arrive picks the tile and
-     scans only that one (the walk of a chunk's tiles, each a dependent prefix sum, took
-     12-15 us of the 26-30 us at B >= 128 on an H100).
+     known, so program (b, 0) finishes it.  Sampling: one more program per row draws.
 
 Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
-plus the chunks that need q (all of them with the mixture row; greedy without it, all but
-below; sampling without it, the one drawn chunk): q_v needs every view's final
-normaliser, and the second read comes from L2 when the batch's logits fit in it (33 MB at
-B = 128, K = 4, V = 32064).  Greedy without the mixture row: pass 1 also keeps each
-view's argmax and second-largest logit; a token that is no view's argmax has q_v <= sum_k
-w_k q_k(second largest), so when the best of the K candidates beats that bound, it is the
-argmax and the second pass is skipped (always, when the views agree on their argmax).
+plus what needs q (every chunk with the mixture row; greedy without it, all but below;
+sampling without it, 1/32 of the row): q_v needs every view's final normaliser, and the
+second read comes from L2 when the batch's logits fit in it (33 MB at B = 128, K = 4, V =
+32064).  Greedy without the mixture row: pass 1 also keeps each view's argmax and
+second-largest logit; a token that is no view's argmax has q_v <= sum_k w_k q_k(second
+largest), so when the best of the K candidates beats that bound, it is the argmax and the
+second pass is skipped (always, when the views agree on their argmax).
 Pass 1 streams 16-byte groups, each loaded and reduced by one thread (its running max,
 sum-exp and best group live in that thread: no barrier in the loop, ~9 SASS instructions
 and 1.1 exp2 per element against ~13 and 1 with element-wise running values), the
@@ -36,10 +32,16 @@ cross-thread reduction once per program; pass 2 keeps element-wise running value
 one scale: x * scale - lse2 is one FMA.
 
 Chunk bests combine by value, then lowest index, so ties resolve like torch.argmax and
-the result does not depend on the split.  A sample uses one uniform per request, output 0
-of Philox(seed, counter offset + b * V) (`_common.uniforms`), whatever the split; the
-token is the first whose cumulative mixture mass exceeds u times the total, so two splits
-draw the same token unless u falls within float rounding of a boundary.
+the result does not depend on the split.  A sample is an inverse CDF with one uniform per
+request, output 0 of Philox(seed, counter offset + b * V) (`_common.uniforms`), in a fixed
+draw order: draw slot T = (c mod P) // SW first (P = 512, SW = 16: 32 slots), then column.
+Pass 1's thread slots each lie in one draw slot (chunks and steps are multiples of P), so
+it stores every (chunk, view, slot) sum-exp at no cost in its loop; the draw folds them
+into 32 slot masses, picks the slot with the uniform and re-reads only that slot's
+columns (1/32 of the row) to walk their prefix sums (`_slot_draw`).  The order depends on
+P and SW only: any split draws the same token, unless u falls within float rounding of a
+boundary.  (Before: natural order, the drawn chunk walked by one program, 1/S of the row
+and a chain of dependent steps at large B.)
 """
 import torch
 import triton
@@ -62,18 +64,22 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 2048
 _PROGRAMS_PER_SM = 4
 _VIEWS_PROGRAMS_PER_SM = 8
-# Sampling: finer chunks, so the second read (the drawn chunk; with the mixture row every
-# chunk plus the drawn chunk's scan) is shorter. H100 sweep (graph replays, V = 32064), 4 ->
-# 16 programs per SM: B = 128, K = 4 30.2 -> 20.6 us; B = 256, K = 2 24.6 -> 19.6; B = 512,
-# K = 1 26.9 -> 22.0; B = 64, K = 1 6.8 -> 7.2; with the mixture row 55.2 -> 33.4, 50.5 -> 39.7,
-# 60.3 -> 55.2, 10.9 -> 9.0. With pass 1's thread-owned groups (H200): 16 per SM B = 512, K = 1
-# 20.4 us, B = 256, K = 2 17.6, B = 128, K = 4 18.3; 8 per SM 22.6, 18.1, 16.5.
+# Sampling programs per SM: 16, but 8 with K > 1 and no mixture row (pass 1 alone, which then
+# carries K views per program). H200, cold [B * K, 32064] bf16 inputs, graph replays, with
+# the slot draw below: no mixture row B = 512, K = 1 17.0 us at 16 vs 19.2 at 8; B = 128,
+# K = 4 17.8 vs 15.0; with the mixture row 39.6 vs 40.1 and 25.1 vs 26.6 (H100: B = 256, K = 2
+# 19.9 vs 19.1, with the mixture row 39.1 vs 40.2).
 _SAMPLE_PROGRAMS_PER_SM = 16
+_SAMPLE_VIEWS_PROGRAMS_PER_SM = 8
 # Sampling's draw order (see `_slot_draw`): period P and slot width SW in columns, P // SW
-# draw slots; pass 1 stores a max and sum-exp per (chunk, view, slot), the draw re-reads
-# one slot, SW / P of the row. Tests shrink P to split small V.
+# draw slots; pass 1 stores a sum-exp per (chunk, view, slot), the draw re-reads one slot,
+# SW / P of the row. Tests shrink P to split small V. The draw program: 4 warps (B = 1, K = 2
+# 4.39 us vs 4.50 with 2, 5.04 with 1; B = 512, K = 1 17.0 vs 16.4 and 16.8), its loops
+# without software pipelining (with 3 stages B = 1, K = 2 5.34 vs 4.86 us on an H100).
 _DRAW_PERIOD = 512
 _DRAW_WIDTH = 16
+_DRAW_WARPS = 4
+_DRAW_STAGES = 1
 # Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
 # (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
 _CERTIFY = True
@@ -87,7 +93,7 @@ _PER_THREAD = 16
 
 @triton.jit
 def _mix_partial_kernel(
-    logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_m_ptr, slot_s_ptr,
+    logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, STAGES: tl.constexpr,
@@ -105,10 +111,10 @@ def _mix_partial_kernel(
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
     cert_idx rows (b, s) of KP: second-largest logit / argmax index per view.
 
-    DRAW (sampling): also the chunk's max and sum-exp per view and draw slot (P // SW
-    slots: slot T holds the columns c with (c mod P) // SW == T; the chunk starts at a
-    multiple of P and NT * VEC is one, so each thread slot lies in one draw slot), rows
-    (b, s, k) of P // SW in slot_m / slot_s.
+    DRAW (sampling): also the chunk's sum-exp per view and draw slot against the view's
+    chunk max (P // SW slots: slot T holds the columns c with (c mod P) // SW == T; the
+    chunk starts at a multiple of P and NT * VEC is one, so each thread slot lies in one
+    draw slot), rows (b, s, k) of P // SW in slot.
     """
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -139,48 +145,43 @@ def _mix_partial_kernel(
     if PICK or CERT:
         # each slot's max: its first column in the best step (lowest index on ties)
         col = group_best_cols(bx, m, b_v0, gcols)                  # [KP, NT]
-    if CERT:
-        # per view: the chunk's max (lowest index on ties) and its second-largest value (equal
-        # to the max when the max occurs twice): the best step's other values, the slot's
-        # other steps, the other slots' maxima
-        rest = tl.where(gcols[None] + b_v0[:, None, :, None] == col[:, None, :, None], NEG_BIG, bx)
-        second = tl.maximum(m2, tl.max(tl.max(rest, axis=3), axis=1))
+        # per view: the chunk's max, its lowest column
         c_top = tl.max(m, axis=1)
         c_idx = tl.min(tl.where(m == c_top[:, None], col, BIG_IDX), axis=1)
+    if CERT:
+        # and its second-largest value (equal to the max when the max occurs twice): the best
+        # step's other values, the slot's other steps, the other slots' maxima
+        rest = tl.where(gcols[None] + b_v0[:, None, :, None] == col[:, None, :, None], NEG_BIG, bx)
+        second = tl.maximum(m2, tl.max(tl.max(rest, axis=3), axis=1))
         c_2nd = tl.max(tl.where(col == c_idx[:, None], second, m), axis=1)
         tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
+    top, tot = lse_reduce(m, s, scale, 1, FAST)
     if DRAW:
         NSS: tl.constexpr = P // SW
         m4 = tl.reshape(m, [KP, NT * VEC // P, NSS, SW // VEC])    # thread t -> slot (t * VEC mod P) // SW
         s4 = tl.reshape(s, [KP, NT * VEC // P, NSS, SW // VEC])
-        d_m = tl.max(tl.max(m4, axis=3), axis=1)                   # [KP, NSS]
-        d_s = tl.sum(tl.sum(s4 * exp2((m4 - d_m[:, None, :, None]) * scale, FAST), axis=3), axis=1)
+        d_s = tl.sum(tl.sum(s4 * exp2((m4 - top[:, None, None, None]) * scale, FAST), axis=3), axis=1)
         d_off = ((b * S + sp) * KP + ks[:, None]) * NSS + tl.arange(0, NSS)[None, :]
-        tl.store(slot_m_ptr + d_off, d_m, mask=kmask[:, None])
-        tl.store(slot_s_ptr + d_off, d_s, mask=kmask[:, None])
-    top, tot = lse_reduce(m, s, scale, 1, FAST)
+        tl.store(slot_ptr + d_off, d_s, mask=kmask[:, None])
     row = part_ptr + (b * S + sp) * (2 * KP + 2)
     tl.store(row + ks, top, mask=kmask)
     tl.store(row + KP + ks, tot, mask=kmask)
-    if PICK:
-        best = tl.reshape(m, [NT]) * scale
-        best_top = tl.max(best, axis=0)
-        idx = tl.min(tl.where(best == best_top, tl.reshape(col, [NT]), BIG_IDX), axis=0)
-        tl.store(row + 2 * KP, best_top)
-        tl.store(row + 2 * KP + 1, best_top)
-        tl.store(part_idx_ptr + b * S + sp, idx)
+    if PICK:  # KP == 1: the chunk's best score (and value) y = x * scale, and its column
+        tl.store(row + 2 * KP + ks, c_top * scale)
+        tl.store(row + 2 * KP + 1 + ks, c_top * scale)
+        tl.store(part_idx_ptr + b * S + sp + ks, c_idx)
 
 
 @triton.jit
 def _mix_chunk_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
-    slot_m_ptr, slot_s_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
+    slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
     REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
-    NB: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    NB: tl.constexpr, DSTAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
 
@@ -194,9 +195,10 @@ def _mix_chunk_kernel(
     itself in (atomic counter of row b); the last of the row's S programs to arrive reads
     the S bests (past L1: other programs wrote them) and stores the token.
 
-    Sampling: program (b, 0) draws the token from pass 1's draw-slot partials (`_slot_draw`;
-    without the mixture row the grid is (B, 1) and that is all it does); with the mixture
-    row every program also writes q over its chunk.
+    Sampling: one program per row draws the token from pass 1's draw-slot partials
+    (`_slot_draw`): grid (B, 1) without the mixture row; with it (B, S + 1), programs
+    0 .. S - 1 write q over their chunks and program S draws (first in launch order)
+    beside them.
 
     Programs run in the reverse of pass 1's order, so the chunks pass 1 read last (the
     likeliest to be still in L2 when the logits exceed it) are read first."""
@@ -250,12 +252,12 @@ def _mix_chunk_kernel(
             tl.store(token_prob_ptr + b, q_tok)
 
     if not GREEDY:
-        if sp == 0:
-            _slot_draw(logits_ptr, slot_m_ptr, slot_s_ptr, seed_ptr, offset_ptr, token_ptr, token_prob_ptr,
-                       b, w, lse2, ks, kmask, V, S, stride_logits, scale, K, KP, P, SW, SB, NB, TOK_K, FAST)
+        if sp == tl.num_programs(1) - 1:  # the row's draw program: grid (B, 1), or (B, S + 1)
+            _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, token_prob_ptr,
+                       b, w, lse2, ks, kmask, V, S, stride_logits, scale, K, KP, P, SW, SB, NB, TOK_K, DSTAGES, FAST)
 
     if WRITE_MIX or (GREEDY and not PICKED):
-        if run_chunk != 0:
+        if (run_chunk != 0) & (sp < S):
             start = sp * CHUNK
             end = tl.minimum(start + CHUNK, V)
             cols = tl.arange(0, BLOCK)
@@ -319,13 +321,13 @@ def _row_normalisers(prow, ks, pmask, kmask, scale, KP: tl.constexpr, FAST: tl.c
 
 
 @triton.jit
-def _slot_draw(logits_ptr, slot_m_ptr, slot_s_ptr, seed_ptr, offset_ptr, token_ptr, token_prob_ptr,
+def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, token_prob_ptr,
                b, w, lse2, ks, kmask, V, S, stride_logits, scale,
                K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
-               NB: tl.constexpr, TOK_K: tl.constexpr, FAST: tl.constexpr):
+               NB: tl.constexpr, TOK_K: tl.constexpr, DSTAGES: tl.constexpr, FAST: tl.constexpr):
     """Draw request b's token by inverse CDF in the draw order (slot T = (c mod P) // SW
-    first, then column): slot T's mixture mass M_T = sum_{s,k} w_k sumexp 2^(max * scale -
-    lse2_k) over pass 1's partials (chunks s, SB at a time); the row's uniform u (Philox
+    first, then column): slot T's mixture mass M_T = sum_{s,k} w_k 2^(max_s,k * scale -
+    lse2_k) sumexp_s,k,T over pass 1's partials (chunks s, SB at a time); the row's uniform u (Philox
     output 0 at counter offset + b * V) picks the first slot whose cumulative mass exceeds
     r = u * sum_T M_T (never one of zero mass), and its columns (SW per period of P, NB
     periods per step: 1/(P/SW) of the row) are re-read and walked in order to the first
@@ -337,14 +339,15 @@ def _slot_draw(logits_ptr, slot_m_ptr, slot_s_ptr, seed_ptr, offset_ptr, token_p
     tt = tl.arange(0, NSS)
     sb = tl.arange(0, SB)
     mass = tl.zeros([NSS], tl.float32)
-    for s0 in range(0, S, SB):
+    for s0 in tl.range(0, S, SB, num_stages=DSTAGES):
         smask = (s0 + sb) < S
+        dmask = smask[:, None] & kmask[None, :]
+        pm = tl.load(part_ptr + (b * S + s0 + sb[:, None]) * (2 * KP + 2) + ks[None, :], mask=dmask,
+                     other=NEG_BIG)   # chunk max per view, [SB, KP]
+        coef = tl.where(dmask, w[None, :] * exp2(pm * scale - lse2[None, :], FAST), 0.0)
         off = ((b * S + s0 + sb[:, None, None]) * KP + ks[None, :, None]) * NSS + tt[None, None, :]
-        dmask = smask[:, None, None] & kmask[None, :, None]
-        d_m = tl.load(slot_m_ptr + off, mask=dmask, other=NEG_BIG)
-        d_s = tl.load(slot_s_ptr + off, mask=dmask, other=0.0)
-        e = w[None, :, None] * d_s * exp2(d_m * scale - lse2[None, :, None], FAST)
-        mass += tl.sum(tl.sum(tl.where(dmask, e, 0.0), axis=1), axis=0)
+        d_s = tl.load(slot_ptr + off, mask=dmask[:, :, None], other=0.0)
+        mass += tl.sum(tl.sum(coef[:, :, None] * d_s, axis=1), axis=0)
     cum = tl.cumsum(mass, 0)                                          # non-decreasing
     u = tl.sum(tl.where(tl.arange(0, 4) == 0,
                         uniforms(tl.load(seed_ptr), tl.load(offset_ptr) + b * V, 0, 4), 0.0), axis=0)
@@ -355,22 +358,42 @@ def _slot_draw(logits_ptr, slot_m_ptr, slot_s_ptr, seed_ptr, offset_ptr, token_p
     nn = tl.arange(0, NB)[:, None]
     jj = tl.arange(0, SW)[None, :]
     run = 0.0                       # q summed over the slot's earlier steps
-    hit = BIG_IDX                   # first column whose prefix sum passes r_in
-    last = slot * SW                # last column with q > 0 (the fallback)
-    for n0 in range(0, tl.cdiv(V, P), NB):
-        offs = tl.reshape((n0 + nn) * P + slot * SW + jj, [NB * SW])   # ascending: the draw order
+    hit = BIG_IDX                   # first column whose prefix sum passes r_in, and its q
+    q_hit = 0.0
+    last = slot * SW                # last column with q > 0 (the fallback), and its q
+    q_last = 0.0
+    for n0 in tl.range(0, tl.cdiv(V, P), NB, num_stages=DSTAGES):
+        offs = (n0 + nn) * P + slot * SW + jj          # [NB, SW], row-major: the draw order
         vmask = offs < V
-        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, NB * SW, FAST)
+        q = tl.zeros([NB, SW], tl.float32)
+        for k in tl.static_range(K):
+            x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask,
+                        other=float("-inf")).to(tl.float32)
+            q += tl.sum(tl.where(ks == k, w, 0.0), axis=0) * exp2(
+                x * scale - tl.sum(tl.where(ks == k, lse2, 0.0), axis=0), FAST)
         pos = vmask & (q > 0)       # never a zero-probability token
-        cs = tl.cumsum(q, 0) + run
-        hit = tl.minimum(hit, tl.min(tl.where(pos & (cs > r_in), offs, BIG_IDX), axis=0))
-        last = tl.maximum(last, tl.max(tl.where(pos, offs, 0), axis=0))
-        run += tl.sum(q, axis=0)
+        q_row = tl.sum(q, axis=1)
+        cs = tl.cumsum(q, 1) + (tl.cumsum(q_row, 0) - q_row + run)[:, None]
+        # one reduction: the first column passing r_in and the last with q > 0, with their q
+        h, q_h, lst, q_l = tl.reduce(tl.reduce((tl.where(pos & (cs > r_in), offs, BIG_IDX), q,
+                                                tl.where(pos, offs, -1), q), 1, _first_last), 0, _first_last)
+        q_hit = tl.where(hit == BIG_IDX, q_h, q_hit)
+        hit = tl.minimum(hit, h)
+        q_last = tl.where(lst >= 0, q_l, q_last)
+        last = tl.maximum(last, lst)
+        run += tl.sum(q_row, axis=0)
     tok = tl.where(hit < BIG_IDX, hit, last)
-    x_t = tl.load(logits_ptr + (b * K + ks).to(tl.int64) * stride_logits + tok, mask=kmask,
-                  other=float("-inf")).to(tl.float32)
     _store_token(token_ptr, b, tok, ks, TOK_K)
-    tl.store(token_prob_ptr + b, tl.sum(tl.where(kmask, w * exp2(x_t * scale - lse2, FAST), 0.0), axis=0))
+    tl.store(token_prob_ptr + b, tl.where(hit < BIG_IDX, q_hit, q_last))
+
+
+@triton.jit
+def _first_last(h0, qh0, l0, ql0, h1, qh1, l1, ql1):
+    """Combine for `_slot_draw`'s scan: the lower first index and the higher last index, each
+    with its value."""
+    take_h = h1 < h0
+    take_l = l1 > l0
+    return tl.where(take_h, h1, h0), tl.where(take_h, qh1, qh0), tl.where(take_l, l1, l0), tl.where(take_l, ql1, ql0)
 
 
 @triton.jit
@@ -451,7 +474,10 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     offset_arg = offset if not greedy else token
     mix_arg = mixture if write_mix else token_prob
     stride_mix = mixture.stride(0) if write_mix else 0
-    per_sm = (_PROGRAMS_PER_SM if K == 1 else _VIEWS_PROGRAMS_PER_SM) if greedy else _SAMPLE_PROGRAMS_PER_SM
+    if greedy:
+        per_sm = _PROGRAMS_PER_SM if K == 1 else _VIEWS_PROGRAMS_PER_SM
+    else:
+        per_sm = _SAMPLE_VIEWS_PROGRAMS_PER_SM if K > 1 and mixture is None else _SAMPLE_PROGRAMS_PER_SM
     # sampling: the draw order's period (V <= _DRAW_PERIOD: natural order whatever P), chunks
     # and pass-1 steps are multiples of it
     period = _DRAW_WIDTH if greedy else min(_DRAW_PERIOD, max(_DRAW_WIDTH, triton.next_power_of_2(V)))
@@ -470,18 +496,19 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
     cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
     n_slots = 1 if greedy else period // _DRAW_WIDTH
-    slot_m = torch.empty(B * S * KP * n_slots, dtype=torch.float32, device=dev)
-    slot_s = torch.empty_like(slot_m)
+    slot = torch.empty(B * S * KP * n_slots, dtype=torch.float32, device=dev)
     _mix_partial_kernel[(B, S)](
-        logits, part, part_idx, cert_buf, cert_idx, slot_m, slot_s,
+        logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
         KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, DRAW=not greedy, P=period,
         SW=_DRAW_WIDTH, STAGES=_STAGES, FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
-    # every chunk when the mixture row is written or greedy K > 1 compares chunk bests; else
-    # one program per row (greedy K = 1 finishes the pick, sampling draws)
-    _mix_chunk_kernel[(B, S if (write_mix or (greedy and not picked)) else 1)](
-        logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx, slot_m, slot_s,
+    # every chunk when the mixture row is written (sampling: and a program that draws) or
+    # greedy K > 1 compares chunk bests; else one program per row (greedy K = 1 finishes the
+    # pick, sampling draws)
+    n_prog = S + (not greedy) if write_mix else (S if greedy and not picked else 1)
+    _mix_chunk_kernel[(B, n_prog)](
+        logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx, slot,
         certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, counters(dev, B),
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
@@ -489,6 +516,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
         SW=_DRAW_WIDTH, SB=min(SP, max(1, 4096 // (KP * n_slots))),
         NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
-        FAST=fast, num_warps=num_warps, PDL=use_pdl, launch_pdl=use_pdl,
+        DSTAGES=_DRAW_STAGES, FAST=fast, num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps, PDL=use_pdl,
+        launch_pdl=use_pdl,
     )
     return token[::tok_k], token_prob, mixture, lse

@@ -170,10 +170,10 @@ def _history_kernel(
                 _, kmin, g_star = _lex_best(bm, bk, bi, nmask)
                 # every best vector's KL sum +inf: row 0, as one program (and the reference) picks
                 g_star = tl.where(kmin < float("inf"), g_star, 0)
-                _store_weights(w_ptr, grid_ptr, b, g_star, ks, kmask, npos, K)
+                _store_weights(w_ptr, b, _grid_row(grid_ptr, g_star, ks, kmask, K), ks, kmask, npos, K)
                 tl.store(cnt_ptr + b, 0)  # every slice has arrived: ready for the next launch
         else:
-            _store_weights(w_ptr, grid_ptr, b, g_star, ks, kmask, npos, K)
+            _store_weights(w_ptr, b, _grid_row(grid_ptr, g_star, ks, kmask, K), ks, kmask, npos, K)
     else:
         x = -tl.log(tl.maximum(d, 1e-12))
         if POLICY == 2:
@@ -182,19 +182,21 @@ def _history_kernel(
             x = x * inv_t
         x = tl.where(kmask, x, float("-inf"))
         e = tl.exp(x - tl.max(x, axis=0))
-        w = e / tl.sum(e, axis=0)
-        w = tl.where(npos > 0, w, 1.0 / K)
-        tl.store(w_ptr + b * K + ks, w, mask=kmask)
+        _store_weights(w_ptr, b, e / tl.sum(e, axis=0), ks, kmask, npos, K)
     if (b == 0) & (sl == 0):
         tl.store(new_cursor_ptr, cur + P)
 
 
 @triton.jit
-def _store_weights(w_ptr, grid_ptr, b, g_star, ks, kmask, npos, K):
-    """Request b's weights: grid row g_star, uniform before any position is recorded."""
-    w = tl.load(grid_ptr + g_star * K + ks, mask=kmask, other=0.0)
-    w = tl.where(npos > 0, w, 1.0 / K)
-    tl.store(w_ptr + b * K + ks, w, mask=kmask)
+def _grid_row(grid_ptr, g_star, ks, kmask, K):
+    """Weight vector g_star of the grid, [KP]."""
+    return tl.load(grid_ptr + g_star * K + ks, mask=kmask, other=0.0)
+
+
+@triton.jit
+def _store_weights(w_ptr, b, w, ks, kmask, npos, K):
+    """Request b's weights w ([KP]); uniform before any position is recorded."""
+    tl.store(w_ptr + b * K + ks, tl.where(npos > 0, w, 1.0 / K), mask=kmask)
 
 
 def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, *,
