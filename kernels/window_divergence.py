@@ -313,9 +313,10 @@ def _wd_kl_kernel(
         n_acc = ()
         for k in tl.static_range(K):
             xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-            m_k, s_k, _, _ = group_lse_step(xq[None], mq[k][None], sq[k][None], scale, FAST)   # one row
-            n_sq = n_sq + (tl.reshape(s_k, [NT]),)
-            n_mq = n_mq + (tl.reshape(m_k, [NT]),)
+            m_k = tl.maximum(mq[k], tl.max(tl.max(xq, axis=2), axis=0))
+            eq = exp2(xq * scale - tl.maximum(m_k * scale, NEG_BIG)[None, :, None], FAST)
+            n_sq = n_sq + (sq[k] * exp2((mq[k] - m_k) * scale, FAST) + tl.sum(tl.sum(eq, axis=2), axis=0),)
+            n_mq = n_mq + (m_k,)
             n_acc = n_acc + (acc[k] * rescale
                              + tl.sum(tl.sum(tl.where(ep > 0, ep * (xp - xq), 0.0), axis=2), axis=0),)
         mq = n_mq
