@@ -473,6 +473,38 @@ def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, mon
     assert torch.equal(token, ensemble_mix_reference(logits, w, greedy=True)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_split, width", [(1, None), (3, None), (2, 256)])
+def test_uncertified_pass_reads_the_slot_of_an_argmax_no_view_has(dtype, n_split, width, kernel_device,
+                                                                   monkeypatch):
+    """The argmax of q is a column no view ranks first (both views put 3.0 there, their own
+    maxima 3.5 elsewhere): not certified, and the chunk pass, which skips the thread slots
+    whose bound sum_k w_k q_k(slot max) is below the best candidate's q, must still read its
+    slot. Several slots per row (width: several steps per chunk); every other column low."""
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
+    if width:
+        _tiles_of(monkeypatch, width)
+    B, K, V = 4, 2, 3000
+    g = torch.Generator().manual_seed(11)
+    logits = -5.0 + 0.5 * torch.randn(B * K, V, generator=g)
+    want = []
+    for b in range(B):
+        c0, c1, c = (torch.randperm(V, generator=g)[:3]).tolist()
+        logits[b * K, c0] = 3.5
+        logits[b * K + 1, c1] = 3.5
+        logits[b * K:b * K + 2, c] = 3.0
+        want.append(c)
+    logits = logits.to(dtype).to(kernel_device)
+    w = torch.full((B, K), 0.5, device=kernel_device)
+    certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
+    token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    assert certified.tolist() == [0] * B
+    assert token.tolist() == want
+    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+    assert torch.equal(token, ref[0])
+    torch.testing.assert_close(prob, ref[1], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("n_split", [1, 5])
 def test_certified_tie_between_candidates_takes_the_lower_index(n_split, kernel_device, monkeypatch):
     # Two views peaked at different tokens with equal weights: q(20) == q(50), both far
