@@ -93,7 +93,7 @@ _PER_THREAD = 16
 
 @triton.jit
 def _mix_partial_kernel(
-    logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, unit_ptr, slot_ptr,
+    logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, STAGES: tl.constexpr,
@@ -109,8 +109,7 @@ def _mix_partial_kernel(
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
-    cert_idx rows (b, s) of KP: second-largest logit / argmax index per view;
-    unit rows (b, s, k) of NT: each thread slot's max.
+    cert_idx rows (b, s) of KP: second-largest logit / argmax index per view.
 
     DRAW (sampling): also the chunk's sum-exp per view and draw slot against the view's
     chunk max (P // SW slots: slot T holds the columns c with (c mod P) // SW == T; the
@@ -157,9 +156,6 @@ def _mix_partial_kernel(
         c_2nd = tl.max(tl.where(col == c_idx[:, None], second, m), axis=1)
         tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
-        # each slot's max per view: pass 2 skips the slots whose q cannot reach the candidates'
-        tl.store(unit_ptr + ((b * S + sp) * KP + ks[:, None]) * NT + tl.arange(0, NT)[None, :], m,
-                 mask=kmask[:, None])
     top, tot = lse_reduce(m, s, scale, 1, FAST)
     if DRAW:
         NSS: tl.constexpr = P // SW
@@ -180,10 +176,10 @@ def _mix_partial_kernel(
 @triton.jit
 def _mix_chunk_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
-    unit_ptr, slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
+    slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
     V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
-    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-    RPT: tl.constexpr, GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
+    GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
     REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
     NB: tl.constexpr, DSTAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -193,11 +189,7 @@ def _mix_chunk_kernel(
     token that is no view's argmax has q_v <= bound = sum_k w_k q_k(second largest of view
     k), so when the best candidate's q exceeds the bound it is the argmax of q and the pass
     over the chunk is skipped (views that agree on their argmax always certify) and program
-    (b, 0) stores the token. Otherwise the chunk pass below runs over pass 1's thread slots
-    (its [RPT, NT, VEC] layout) and reads only the slots that may hold the argmax: every q_v
-    of slot t is at most UB_t = sum_k w_k 2^(max_k,t * scale - lse2_k) (pass 1's slot maxima),
-    so a slot with UB_t below the best candidate's q (less 2^-20 of it, for rounding) is
-    skipped; its loads are masked off.
+    (b, 0) stores the token. Otherwise the chunk pass below runs as without CERT.
 
     Greedy, K > 1, chunk pass: each program stores its chunk's best (q, index) and counts
     itself in (atomic counter of row b); the last of the row's S programs to arrive reads
@@ -268,23 +260,13 @@ def _mix_chunk_kernel(
         if (run_chunk != 0) & (sp < S):
             start = sp * CHUNK
             end = tl.minimum(start + CHUNK, V)
-            if CERT:  # pass 1's thread slots, those that may hold the argmax
-                NT: tl.constexpr = BLOCK // (RPT * VEC)
-                cols = group_cols(RPT, NT, VEC)
-                um = tl.load(unit_ptr + ((b * S + sp) * KP + ks[:, None]) * NT + tl.arange(0, NT)[None, :],
-                             mask=kmask[:, None], other=NEG_BIG)
-                ub = tl.sum(tl.where(kmask[:, None], w[:, None] * exp2(um * scale - lse2[:, None], FAST), 0.0),
-                            axis=0)
-                live = ((ub < q_cert * (1.0 - 2.0 ** -20)) == 0)[None, :, None]   # NaN: read
-            else:
-                cols = tl.arange(0, BLOCK)
-                live = cols >= 0
-            best = tl.full(cols.shape, float("-inf"), tl.float32)
-            best_v0 = tl.zeros(cols.shape, tl.int32) + start
-            best_q = tl.zeros(cols.shape, tl.float32)
+            cols = tl.arange(0, BLOCK)
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
+            best_v0 = tl.zeros([BLOCK], tl.int32) + start
+            best_q = tl.zeros([BLOCK], tl.float32)
             for v0 in range(start, end, BLOCK):
                 offs = v0 + cols
-                vmask = (offs < end) & live
+                vmask = offs < end
                 q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST)
                 if WRITE_MIX:
                     tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
@@ -292,8 +274,7 @@ def _mix_chunk_kernel(
                     score = tl.where(vmask, q, float("-inf"))
                     best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
             if GREEDY and not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
-                best, idx, q_best = best_combine(tl.reshape(best, [BLOCK]), tl.reshape(best_v0, [BLOCK]),
-                                                 tl.reshape(best_q, [BLOCK]), tl.reshape(cols, [BLOCK]), 0)
+                best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
                 row = part_ptr + (b * S + sp) * W
                 tl.store(row + 2 * KP, best)
                 tl.store(row + 2 * KP + 1, q_best)
@@ -422,7 +403,7 @@ def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl
     The views one [BLOCK] row at a time (K is a constexpr): the sum over views stays inside
     each thread; a [KP, BLOCK] tile spreads the views over warps and its sum costs a
     shared-memory exchange and barriers every step."""
-    q = tl.zeros(offs.shape, tl.float32)
+    q = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(K):
         x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask, other=float("-inf")).to(tl.float32)
         q += tl.sum(tl.where(ks == k, w, 0.0), axis=0) * exp2(x * scale - tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),
@@ -514,11 +495,10 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     cert = _CERTIFY and greedy and not picked and not write_mix
     cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
     cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
-    unit = torch.empty(B * S * KP * (BLOCK // (rpt * vec)) if cert else 1, dtype=torch.float32, device=dev)
     n_slots = 1 if greedy else period // _DRAW_WIDTH
     slot = torch.empty(B * S * KP * n_slots, dtype=torch.float32, device=dev)
     _mix_partial_kernel[(B, S)](
-        logits, part, part_idx, cert_buf, cert_idx, unit, slot,
+        logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
         KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, DRAW=not greedy, P=period,
         SW=_DRAW_WIDTH, STAGES=_STAGES, FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
@@ -528,11 +508,11 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     # pick, sampling draws)
     n_prog = S + (not greedy) if write_mix else (S if greedy and not picked else 1)
     _mix_chunk_kernel[(B, n_prog)](
-        logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx, unit, slot,
+        logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx, slot,
         certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, counters(dev, B),
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
-        K=K, KP=KP, SP=SP, BLOCK=BLOCK, VEC=vec, RPT=rpt, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
+        K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
         CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
         SW=_DRAW_WIDTH, SB=min(SP, max(1, 4096 // (KP * n_slots))),
         NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),

@@ -475,12 +475,11 @@ def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, mon
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_split, width", [(1, None), (3, None), (2, 256)])
-def test_uncertified_pass_reads_the_slot_of_an_argmax_no_view_has(dtype, n_split, width, kernel_device,
+def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, kernel_device,
                                                                    monkeypatch):
     """The argmax of q is a column no view ranks first (both views put 3.0 there, their own
-    maxima 3.5 elsewhere): not certified, and the chunk pass, which skips the thread slots
-    whose bound sum_k w_k q_k(slot max) is below the best candidate's q, must still read its
-    slot. Several slots per row (width: several steps per chunk); every other column low."""
+    maxima 3.5 elsewhere): not certified, and the chunk pass finds it, with one or several
+    chunks and steps per chunk (width); every other column low."""
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
     if width:
         _tiles_of(monkeypatch, width)
