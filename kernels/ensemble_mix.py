@@ -79,6 +79,9 @@ _SAMPLE_VIEWS_PROGRAMS_PER_SM = 8
 _DRAW_PERIOD = 512
 _DRAW_WIDTH = 16
 _DRAW_WARPS = 4
+# The draw folds the slot sums in tiles of up to _DRAW_TILE floats (V = 32064: one tile of
+# 32 chunks x 4 views x 32 slots; more chunks, at large V, take several).
+_DRAW_TILE = 4096
 _DRAW_STAGES = 1
 # Greedy K > 1 without the mixture row: certify the argmax from pass 1's per-view top-2
 # (see `_mix_chunk_kernel`) and skip the second pass when it holds. False: always two passes.
@@ -514,7 +517,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
         CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
-        SW=_DRAW_WIDTH, SB=min(SP, max(1, 4096 // (KP * n_slots))),
+        SW=_DRAW_WIDTH, SB=min(SP, max(1, _DRAW_TILE // (KP * n_slots))),
         NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
         DSTAGES=_DRAW_STAGES, FAST=fast, num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps, PDL=use_pdl,
         launch_pdl=use_pdl,

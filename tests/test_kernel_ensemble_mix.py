@@ -211,13 +211,17 @@ def _row_uniform(seed, base, device):
     return float(out[0])
 
 
-@pytest.mark.parametrize("n_split, return_mixture", [(1, False), (3, True), (4, False)])
-def test_draw_takes_the_documented_order(n_split, return_mixture, kernel_device, monkeypatch):
+@pytest.mark.parametrize("n_split, return_mixture, tile", [(1, False, None), (3, True, None), (4, False, None),
+                                                           (4, True, 16), (3, False, 8)])
+def test_draw_takes_the_documented_order(n_split, return_mixture, tile, kernel_device, monkeypatch):
     """Each token is the inverse CDF of the row's mixture at the row's uniform in the draw
     order (slot (c mod P) // SW, then column), here P = 32 and slots of 8 over V = 200 (7
-    periods, the last cut short), computed in PyTorch."""
+    periods, the last cut short), computed in PyTorch. tile: the slot sums folded one or
+    two chunks at a time (as at large V) instead of in one tile."""
     B, K, V, P, SW = 6, 2, 200, 32, 8
     _draw_order(monkeypatch, P, SW)
+    if tile:
+        monkeypatch.setattr(_k, "_DRAW_TILE", tile)
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
     logits, w = _inputs(B, K, V, torch.float32, kernel_device, seed=5, scale=1.0)
     seed = torch.tensor([2024], device=kernel_device)
