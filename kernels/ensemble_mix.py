@@ -330,10 +330,10 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
                NB: tl.constexpr, TOK_K: tl.constexpr, DSTAGES: tl.constexpr, FAST: tl.constexpr):
     """Draw request b's token by inverse CDF in the draw order (slot T = (c mod P) // SW
     first, then column): slot T's mixture mass M_T = sum_{s,k} w_k 2^(max_s,k * scale -
-    lse2_k) sumexp_s,k,T over pass 1's partials (chunks s, SB at a time); the row's uniform u (Philox
-    output 0 at counter offset + b * V) picks the first slot whose cumulative mass exceeds
-    r = u * sum_T M_T (never one of zero mass), and its columns (SW per period of P, NB
-    periods per step: 1/(P/SW) of the row) are re-read and walked in order to the first
+    lse2_k) sumexp_s,k,T over pass 1's partials (chunks s, SB at a time); the row's uniform
+    u (Philox output 0 at counter offset + b * V) picks the first slot whose cumulative mass
+    exceeds r = u * sum_T M_T (never one of zero mass), and its columns (SW per period of P,
+    NB periods per step: 1/(P/SW) of the row) are re-read and walked in order to the first
     whose prefix sum of q passes what is left of r. A sum that falls short (float rounding)
     takes the slot's last column with q > 0. The order depends on P and SW only, not on the
     split, so any split draws the same token from the same uniform (up to rounding at a
