@@ -519,7 +519,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
         SW=_DRAW_WIDTH, SB=min(SP, max(1, _DRAW_TILE // (KP * n_slots))),
         NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
-        DSTAGES=_DRAW_STAGES, FAST=fast, num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps, PDL=use_pdl,
-        launch_pdl=use_pdl,
+        DSTAGES=_DRAW_STAGES, FAST=fast, num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps,
+        PDL=use_pdl, launch_pdl=use_pdl,
     )
     return token[::tok_k], token_prob, mixture, lse
