@@ -159,12 +159,10 @@ def _draw_order_reference(q, u, period, width):
     """The kernel's draw in PyTorch: inverse CDF of q ([V]) at u in the order slot
     (c mod period) // width first, then column (the first token whose prefix sum exceeds
     u * total, never one with q = 0)."""
-    V = q.numel()
-    cols = torch.arange(V)
-    order = sorted(range(V), key=lambda c: ((c % period) // width, c))
+    order = sorted(range(q.numel()), key=lambda c: ((c % period) // width, c))
     cs = torch.cumsum(q[order].double(), 0)
     pos = torch.nonzero((cs > u * cs[-1]) & (q[order] > 0))[0, 0]
-    return int(cols[order][pos])
+    return order[pos]
 
 
 @pytest.mark.parametrize("return_mixture, tiled", [(False, False), (True, False), (False, True), (True, True)])
@@ -200,7 +198,7 @@ def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, t
 
 @triton.jit
 def _first_uniform_kernel(seed_ptr, out_ptr, base):
-    u = _common.uniforms(tl.load(seed_ptr), base + tl.program_id(0) * 0, 0, 4)
+    u = _common.uniforms(tl.load(seed_ptr), base, 0, 4)
     tl.store(out_ptr + tl.arange(0, 4), u)
 
 
@@ -479,8 +477,7 @@ def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, mon
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_split, width", [(1, None), (3, None), (2, 256)])
-def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, kernel_device,
-                                                                   monkeypatch):
+def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, kernel_device, monkeypatch):
     """The argmax of q is a column no view ranks first (both views put 3.0 there, their own
     maxima 3.5 elsewhere): not certified, and the chunk pass finds it, with one or several
     chunks and steps per chunk (width); every other column low."""
@@ -582,8 +579,8 @@ def test_certificate_sees_the_second_largest_anywhere(where, dtype, kernel_devic
                                   "sample tiled"])
 def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
     """Each path that stores the token (pass 2's pick, the certificate, the last-arriving
-    fold, the draw with and without the mixture row) writes it into all K rows of its request when asked;
-    the returned token is the same as without, and so are the other outputs."""
+    fold, the draw with and without the mixture row) writes it into all K rows of its request
+    when asked; the returned token is the same as without, and so are the other outputs."""
     B, V = 5, 1000
     K = {"greedy K=1": 1, "greedy certified": 3, "greedy folded": 3, "sample+mixture": 2, "sample tiled": 4}[case]
     greedy = case.startswith("greedy")
