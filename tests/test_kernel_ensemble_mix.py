@@ -616,3 +616,30 @@ def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
         _k.ensemble_mix(logits, w, view_tokens_out=rows[:-1], **kw)
     with pytest.raises(ValueError):
         _k.ensemble_mix(logits, w, view_tokens_out=rows.int(), **kw)
+
+
+@pytest.mark.parametrize("noise", [0.05, 3.0])
+def test_greedy_views_with_masked_columns(noise, kernel_device, monkeypatch):
+    """Columns at -inf (a masked vocabulary): whole chunks and steps of one view, scattered
+    columns of the others. The certified pass (agreeing views) and the chunk pass (noise
+    3.0) match the reference and each other."""
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 3)
+    _tiles_of(monkeypatch, 256)
+    B, K, V = 3, 3, 2900
+    logits, w = _agreeing(B, K, V, torch.float32, "cpu", noise, seed=5)
+    logits = logits.clone()
+    logits[1::K, :1500] = float("-inf")        # view 1: its first chunk and a half, every step
+    g = torch.Generator().manual_seed(3)
+    logits[torch.rand(logits.shape, generator=g) < 0.2] = float("-inf")
+    logits[:, 2000] = torch.maximum(logits[:, 2000], torch.zeros(()))   # no view wholly masked
+    logits, w = logits.to(kernel_device), w.to(kernel_device)
+    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+    outs = {}
+    certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
+    for certify in (True, False):
+        monkeypatch.setattr(_k, "_CERTIFY", certify)
+        outs[certify] = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified if certify else None)
+    assert certified.tolist() == [1] * B if noise < 1 else 0 in certified.tolist()   # both paths ran
+    _check_token(outs[True][0], outs[True][1], ref[2], 1e-6)
+    assert torch.equal(outs[True][0], ref[0]) and torch.equal(outs[False][0], ref[0])
+    torch.testing.assert_close(outs[True][3], ref[3], atol=1e-5, rtol=1e-5)
