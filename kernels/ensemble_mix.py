@@ -99,8 +99,8 @@ def _mix_partial_kernel(
     logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
-    CERT: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, STAGES: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr,
+    CERT: tl.constexpr, RELOAD: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
+    STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
     argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
@@ -108,10 +108,11 @@ def _mix_partial_kernel(
 
     Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups (see `_common`):
     running max and sum-exp per view and slot. The argmax keeps each slot's best step (its
-    values and start; CERT only its start, and reads its values again after the loop: the
-    K views' kept values cost registers, H200 B = 128, K = 4 26.9 -> 25.4 us, agreeing views
-    16.8 -> 15.4; with one view the extra dependent read costs more, B = 512 12.7 -> 14.8);
-    the column within it is found once, after the loop.
+    values and start), the column within it is found once, after the loop. RELOAD (CERT
+    with several steps per chunk) keeps only the start and reads the values again after the
+    loop: the K views' kept values cost registers (H200 B = 128, K = 4 26.9 -> 25.4 us,
+    agreeing views 16.8 -> 15.4), while with one view (B = 512 12.7 -> 14.8) or one step
+    (B = 1, K = 2 5.6 -> 5.8) the extra dependent read costs more.
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
@@ -134,7 +135,7 @@ def _mix_partial_kernel(
     rows_ptr = (logits_ptr + (b * K + ks).to(tl.int64) * stride_logits)[:, None, None, None]
     m = tl.full([KP, NT], NEG_BIG, tl.float32)                     # running max of each slot
     s = tl.zeros([KP, NT], tl.float32)                             # sum of exp2((x - m) * scale)
-    bx = tl.full([KP, RPT, NT, VEC], NEG_BIG, tl.float32)          # PICK: the best step's values
+    bx = tl.full([KP, RPT, NT, VEC], NEG_BIG, tl.float32)          # PICK/CERT: the best step's values
     b_v0 = tl.zeros([KP, NT], tl.int32) + start                    # PICK/CERT: that step
     m2 = tl.full([KP, NT], NEG_BIG, tl.float32)                    # CERT: max of the slot's other steps
     lmask = kmask[:, None, None, None]
@@ -145,12 +146,12 @@ def _mix_partial_kernel(
         m, s, take, g_max = group_lse_step(x, m, s, scale, FAST)
         if CERT:
             m2 = tl.where(take, m_old, tl.maximum(m2, g_max))
-        if PICK:
-            bx = tl.where(take[:, None, :, None], x, bx)
         if PICK or CERT:
+            if not RELOAD:
+                bx = tl.where(take[:, None, :, None], x, bx)
             b_v0 = tl.where(take, v0, b_v0)
     if PICK or CERT:
-        if CERT:  # the best step's values, read again (L2) after the loop instead of kept in it
+        if RELOAD:  # the best step's values, read again (L2)
             boffs = b_v0[:, None, :, None] + gcols[None]
             bx = tl.maximum(tl.load(rows_ptr + boffs, mask=lmask & (boffs < end), other=NEG_BIG).to(tl.float32),
                             NEG_BIG)  # -inf as NEG_BIG, the start value: a slot of -inf finds its first column
@@ -522,7 +523,8 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     _mix_partial_kernel[(B, S)](
         logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, DRAW=not greedy, P=period,
+        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, RELOAD=cert and chunk > BLOCK,
+        DRAW=not greedy, P=period,
         SW=_DRAW_WIDTH, STAGES=_STAGES, FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
     # every chunk when the mixture row is written (sampling: and a program that draws) or
