@@ -42,7 +42,6 @@ _MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of t
 # that fp32 softmax keeps (q >= 2^-149); the shift is exact in log2 and cancels in argmax.
 _MIX_SHIFT = tl.constexpr(24.0)
 _target_programs = target_programs
-_STATS_EVICT = "evict_last"
 # With a weight grid, by the launch's mixture rows R * G (R = B * P positions): (most
 # vectors per [G_BLOCK, columns] tile, tile elements, programs per SM). Few mixture rows
 # leave the launch latency bound: small tiles, more of them per SM. Many rows make it
@@ -84,7 +83,7 @@ def _wd_stats_kernel(
     p_ptr, q_ptr, m_ptr, s_ptr, idx_ptr, cnt_ptr,
     P, V, CH, NS, NCNT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
     K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
-    EVICT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launch 1: per (row, V split) max and sum-exp of the target and the K views, and the
     target's first argmax. Thread-owned groups (see `_common`): [1, RPT, NT, VEC] target and
@@ -113,9 +112,8 @@ def _wd_stats_kernel(
     for v0 in range(v_start, v_end, BLOCK):
         offs = (v0 + cols)[None]
         vmask = offs < v_end
-        xp = tl.load(p_rows + offs, mask=vmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-        xq = tl.load(q_rows + offs, mask=kmask[:, None, None, None] & vmask, other=float("-inf"),
-                     eviction_policy=EVICT).to(tl.float32)
+        xp = tl.load(p_rows + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        xq = tl.load(q_rows + offs, mask=kmask[:, None, None, None] & vmask, other=float("-inf")).to(tl.float32)
         mp, sp, take, _ = group_lse_step(xp, mp, sp, scale, FAST)
         bx = tl.where(take[:, None, :, None], xp, bx)
         b_v0 = tl.where(take, v0, b_v0)
@@ -450,8 +448,7 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         p_logits, q_logits, m_ws, s_ws, idx_ws, cnt_ws,
         P, V, ch1, ns1, n_chunks, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), scale,
-        K=K, KP=KP, BLOCK=BLOCKV, VEC=vec, RPT=rpt1, EVICT=_STATS_EVICT, FAST=fast, PDL=use_pdl,
-        launch_pdl=use_pdl, num_warps=warps1,
+        K=K, KP=KP, BLOCK=BLOCKV, VEC=vec, RPT=rpt1, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=warps1,
     )
     _wd_div_kernel[(R, ns2, n_chunks)](
         p_logits, q_logits, grid if has_grid else kl, m_ws, s_ws, idx_ws, cnt_ws,
