@@ -20,10 +20,11 @@ Passes over the logits: one greedy with a single view; for K > 1 and for samplin
 plus what needs q (every chunk with the mixture row; greedy without it, all but below;
 sampling without it, 1/32 of the row): q_v needs every view's final normaliser, and the
 second read comes from L2 when the batch's logits fit in it (33 MB at B = 128, K = 4, V =
-32064; pass 1 then loads them evict_last, see `_P1_EVICT`).  Greedy without the mixture row: pass 1 also keeps each view's argmax and
-second-largest logit; a token that is no view's argmax has q_v <= sum_k w_k q_k(second
-largest), so when the best of the K candidates beats that bound, it is the argmax and the
-second pass is skipped (always, when the views agree on their argmax).
+32064; pass 1 then loads them evict_last, see `_P1_EVICT`).  Greedy without the mixture
+row: pass 1 also keeps each view's argmax and second-largest logit; a token that is no
+view's argmax has q_v <= sum_k w_k q_k(second largest), so when the best of the K
+candidates beats that bound, it is the argmax and the second pass is skipped (always,
+when the views agree on their argmax).
 Pass 1 streams 16-byte groups, each loaded and reduced by one thread (its running max,
 sum-exp and best group live in that thread: no barrier in the loop, ~9 SASS instructions
 and 1.1 exp2 per element against ~13 and 1 with element-wise running values), the
