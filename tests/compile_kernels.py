@@ -6,11 +6,13 @@ that gap in two steps, run as separate processes by `tests/test_kernel_compile.p
 
     TRITON_INTERPRET=1 python tests/compile_kernels.py record launches.json
         calls every launcher (each op and mode, small shapes) and records each kernel launch:
-        argument types, constexpr values and launch options;
+        argument types, constexpr values, launch options and the arguments a GPU launch
+        would specialise as 16-divisible;
     python tests/compile_kernels.py compile launches.json
         compiles each distinct launch to PTX and cubin with Triton's CUDA backend
-        (`triton.compile` on an `ASTSource`, target sm_90, ptxas included), also with the
-        constexprs a GPU launch sets differently (FAST math, bf16 dots).
+        (`triton.compile` on an `ASTSource`, target sm_90, ptxas included), unspecialised
+        and as a GPU launch makes it (FAST math, bf16 dots, 16-divisible arguments: the
+        variant with 16-byte loads).
 """
 import inspect
 import json
@@ -38,6 +40,15 @@ def _arg_type(v):
     raise TypeError(f"unsupported kernel argument {type(v).__name__}")
 
 
+def _divisible_by_16(v):
+    """Whether a GPU launch would specialise this argument as 16-divisible (`tt.divisibility`):
+    a tensor whose address is, or an integer (not a bool) that is."""
+    import torch
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+
+
 def record(path):
     """Run every launcher under the interpreter, recording each launch."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "record runs under TRITON_INTERPRET=1"
@@ -51,7 +62,7 @@ def record(path):
         params = list(inspect.signature(fn).parameters.values())
         bound = dict(zip([p.name for p in params], args))
         bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-        sig, consts = {}, {}
+        sig, consts, div16 = {}, {}, []
         for p in params:
             v = bound.get(p.name, p.default)
             if "constexpr" in str(p.annotation):
@@ -59,9 +70,11 @@ def record(path):
                 consts[p.name] = v
             else:
                 sig[p.name] = _arg_type(v)
+                if _divisible_by_16(v):
+                    div16.append(p.name)
         opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
         entry = {"module": fn.__module__, "name": fn.__name__, "signature": sig, "constexprs": consts,
-                 "options": opts}
+                 "options": opts, "div16": div16}
         launches[json.dumps(entry, sort_keys=True)] = entry
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -95,6 +108,13 @@ def _exercise():
         ensemble_mix.ensemble_mix(torch.randn(2 * K, 9000, generator=g).to(bf), w, greedy=False, seed=seed,
                                   offset=off)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, certified_out=torch.zeros(2, dtype=torch.int32))
+    # a 16-divisible vocabulary and row stride, as at V = 32064: the GPU variant also
+    # specialises the integers (masks constant over each 16-byte group)
+    for K in (1, 2):
+        wk = torch.full((2, K), 1.0 / K)
+        for greedy in (True, False):
+            ensemble_mix.ensemble_mix(torch.randn(2 * K, 1008, generator=g).to(bf), wk, greedy=greedy, seed=seed,
+                                      offset=off)
     # the token into every view row (the draft loop's K > 1 steps)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, view_tokens_out=torch.zeros(6, dtype=torch.int64))
     ensemble_mix.ensemble_mix(logits, w, greedy=False, seed=seed, offset=off, return_mixture=True,
@@ -178,23 +198,25 @@ def compile_all(path):
     with open(path) as f:
         launches = json.load(f)
     # the recording ran on the CPU: also compile each launch as a GPU would make it (fast
-    # exp2/log2 through inline PTX, bf16/fp16 dots, programmatic dependent launch)
+    # exp2/log2 through inline PTX, bf16/fp16 dots, programmatic dependent launch, and the
+    # arguments it specialises as 16-divisible: aligned tensors, integers such as V or a row
+    # stride; this is the variant with vectorised loads)
     gpu = {"FAST": True, "FAST_MATH": True, "DOT_FP32": False, "PDL": True}
     variants = []
     for e in launches:
-        variants.append(e)
-        flipped = {k: gpu.get(k, v) for k, v in e["constexprs"].items()}
-        if flipped != e["constexprs"]:
-            variants.append(dict(e, constexprs=flipped))
+        variants.append(dict(e, div16=[]))
+        variants.append(dict(e, constexprs={k: gpu.get(k, v) for k, v in e["constexprs"].items()}))
     launches = variants
     failed = 0
     for e in launches:
         fn = getattr(importlib.import_module(e["module"]), e["name"])
         try:
-            src = ASTSource(fn=fn, signature=e["signature"], constexprs=e["constexprs"])
+            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(e["signature"])
+                     if name in e["div16"]}
+            src = ASTSource(fn=fn, signature=e["signature"], constexprs=e["constexprs"], attrs=attrs)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=e["options"])
             assert kernel.asm.get("cubin"), "no cubin"
-            print(f"ok   {e['name']} {e['constexprs']}")
+            print(f"ok   {e['name']} {e['constexprs']} div16={e['div16']}")
         except Exception as exc:  # report every failure, not just the first
             failed += 1
             msg = str(exc).strip().splitlines()
