@@ -64,6 +64,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 1008) does not change.
 _TILE = 2048
 _PROGRAMS_PER_SM = 4
+# Pass 2 (the mixture row, greedy K > 1's chunk pass): elements per step over the K views
+# and per thread (warps = tile / (32 * this)).
+_CHUNK_TILE = 2048
+_CHUNK_PER_THREAD = 16
 _VIEWS_PROGRAMS_PER_SM = 8
 # Sampling programs per SM: 16, but 8 with K > 1 and no mixture row (pass 1 alone, which then
 # carries K views per program). H200, cold [B * K, 32064] bf16 inputs, graph replays, with
@@ -516,7 +520,8 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
     BLOCK = max(chunk_block(chunk, _TILE // KP), period)
-    num_warps = tile_warps(KP * BLOCK)
+    BLOCK2 = max(chunk_block(chunk, _CHUNK_TILE // KP), period)   # pass 2's columns per view and step
+    num_warps = tile_warps(KP * BLOCK2, _CHUNK_PER_THREAD)
     SP = triton.next_power_of_2(S)
     vec = 16 // logits.element_size()          # one 16-byte load per group
     p1_warps = tile_warps(KP * BLOCK, _PER_THREAD)
@@ -546,7 +551,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, counters(dev, B),
         V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1),
         stride_mix, scale,
-        K=K, KP=KP, SP=SP, BLOCK=BLOCK, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
+        K=K, KP=KP, SP=SP, BLOCK=BLOCK2, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
         CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
         SW=_DRAW_WIDTH, SB=min(SP, max(1, _DRAW_TILE // (KP * n_slots))),
         NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
