@@ -240,8 +240,7 @@ def _mix_chunk_kernel(
     d_pre = 0.0
     if not GREEDY:
         if SB >= SP:  # the draw's slot sums, one tile, loaded beside the partials (before any reduction)
-            d_pre = tl.load(slot_ptr + ((b * S + ss[:, None, None]) * KP + ks[None, :, None]) * (P // SW)
-                            + tl.arange(0, P // SW)[None, None, :],
+            d_pre = tl.load(slot_ptr + _slot_offsets(b, S, ss, ks, KP, P // SW),
                             mask=((ss < tl.where(sp == tl.num_programs(1) - 1, S, 0))[:, None]
                                   & kmask[None, :])[:, :, None], other=0.0)   # the draw program only
     pm, ps, lse2 = _row_normalisers(prow, ks, pmask, kmask, scale, KP, FAST)
@@ -378,8 +377,7 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
     tt = tl.arange(0, NSS)
     sb = tl.arange(0, SB)
     if SB >= SP:
-        coef = tl.where(pmask, w[None, :] * exp2(pm * scale - lse2[None, :], FAST), 0.0)
-        mass = tl.sum(tl.sum(coef[:, :, None] * d_pre, axis=1), axis=0)
+        mass = _slot_mass(pm, d_pre, pmask, w, lse2, scale, FAST)
     else:
         mass = tl.zeros([NSS], tl.float32)
         for s0 in tl.range(0, S, SB, num_stages=DSTAGES):
@@ -387,10 +385,8 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
             dmask = smask[:, None] & kmask[None, :]
             pm_b = tl.load(part_ptr + (b * S + s0 + sb[:, None]) * (2 * KP + 2) + ks[None, :], mask=dmask,
                            other=NEG_BIG)   # chunk max per view, [SB, KP]
-            coef = tl.where(dmask, w[None, :] * exp2(pm_b * scale - lse2[None, :], FAST), 0.0)
-            off = ((b * S + s0 + sb[:, None, None]) * KP + ks[None, :, None]) * NSS + tt[None, None, :]
-            d_s = tl.load(slot_ptr + off, mask=dmask[:, :, None], other=0.0)
-            mass += tl.sum(tl.sum(coef[:, :, None] * d_s, axis=1), axis=0)
+            d_s = tl.load(slot_ptr + _slot_offsets(b, S, s0 + sb, ks, KP, NSS), mask=dmask[:, :, None], other=0.0)
+            mass += _slot_mass(pm_b, d_s, dmask, w, lse2, scale, FAST)
     cum = tl.cumsum(mass, 0)                                          # non-decreasing
     u = tl.sum(tl.where(tl.arange(0, 4) == 0,
                         uniforms(tl.load(seed_ptr), tl.load(offset_ptr) + b * V, 0, 4), 0.0), axis=0)
@@ -421,6 +417,21 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
     tok = tl.where(hit < BIG_IDX, hit, last)
     _store_token(token_ptr, b, tok, ks, TOK_K)
     tl.store(token_prob_ptr + b, tl.where(hit < BIG_IDX, q_hit, q_last))
+
+
+@triton.jit
+def _slot_offsets(b, S, chunks, ks, KP: tl.constexpr, NSS: tl.constexpr):
+    """Offsets of pass 1's draw-slot sums of row b, [len(chunks), KP, NSS]: rows (b, s, k)."""
+    return ((b * S + chunks[:, None, None]) * KP + ks[None, :, None]) * NSS + tl.arange(0, NSS)[None, None, :]
+
+
+@triton.jit
+def _slot_mass(pm, d, mask, w, lse2, scale, FAST: tl.constexpr):
+    """Slot masses [NSS] of a tile of chunks: sum over chunks s and views k of
+    w_k 2^(pm_s,k * scale - lse2_k) d_s,k,T, with pm [SB, KP] the chunk maxima, d
+    [SB, KP, NSS] the slot sums and mask [SB, KP] the valid (chunk, view) pairs."""
+    coef = tl.where(mask, w[None, :] * exp2(pm * scale - lse2[None, :], FAST), 0.0)
+    return tl.sum(tl.sum(coef[:, :, None] * d, axis=1), axis=0)
 
 
 @triton.jit
@@ -533,7 +544,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
     cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
     n_slots = 1 if greedy else period // _DRAW_WIDTH
-    slot = torch.empty(B * S * KP * n_slots, dtype=torch.float32, device=dev)
+    slot = torch.empty(1 if greedy else B * S * KP * n_slots, dtype=torch.float32, device=dev)
     _mix_partial_kernel[(B, S)](
         logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
