@@ -111,7 +111,8 @@ def _mix_partial_kernel(
     logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
-    CERT: tl.constexpr, RELOAD: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
+    CERT: tl.constexpr, RELOAD: tl.constexpr, BOUNDS: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr,
+    SW: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
@@ -128,7 +129,8 @@ def _mix_partial_kernel(
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
-    cert_idx rows (b, s) of KP: second-largest logit / argmax index per view.
+    cert_idx rows (b, s) of KP: second-largest logit / argmax index per view; with CERT,
+    slot rows (b, s, k) of NT: each thread slot's max (logit units), see `_live_chunk_best`.
 
     DRAW (sampling): also the chunk's sum-exp per view and draw slot against the view's
     chunk max (P // SW slots: slot T holds the columns c with (c mod P) // SW == T; the
@@ -181,6 +183,9 @@ def _mix_partial_kernel(
         c_2nd = tl.max(tl.where(col == c_idx[:, None], second, m), axis=1)
         tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
+        # each thread slot's max per view: the bounds that let pass 2 skip slots
+        if BOUNDS:
+            tl.store(slot_ptr + _slot_max_offsets(b, S, sp, ks, KP, NT), m, mask=kmask[:, None])
     top, tot = lse_reduce(m, s, scale, 1, FAST)
     if DRAW:
         NSS: tl.constexpr = P // SW
@@ -206,7 +211,8 @@ def _mix_chunk_kernel(
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
     REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
-    NB: tl.constexpr, DSTAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    NB: tl.constexpr, DSTAGES: tl.constexpr, BLOCK1: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
+    SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
 
@@ -243,6 +249,10 @@ def _mix_chunk_kernel(
             d_pre = tl.load(slot_ptr + _slot_offsets(b, S, ss, ks, KP, P // SW),
                             mask=((ss < tl.where(sp == tl.num_programs(1) - 1, S, 0))[:, None]
                                   & kmask[None, :])[:, :, None], other=0.0)   # the draw program only
+    ms = 0.0
+    if LIVE > 0:  # pass 1's thread-slot maxima of this chunk, loaded beside the partials
+        ms = tl.load(slot_ptr + _slot_max_offsets(b, S, sp, ks, KP, BLOCK1 // (RPT * VEC)), mask=kmask[:, None],
+                     other=NEG_BIG)
     pm, ps, lse2 = _row_normalisers(prow, ks, pmask, kmask, scale, KP, FAST)
     if sp == 0:
         tl.store(lse_ptr + b * K + ks, lse2 * LN2, mask=kmask)
@@ -274,6 +284,8 @@ def _mix_chunk_kernel(
             if sp == 0:
                 _store_token(token_ptr, b, tok_c, ks, TOK_K)
                 tl.store(token_prob_ptr + b, q_cert)
+    else:
+        q_cert = 0.0
 
     if PICKED:  # greedy, one view: pass 1 found the pick, program (b, 0) finishes it
         if sp == 0:
@@ -292,21 +304,26 @@ def _mix_chunk_kernel(
         if (run_chunk != 0) & (sp < S):
             start = sp * CHUNK
             end = tl.minimum(start + CHUNK, V)
-            cols = tl.arange(0, BLOCK)
-            best = tl.full([BLOCK], float("-inf"), tl.float32)
-            best_v0 = tl.zeros([BLOCK], tl.int32) + start
-            best_q = tl.zeros([BLOCK], tl.float32)
-            for v0 in range(start, end, BLOCK):
-                offs = v0 + cols
-                vmask = offs < end
-                q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST)
-                if WRITE_MIX:
-                    tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
+            if LIVE > 0:  # only the thread slots of pass 1 that can beat the candidates
+                best, idx, q_best = _live_chunk_best(logits_ptr, b, start, end, ms, w, lse2, q_cert, ks, kmask,
+                                                     stride_logits, scale, K, BLOCK1, RPT, VEC, SMAX, LIVE, FAST)
+            else:
+                cols = tl.arange(0, BLOCK)
+                best = tl.full([BLOCK], float("-inf"), tl.float32)
+                best_v0 = tl.zeros([BLOCK], tl.int32) + start
+                best_q = tl.zeros([BLOCK], tl.float32)
+                for v0 in range(start, end, BLOCK):
+                    offs = v0 + cols
+                    vmask = offs < end
+                    q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST)
+                    if WRITE_MIX:
+                        tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
+                    if GREEDY and not PICKED:
+                        score = tl.where(vmask, q, float("-inf"))
+                        best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
                 if GREEDY and not PICKED:
-                    score = tl.where(vmask, q, float("-inf"))
-                    best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
+                    best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
             if GREEDY and not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
-                best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
                 row = part_ptr + (b * S + sp) * W
                 tl.store(row + 2 * KP, best)
                 tl.store(row + 2 * KP + 1, q_best)
@@ -318,6 +335,71 @@ def _mix_chunk_kernel(
                     _store_token(token_ptr, b, tok, ks, TOK_K)
                     tl.store(token_prob_ptr + b, q_tok)
                     tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
+
+
+# Pass 2 of greedy K > 1 re-reads a thread slot of pass 1 only where its bound, the mixture
+# of the views' slot maxima, times this factor reaches the candidates' best q: a margin for
+# the rounding of exp2 (one MUFU op) and of the sums; a larger bound only reads more.
+_BOUND_MARGIN = tl.constexpr(1.0009765625)  # 1 + 2^-10
+# ... gathering up to this many of its columns per view at once (a batch of live slots).
+_LIVE_COLUMNS = 512
+
+
+@triton.jit
+def _slot_max_offsets(b, S, sp, ks, KP: tl.constexpr, NT: tl.constexpr):
+    """Offsets of pass 1's thread-slot maxima of chunk (b, sp), [KP, NT]: rows (b, s, k)."""
+    return ((b * S + sp) * KP + ks[:, None]) * NT + tl.arange(0, NT)[None, :]
+
+
+@triton.jit
+def _live_chunk_best(logits_ptr, b, start, end, ms, w, lse2, q_floor, ks, kmask, stride_logits, scale,
+                     K: tl.constexpr, BLOCK: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
+                     SMAX: tl.constexpr, L: tl.constexpr, FAST: tl.constexpr):
+    """Greedy K > 1: the chunk's best q, its lowest column and q there, reading only the
+    columns that can reach q_floor (the best candidate's q, attained by a column).
+
+    Pass 1 (BLOCK columns per view and step, RPT groups of VEC columns per thread slot)
+    stored each slot's max per view, ms [KP, NT]. No column of slot t has q above ub_t =
+    sum_k w_k 2^(ms_k,t * scale - lse2_k), so only the slots with ub_t >= q_floor are read
+    (a NaN bound reads its slot): with peaked or disagreeing views, the few that hold a
+    view's top values. The live slots are gathered L at a time (rank by a prefix count),
+    each with all its columns in the chunk (SMAX >= steps): [L, SMAX, RPT, VEC] per view
+    and batch, one load per view, q by `_tile_q` (the values of the full pass). Looping
+    over pass 1's steps instead is a chain of dependent round trips for little data, ~4 us
+    of an 11 us pass at B = 128, K = 4. No live slot: -inf and the chunk's first column."""
+    NT: tl.constexpr = BLOCK // (RPT * VEC)
+    tt = tl.arange(0, NT)
+    ub = tl.sum(tl.where(kmask[:, None], w[:, None] * exp2(ms * scale - lse2[:, None], FAST), 0.0), axis=0)
+    live = ((ub * _BOUND_MARGIN < q_floor) == 0).to(tl.int32)   # [NT]
+    rank = tl.cumsum(live, 0) - live                             # among the live slots
+    n_live = tl.sum(live, axis=0)
+    # [1, SMAX, RPT, VEC] offsets of a slot's columns from the chunk start and slot 0
+    cols = (tl.arange(0, SMAX)[None, :, None, None] * BLOCK
+            + (tl.arange(0, RPT)[None, None, :, None] * NT) * VEC + tl.arange(0, VEC)[None, None, None, :])
+    jj = tl.arange(0, L)
+    top = float("-inf")
+    idx = start
+    q_top = 0.0
+    for j0 in range(0, n_live, L):
+        pick = (live[None, :] != 0) & (rank[None, :] == (j0 + jj)[:, None])
+        slot = tl.max(tl.where(pick, tt[None, :], -1), axis=1)    # [L]: the live slots j0 .. j0 + L - 1
+        offs = start + cols + slot[:, None, None, None] * VEC      # [L, SMAX, RPT, VEC]
+        vmask = (slot >= 0)[:, None, None, None] & (offs < end)
+        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST)
+        score = tl.where(vmask, q, float("-inf"))
+        t_top = _tile_max(score)
+        t_idx = -_tile_max(tl.where(score == t_top, -offs, -BIG_IDX))   # lowest column
+        take = (t_top > top) | ((t_top == top) & (t_idx < idx))  # batches interleave columns
+        q_top = tl.where(take, _tile_max(tl.where(offs == t_idx, q, float("-inf"))), q_top)
+        idx = tl.where(take, t_idx, idx)
+        top = tl.maximum(top, t_top)
+    return top, idx, q_top
+
+
+@triton.jit
+def _tile_max(x):
+    """Max of a 4D tile ([L, SMAX, RPT, VEC]): the axes a thread holds first."""
+    return tl.max(tl.max(tl.max(tl.max(x, axis=3), axis=2), axis=1), axis=0)
 
 
 @triton.jit
@@ -403,7 +485,7 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
     for n0 in tl.range(0, tl.cdiv(V, P), NB, num_stages=DSTAGES):
         offs = (n0 + ii // SW) * P + slot * SW + ii % SW   # NB periods' SW columns: the draw order
         vmask = offs < V
-        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, NB * SW, FAST)
+        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST)
         pos = vmask & (q > 0)       # never a zero-probability token
         cs = tl.cumsum(q, 0) + run
         # one reduction: the first column passing r_in and the last with q > 0, with their q
@@ -444,13 +526,12 @@ def _first_last(h0, qh0, l0, ql0, h1, qh1, l1, ql1):
 
 
 @triton.jit
-def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl.constexpr, BLOCK: tl.constexpr,
-            FAST: tl.constexpr):
-    """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` of row b, [BLOCK].
-    The views one [BLOCK] row at a time (K is a constexpr): the sum over views stays inside
-    each thread; a [KP, BLOCK] tile spreads the views over warps and its sum costs a
-    shared-memory exchange and barriers every step."""
-    q = tl.zeros([BLOCK], tl.float32)
+def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl.constexpr, FAST: tl.constexpr):
+    """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` (any shape) of row b.
+    The views one tile at a time (K is a constexpr): the sum over views stays inside each
+    thread; a [KP, ...] tile spreads the views over warps and its sum costs a shared-memory
+    exchange and barriers every step."""
+    q = tl.zeros(offs.shape, tl.float32)
     for k in tl.static_range(K):
         x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask, other=float("-inf")).to(tl.float32)
         q += tl.sum(tl.where(ks == k, w, 0.0), axis=0) * exp2(x * scale - tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),
@@ -544,11 +625,18 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     cert_buf = torch.empty(B * S * KP if cert else 1, dtype=torch.float32, device=dev)
     cert_idx = torch.empty(B * S * KP if cert else 1, dtype=torch.int32, device=dev)
     n_slots = 1 if greedy else period // _DRAW_WIDTH
-    slot = torch.empty(1 if greedy else B * S * KP * n_slots, dtype=torch.float32, device=dev)
+    nt = BLOCK // (rpt * vec)                  # pass 1's thread slots per view
+    smax = triton.next_power_of_2(triton.cdiv(chunk, BLOCK))    # pass 1's steps per chunk, rounded up
+    # greedy K > 1, several steps per chunk: pass 2 reads only the live thread slots (with one
+    # step the full chunk is one load per view, and the bounds cost more than they save)
+    live = cert and chunk > BLOCK
+    # sampling: draw-slot sums per (chunk, view); greedy K > 1: each thread slot's max
+    slot = torch.empty(B * S * KP * (nt if live else n_slots) if live or not greedy else 1,
+                       dtype=torch.float32, device=dev)
     _mix_partial_kernel[(B, S)](
         logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, RELOAD=cert and chunk > BLOCK,
+        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, RELOAD=cert and chunk > BLOCK, BOUNDS=live,
         DRAW=not greedy, P=period,
         SW=_DRAW_WIDTH, STAGES=_STAGES, EVICT=_P1_EVICT if write_mix or not picked else "",  # "": default
         FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
@@ -566,7 +654,9 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
         SW=_DRAW_WIDTH, SB=min(SP, max(1, _DRAW_TILE // (KP * n_slots))),
         NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
-        DSTAGES=_DRAW_STAGES, FAST=fast, num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps,
+        DSTAGES=_DRAW_STAGES, BLOCK1=BLOCK, RPT=rpt, VEC=vec,
+        SMAX=smax, LIVE=min(16, max(1, _LIVE_COLUMNS // (smax * BLOCK // nt))) if live else 0, FAST=fast,
+        num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
     return token[::tok_k], token_prob, mixture, lse

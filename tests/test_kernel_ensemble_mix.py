@@ -431,6 +431,36 @@ def _agreeing(B, K, V, dtype, device, noise, seed):
     return logits.to(device), (w / w.sum(1, keepdim=True)).to(device)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B, K, V", [(1, 2, 32064), (16, 4, 151936), (128, 4, 32064), (256, 2, 32064)])
+def test_gpu_greedy_views_full_size(B, K, V, dtype, monkeypatch):
+    """Greedy K > 1 without the mixture row at the engine's sizes: certified rows (agreeing
+    views) and rows decided by pass 2 over the live thread slots (independent views), both
+    against the reference and against the full chunk pass (no certificate)."""
+    for agree in (True, False):
+        if agree:
+            logits, w = _agreeing(B, K, V, dtype, "cuda", 0.05, seed=B + K)
+        else:
+            logits, w = _inputs(B, K, V, dtype, "cuda", scale=2.0, seed=B + K)
+        ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+        certified = torch.full((B,), -1, dtype=torch.int32, device="cuda")
+        token, token_prob, _, lse = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+        _check_token(token, token_prob, ref[2], 1e-6)
+        top2 = ref[2].topk(2, dim=1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-5
+        assert torch.equal(token[clear], ref[0][clear])
+        torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
+        assert set(certified.tolist()) <= {0, 1}
+        if not agree and B >= 16:
+            assert (certified == 0).any()                    # pass 2 decided some rows
+        monkeypatch.setattr(_k, "_CERTIFY", False)
+        full = _k.ensemble_mix(logits, w, greedy=True)
+        monkeypatch.setattr(_k, "_CERTIFY", True)
+        assert torch.equal(token, full[0])
+        torch.testing.assert_close(token_prob, full[1], atol=1e-7, rtol=1e-6)
+
+
 @pytest.mark.parametrize("n_split", [1, 7])
 @pytest.mark.parametrize("B, K, V, dtype", [
     (5, 2, 1000, torch.float32), (3, 4, 32064, torch.bfloat16), (4, 3, 173, torch.float16),
@@ -503,6 +533,40 @@ def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, ker
     ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
     assert torch.equal(token, ref[0])
     torch.testing.assert_close(prob, ref[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("live_columns", [8, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_live_slot_batches(live_columns, dtype, kernel_device, monkeypatch):
+    """Pass 2 of greedy K > 1 with several pass-1 steps per chunk reads the live thread slots
+    in batches (one slot per batch at live_columns = 8): near-flat views (many live slots,
+    several batches) give the tokens of the full chunk pass; a tie of q between column 128
+    (step 1, slot 0: the first batch) and column 127 (step 0, the last slot: a later batch)
+    takes the lower (as torch.argmax)."""
+    monkeypatch.setattr(_k, "_LIVE_COLUMNS", live_columns)
+    _tiles_of(monkeypatch, 256)                     # K = 2: 128 columns per view and step
+    for n_split in (1, 3):
+        monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
+        logits, w = _inputs(5, 3, 1000, dtype, kernel_device, scale=0.3, seed=n_split)
+        ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+        certified = torch.full((5,), -1, dtype=torch.int32, device=kernel_device)
+        token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+        assert (certified == 0).sum() >= 3          # most rows take pass 2
+        _check_token(token, prob, ref[2], 1e-6)
+        monkeypatch.setattr(_k, "_CERTIFY", False)
+        full = _k.ensemble_mix(logits, w, greedy=True)
+        monkeypatch.setattr(_k, "_CERTIFY", True)
+        assert torch.equal(token, full[0])
+        torch.testing.assert_close(prob, full[1], atol=1e-7, rtol=1e-6)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 1)
+    logits = torch.zeros(2, 1000)
+    logits[0, [127, 128]] = 2.0                    # view 0: tied maxima; view 1 flat (argmax 0)
+    logits = logits.to(dtype).to(kernel_device)
+    w = torch.full((1, 2), 0.5, device=kernel_device)
+    certified = torch.full((1,), -1, dtype=torch.int32, device=kernel_device)
+    token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    assert certified.item() == 0 and token.item() == 127
+    assert torch.equal(token, ensemble_mix_reference(logits, w, greedy=True)[0])
 
 
 @pytest.mark.parametrize("n_split", [1, 5])
