@@ -104,9 +104,11 @@ def _exercise():
         for greedy in (True, False):
             for mix in (False, True):
                 ensemble_mix.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=off, return_mixture=mix)
-        # chunks of several tiles: sampling without the mixture row draws tile-wise
-        ensemble_mix.ensemble_mix(torch.randn(2 * K, 9000, generator=g).to(bf), w, greedy=False, seed=seed,
-                                  offset=off)
+        # chunks of several tiles: sampling without the mixture row draws tile-wise; greedy
+        # K > 1 reads pass 1's best steps again and pass 2 only the live thread slots
+        for greedy in (True, False):
+            ensemble_mix.ensemble_mix(torch.randn(2 * K, 9000, generator=g).to(bf), w, greedy=greedy, seed=seed,
+                                      offset=off)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, certified_out=torch.zeros(2, dtype=torch.int32))
     # a 16-divisible vocabulary and row stride, as at V = 32064: the GPU variant also
     # specialises the integers (masks constant over each 16-byte group)
@@ -115,6 +117,7 @@ def _exercise():
         for greedy in (True, False):
             ensemble_mix.ensemble_mix(torch.randn(2 * K, 1008, generator=g).to(bf), wk, greedy=greedy, seed=seed,
                                       offset=off)
+        ensemble_mix.ensemble_mix(torch.randn(2 * K, 9008, generator=g).to(bf), wk, greedy=True)
     # the token into every view row (the draft loop's K > 1 steps)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, view_tokens_out=torch.zeros(6, dtype=torch.int64))
     ensemble_mix.ensemble_mix(logits, w, greedy=False, seed=seed, offset=off, return_mixture=True,
