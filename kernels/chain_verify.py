@@ -1,7 +1,7 @@
 """Verification of a drafted chain: accepted prefix length and the next (bonus) token.
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
-and the device's SM count only (`_n_vsplit`: about 2 programs per SM greedy, 8 sampling,
+and the device's SM count only (`_n_vsplit`: about 2 programs per SM greedy, 16 sampling,
 whatever B is; the launcher never syncs, so it can be captured in a CUDA graph), and a one-program-per-
 request kernel combines the chunk partials:
   greedy    `_argmax_partial_kernel`: the gamma+1 target rows are read as [GP, BLOCK]
@@ -33,10 +33,17 @@ from ._common import (best_combine, chunk_block, chunking, load_rows, n_vsplit a
 # ~2 programs per SM: in an H200 sweep (graph replays, all drafts accepted, tiles
 # 2048/4096/8192 x 2/4/8 programs per SM) the fastest at B = 256, gamma = 6: 41.8 us, 65%
 # of copy bandwidth (8192 x 8: 48.3 us), and 10.5 us at B = 64 (14.2 us). At B = 1 the
-# split (32 chunks of 1008) does not change. Sampling: one fp32 row pair of 4K, 8 per SM.
+# split (32 chunks of 1008) does not change. Sampling: tiles of 1024 columns of the fp32 row
+# pair, 16 programs per SM, ~16 elements per thread (H200, cold, graph replays, one process,
+# against 4096 x 8: all accepted (the bonus row) B = 256, gamma = 6 22.1 -> 18.2 us, B = 64
+# 6.9 -> 6.1; rejected at position 0 (p_0 and q_0 read) 29.5 -> 25.5 us (53% -> 61% of copy)
+# and 9.2 -> 8.4; B = 1 3.3 either way; 2048 x 16 within 1%, 4096 x 8 with 32 per thread 2-7%
+# slower, 4 per SM 5-25% slower).
 _TILE_GREEDY = 4096
 _GREEDY_PROGRAMS_PER_SM = 2
-_TILE_SAMPLING = 4096
+_TILE_SAMPLING = 1024
+_SAMPLING_PROGRAMS_PER_SM = 16
+_SAMPLING_PER_THREAD = 16
 
 
 @triton.jit
@@ -263,7 +270,7 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         return num_acc, next_token
     strides = (draft_tokens.stride(0), draft_tokens.stride(1), q_probs.stride(0), q_probs.stride(1),
                p.stride(0), p.stride(1), uniforms.stride(0), uniforms.stride(1))
-    S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_PROGRAMS_PER_SM) if greedy else _n_vsplit(B, V, dev))
+    S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_PROGRAMS_PER_SM if greedy else _SAMPLING_PROGRAMS_PER_SM))
     SP = triton.next_power_of_2(S)
     if greedy:
         BLOCK = chunk_block(chunk, _TILE_GREEDY // GP)
@@ -280,7 +287,7 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         )
     else:
         BLOCK = max(16, min(triton.next_power_of_2(chunk), _TILE_SAMPLING))
-        num_warps = tile_warps(2 * BLOCK)  # a p and a q element per column
+        num_warps = tile_warps(2 * BLOCK, _SAMPLING_PER_THREAD)  # a p and a q element per column
         part = torch.empty(B * S * 2, dtype=torch.float32, device=dev)
         _residual_partial_kernel[(B, S)](
             draft_tokens, q_probs, p, uniforms, part, gamma, V, S, chunk, *strides,
