@@ -52,6 +52,14 @@ _target_programs = target_programs
 # (8, 1024, 8); B = 1, G = 286 (1716) fastest with (16, 2048, 8), 62.9 us; B = 16, G = 11
 # (880) 47.1 us with (16, 2048, 8), 67.6 with (4, 1024, 4).
 _GRID_TILES = ((128, 4, 1024, 4), (512, 8, 1024, 8), (None, 16, 2048, 8))
+# Without a grid: programs per SM of both launches, [KP + 1, columns] elements per step and
+# the divergence launch's warps. H200 sweep (cold, graph replays, one process; 9 settings of
+# 4 / 8 / 16 per SM x 1024 / 2048 / 4096 x 4 / 8 warps, B = 16, K = 4 and B = 64, K = 1 at
+# P = 6, B = 1): these were within 1-3% of the best (8 warps: 27.9 -> 27.6 us, 34.6 -> 33.5);
+# 4 per SM or 4096-column tiles up to 34% slower. TV reads the logits twice (26-35% of copy).
+_TV_PROGRAMS_PER_SM = 8
+_TV_TILE = 2048
+_TV_DIV_WARPS = 4
 
 
 def _split(V, unit, rows, target):
@@ -402,10 +410,10 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         g_max, g_tile, per_sm = next(t[1:] for t in _GRID_TILES if t[0] is None or B * P * G <= t[0])
         target = _target_programs(dev, per_sm)
     else:
-        target = _target_programs(dev)
+        target = _target_programs(dev, _TV_PROGRAMS_PER_SM)
     KP = triton.next_power_of_2(K)
     # [KP, BLOCKV] tiles of the K views plus a BLOCKV target row: ~2-4K elements per step.
-    BLOCKV = max(16, min(triton.next_power_of_2(V), 2048 // KP))
+    BLOCKV = max(16, min(triton.next_power_of_2(V), (2048 if has_grid else _TV_TILE) // KP))
 
     # Launch 1: normalisers per V split.
     ch1, ns1 = _split(V, BLOCKV, R, target)
@@ -460,7 +468,8 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         grid.stride(0) if has_grid else 0, grid.stride(1) if has_grid else 0, scale,
         K=K, KP=KP, NS1P=triton.next_power_of_2(ns1), NS2P=triton.next_power_of_2(ns2),
         BLOCKV=BLOCKV2, G_BLOCK=G_BLOCK, BLOCKG=BLOCKG,
-        HAS_GRID=has_grid, FAST_MATH=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=4,
+        HAS_GRID=has_grid, FAST_MATH=fast, PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=4 if has_grid else _TV_DIV_WARPS,
     )
     if match is not None:
         match = match.view(torch.bool)
