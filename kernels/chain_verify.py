@@ -37,8 +37,8 @@ from ._common import (best_combine, chunk_block, chunking, load_rows, n_vsplit a
 # pair, 16 programs per SM, ~16 elements per thread (H200, cold, graph replays, one process,
 # against 4096 x 8: all accepted (the bonus row) B = 256, gamma = 6 22.1 -> 18.2 us, B = 64
 # 6.9 -> 6.1; rejected at position 0 (p_0 and q_0 read) 29.5 -> 25.5 us (53% -> 61% of copy)
-# and 9.2 -> 8.4; B = 1 3.3 either way; 2048 x 16 within 1%, 4096 x 8 with 32 per thread 2-7%
-# slower, 4 per SM 5-25% slower).
+# and 9.2 -> 8.4; B = 1 3.3 either way; against 1024 x 16: 2048 x 16 within 1%, 4096 x 8 with
+# 32 elements per thread -3% to +7%, 4 per SM 14-45% slower).
 _TILE_GREEDY = 4096
 _GREEDY_PROGRAMS_PER_SM = 2
 _TILE_SAMPLING = 1024
