@@ -20,11 +20,11 @@ Passes over the logits: one greedy with a single view; for K > 1 and for samplin
 plus what needs q (every chunk with the mixture row; greedy without it, only what can
 beat the candidates, below; sampling without it, 1/32 of the row): q_v needs every view's
 final normaliser, and the second read comes from L2 when the batch's logits fit in it (33
-MB at B = 128, K = 4, V = 32064; pass 1 then loads them evict_last, see `_P1_EVICT`).  Greedy without the mixture
-row: pass 1 also keeps each view's argmax and second-largest logit; a token that is no
-view's argmax has q_v <= sum_k w_k q_k(second largest), so when the best of the K
-candidates beats that bound, it is the argmax and the second pass is skipped (always,
-when the views agree on their argmax).  Otherwise (several pass-1 steps per chunk) pass 2
+MB at B = 128, K = 4, V = 32064; pass 1 then loads them evict_last, see `_P1_EVICT`).
+Greedy without the mixture row: pass 1 also keeps each view's argmax and second-largest
+logit; a token that is no view's argmax has q_v <= sum_k w_k q_k(second largest), so when
+the best of the K candidates beats that bound, it is the argmax and the second pass is
+skipped (always, when the views agree on their argmax).  Otherwise (several pass-1 steps per chunk) pass 2
 re-reads only the thread slots of pass 1 whose bound, from each view's slot maximum, can
 reach the best candidate's q (`_live_chunk_best`).
 Pass 1 streams 16-byte groups, each loaded and reduced by one thread (its running max,
@@ -113,8 +113,7 @@ def _mix_partial_kernel(
     logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_ptr,
     K, V, S, CHUNK, stride_logits, scale,
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
-    CERT: tl.constexpr, RELOAD: tl.constexpr, BOUNDS: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr,
-    SW: tl.constexpr,
+    CERT: tl.constexpr, MULTI: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
@@ -123,17 +122,18 @@ def _mix_partial_kernel(
 
     Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups (see `_common`):
     running max and sum-exp per view and slot. The argmax keeps each slot's best step (its
-    values and start), the column within it is found once, after the loop. RELOAD (CERT
+    values and start), the column within it is found once, after the loop. MULTI (CERT
     with several steps per chunk) keeps only the start and reads the values again after the
-    loop: the K views' kept values cost registers (H200 B = 128, K = 4 26.9 -> 25.4 us,
-    agreeing views 16.8 -> 15.4), while with one view (B = 512 12.7 -> 14.8) or one step
-    (B = 1, K = 2 5.6 -> 5.8) the extra dependent read costs more.
+    loop (and stores the slot maxima below): the K views' kept values cost registers (H200
+    B = 128, K = 4 26.9 -> 25.4 us, agreeing views 16.8 -> 15.4), while with one view (B =
+    512 12.7 -> 14.8) or one step (B = 1, K = 2 5.6 -> 5.8) the extra dependent read costs
+    more.
 
     part row (b, s) of width 2 * KP + 2: [max_k | sumexp_k | best score | best y], max in
     logit units, sumexp of exp2((x - max) * scale), y = x * scale (log2 units); cert /
-    cert_idx rows (b, s) of KP: second-largest logit / argmax index per view; with BOUNDS
-    (CERT and several steps per chunk), slot rows (b, s, k) of NT: each thread slot's max
-    (logit units), the bounds of `_live_chunk_best`.
+    cert_idx rows (b, s) of KP: second-largest logit / argmax index per view; with MULTI,
+    slot rows (b, s, k) of NT: each thread slot's max (logit units), the bounds of
+    `_live_chunk_best`.
 
     DRAW (sampling): also the chunk's sum-exp per view and draw slot against the view's
     chunk max (P // SW slots: slot T holds the columns c with (c mod P) // SW == T; the
@@ -165,11 +165,11 @@ def _mix_partial_kernel(
         if CERT:
             m2 = tl.where(take, m_old, tl.maximum(m2, g_max))
         if PICK or CERT:
-            if not RELOAD:
+            if not MULTI:
                 bx = tl.where(take[:, None, :, None], x, bx)
             b_v0 = tl.where(take, v0, b_v0)
     if PICK or CERT:
-        if RELOAD:  # the best step's values, read again (L2)
+        if MULTI:  # the best step's values, read again (L2)
             boffs = b_v0[:, None, :, None] + gcols[None]
             bx = tl.maximum(tl.load(rows_ptr + boffs, mask=lmask & (boffs < end), other=NEG_BIG).to(tl.float32),
                             NEG_BIG)  # -inf as NEG_BIG, the start value: a slot of -inf finds its first column
@@ -187,7 +187,7 @@ def _mix_partial_kernel(
         tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
         # each thread slot's max per view: the bounds that let pass 2 skip slots
-        if BOUNDS:
+        if MULTI:
             tl.store(slot_ptr + _slot_max_offsets(b, S, sp, ks, KP, NT), m, mask=kmask[:, None])
     top, tot = lse_reduce(m, s, scale, 1, FAST)
     if DRAW:
@@ -633,7 +633,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     n_slots = 1 if greedy else period // _DRAW_WIDTH
     nt = BLOCK // (rpt * vec)                  # pass 1's thread slots per view
     smax = triton.next_power_of_2(triton.cdiv(chunk, BLOCK))    # pass 1's steps per chunk, rounded up
-    # greedy K > 1, several steps per chunk: pass 1 reads the best steps again (RELOAD) and
+    # greedy K > 1, several steps per chunk (MULTI): pass 1 reads the best steps again and
     # pass 2 only the live thread slots (with one step the full chunk is one load per view,
     # and the bounds cost more than they save)
     live = cert and chunk > BLOCK
@@ -643,7 +643,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     _mix_partial_kernel[(B, S)](
         logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, RELOAD=live, BOUNDS=live,
+        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, MULTI=live,
         DRAW=not greedy, P=period,
         SW=_DRAW_WIDTH, STAGES=_STAGES, EVICT=_P1_EVICT if write_mix or not picked else "",  # "": default
         FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
@@ -662,7 +662,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         SW=_DRAW_WIDTH, SB=min(SP, max(1, _DRAW_TILE // (KP * n_slots))),
         NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
         DSTAGES=_DRAW_STAGES, BLOCK1=BLOCK, RPT=rpt, VEC=vec,
-        SMAX=smax, LIVE=min(16, max(1, _LIVE_COLUMNS // (smax * BLOCK // nt))) if live else 0, FAST=fast,
+        SMAX=smax, LIVE=min(16, max(1, _LIVE_COLUMNS // (smax * rpt * vec))) if live else 0, FAST=fast,
         num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,
     )
