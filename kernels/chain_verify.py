@@ -12,13 +12,14 @@ request kernel combines the chunk partials:
             the logits; the worst case (all accepted) reads what an early exit would.
   sampling  `_residual_partial_kernel`: each program redoes the gamma gathers of the
             acceptance test (p(x_i), q(x_i), a few loads) to know the row pair at the
-            first rejection, then sums the residual max(p - q, 0) and p over its chunk
-            -> `_residual_draw_kernel`: totals, prefix over the chunk sums to find the
-            chunk holding u * total, and an inverse-CDF scan of that chunk only: 1 + 1/S
-            passes over the row pair.  Deterministic given the uniforms; only the
-            summation order differs from the reference (chunk sums, then in-chunk
-            cumsum), which can move a draw across a CDF boundary when u * total is
-            within rounding of it.
+            first rejection, then sums the residual max(p - q, 0) and p over each
+            sub-block of its chunk (each warp walks its own contiguous part of the chunk;
+            a part is a sub-block when chunks are long, else the chunk is one) ->
+            `_residual_draw_kernel`: totals, prefix over the sub-block sums to find the
+            sub-block holding u * total, and an inverse-CDF scan of that sub-block only
+            (one tile).  Deterministic given the uniforms; only the summation order
+            differs from the reference (sub-block sums, then in-block cumsum), which can
+            move a draw across a CDF boundary when u * total is within rounding of it.
 The sweeps keep element-wise running values (best and its step, sums) and reduce across
 the tile once per program (see `_common`).
 """
@@ -26,24 +27,35 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (best_combine, chunk_block, chunking, load_rows, n_vsplit as _n_vsplit, pdl, pdl_wait,
+from ._common import (ONE_STEP, best_combine, chunk_block, chunking, load_rows, n_vsplit as _n_vsplit, pdl, pdl_wait,
                       tile_warps)
 
 # Elements per tile: greedy [GP, BLOCK] tiles of 4K (gamma + 1 <= 8 rows of 512), with
 # ~2 programs per SM: in an H200 sweep (graph replays, all drafts accepted, tiles
 # 2048/4096/8192 x 2/4/8 programs per SM) the fastest at B = 256, gamma = 6: 41.8 us, 65%
 # of copy bandwidth (8192 x 8: 48.3 us), and 10.5 us at B = 64 (14.2 us). At B = 1 the
-# split (32 chunks of 1008) does not change. Sampling: tiles of 1024 columns of the fp32 row
-# pair, 16 programs per SM, ~16 elements per thread (H200, cold, graph replays, one process,
-# against 4096 x 8: all accepted (the bonus row) B = 256, gamma = 6 22.1 -> 18.2 us, B = 64
-# 6.9 -> 6.1; rejected at position 0 (p_0 and q_0 read) 29.5 -> 25.5 us (53% -> 61% of copy)
-# and 9.2 -> 8.4; B = 1 3.3 either way; against 1024 x 16: 2048 x 16 within 1%, 4096 x 8 with
-# 32 elements per thread -3% to +7%, 4 per SM 14-45% slower).
+# split (32 chunks of 1008) does not change.
 _TILE_GREEDY = 4096
 _GREEDY_PROGRAMS_PER_SM = 2
-_TILE_SAMPLING = 1024
+# Sampling: each warp of a program sums the residual (and p) over its own contiguous part of
+# the chunk, [RPT, 32, 4] fp32 groups per step (_SAMPLING_PER_THREAD elements per thread);
+# the part is a sub-block when chunks are longer than one draw step (many requests), and
+# the draw finds the sub-block holding u * total from its sums and scans that sub-block
+# alone (W columns, one tile); shorter chunks are one sub-block each (the draw's scan is
+# one tile either way). Tests set _WARP_SUBBLOCKS_ABOVE = 0 to split small V.
+# H200, cold, graph replays, one process, against one sum per chunk and a walk of the drawn
+# chunk in 1024-column steps: all accepted (the bonus row) B = 256, gamma = 6 18.2 -> 14.4 us
+# (43% -> 54% of copy; the draw 5.8 -> 3.1 us without PDL), rejected at position 0 (p_0 and
+# q_0 read) 25.5 -> 22.1 us (61% -> 70%); B = 64, 32, 1 within +-0.1 us (B = 32: 5.4 -> 4.8).
+# 8 elements per thread: 48 registers (16: 64, 10 -> 8 programs per SM, B = 256 20.1 us);
+# 12, 20 programs per SM or 8 warps 2-15% slower. (A last-arriving program drawing instead of
+# a second launch: 16.5 us, its registers 56. Without the sums of p, the rare no-residual
+# case walking the whole row instead: 16.2 us at 32 registers.)
 _SAMPLING_PROGRAMS_PER_SM = 16
-_SAMPLING_PER_THREAD = 16
+_SAMPLING_WARPS = 4
+_SAMPLING_PER_THREAD = 8
+_DRAW_WARPS = 4
+_WARP_SUBBLOCKS_ABOVE = ONE_STEP
 
 
 @triton.jit
@@ -99,17 +111,32 @@ def _residual(p_row, q_row, offs, vmask, q_len):
 
 
 @triton.jit
-def _residual_sums(p_row, q_row, start, end, q_len, BLOCK: tl.constexpr):
-    """Sums of the residual and of p over [start, end)."""
-    cols = tl.arange(0, BLOCK)
-    tot_r = tl.zeros([BLOCK], tl.float32)
-    tot_p = tl.zeros([BLOCK], tl.float32)
-    for v0 in range(start, end, BLOCK):
-        offs = v0 + cols
-        pv, r = _residual(p_row, q_row, offs, offs < end, q_len)
+def _subblock_sums(p_row, q_row, sums_ptr, start, V, W, q_len, NW: tl.constexpr, RPT: tl.constexpr,
+                   NSUB: tl.constexpr):
+    """Sums of the residual and of p over the NW parts of W columns from start (the last cut
+    at V), NW / NSUB consecutive parts to a sub-block j, stored at sums_ptr + 2 * j (+ 1 for
+    p). Warp w walks part w alone: a step reads [RPT, NT, 4] thread-owned groups (NT = 32 *
+    NW slots, see `_common`), slot t's r-th group at column lo_w + i + 4 * (32 r + t mod 32),
+    w = t // 32; element-wise running sums, no other warp's data in the loop, one reduction
+    after it."""
+    NT: tl.constexpr = 32 * NW
+    ts = tl.arange(0, NT)
+    lo = start + (ts // 32) * W                                   # [NT] start of the slot's part
+    hi = tl.minimum(lo + W, V)[None, :, None]
+    cols = (lo + (ts % 32) * 4)[None, :, None] + tl.arange(0, RPT)[:, None, None] * 128 + tl.arange(0, 4)[None, None, :]
+    tot_r = tl.zeros([RPT, NT, 4], tl.float32)
+    tot_p = tl.zeros([RPT, NT, 4], tl.float32)
+    for i in range(0, W, RPT * 128):
+        offs = cols + i
+        pv, r = _residual(p_row, q_row, offs, offs < hi, q_len)
         tot_r += r
         tot_p += pv
-    return tl.sum(tot_r, axis=0), tl.sum(tot_p, axis=0)
+    # per slot, then per sub-block ([NT] -> [NSUB, NT / NSUB])
+    s_r = tl.sum(tl.reshape(tl.sum(tl.sum(tot_r, axis=2), axis=0), [NSUB, NT // NSUB]), axis=1)
+    s_p = tl.sum(tl.reshape(tl.sum(tl.sum(tot_p, axis=2), axis=0), [NSUB, NT // NSUB]), axis=1)
+    out = sums_ptr + 2 * tl.arange(0, NSUB)
+    tl.store(out, s_r)
+    tl.store(out + 1, s_p)
 
 
 @triton.jit
@@ -172,12 +199,13 @@ def _greedy_accept_kernel(
 
 @triton.jit
 def _residual_partial_kernel(
-    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr,
-    gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
-    stride_ub, stride_ut, GP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    draft_ptr, q_ptr, p_ptr, u_ptr, sums_ptr,
+    gamma, V, NSB, W, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
+    stride_ub, stride_ut, GP: tl.constexpr, NW: tl.constexpr, RPT: tl.constexpr, NSUB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Sampling pass: chunk sums of max(p - q, 0) and of p for the row pair at the first
-    rejection (p_gamma alone when all pass)."""
+    """Sampling pass: sub-block sums of max(p - q, 0) and of p over one chunk, for the row
+    pair at the first rejection (p_gamma alone when all pass)."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -186,50 +214,46 @@ def _residual_partial_kernel(
     p_row = p_ptr + b * stride_pb + n_acc * stride_pt
     q_row = q_ptr + b * stride_qb + n_acc * stride_qt
     q_len = tl.where(n_acc < gamma, V, 0)  # no q row for the bonus (q = 0)
-    start = sp * CHUNK
-    tot_r, tot_p = _residual_sums(p_row, q_row, start, tl.minimum(start + CHUNK, V), q_len, BLOCK)
-    out = (b * S + sp) * 2
-    tl.store(part_ptr + out, tot_r)
-    tl.store(part_ptr + out + 1, tot_p)
+    _subblock_sums(p_row, q_row, sums_ptr + (b * NSB + sp * NSUB) * 2, sp * NW * W, V, W, q_len, NW, RPT, NSUB)
 
 
 @triton.jit
 def _residual_draw_kernel(
-    draft_ptr, q_ptr, p_ptr, u_ptr, part_ptr, num_acc_ptr, next_ptr,
-    gamma, V, S, CHUNK, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
-    stride_ub, stride_ut, GP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    draft_ptr, q_ptr, p_ptr, u_ptr, sums_ptr, num_acc_ptr, next_ptr,
+    gamma, V, NSB, W, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
+    stride_ub, stride_ut, GP: tl.constexpr, NSBP: tl.constexpr, WP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Sampling combine: totals, the chunk holding u * total, inverse-CDF scan of it."""
+    """Sampling combine: totals, the sub-block holding u * total, inverse-CDF scan of it."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
                           stride_qb, stride_qt, stride_pb, stride_pt, stride_ub, stride_ut, GP)
-    ss = tl.arange(0, SP)
-    smask = ss < S
-    part = part_ptr + (b * S + ss) * 2
-    sum_r = tl.load(part, mask=smask, other=0.0)
-    sum_p = tl.load(part + 1, mask=smask, other=0.0)
+    ss = tl.arange(0, NSBP)
+    smask = ss < NSB
+    sums_row = sums_ptr + (b * NSB + ss) * 2
+    sum_r = tl.load(sums_row, mask=smask, other=0.0)
+    sum_p = tl.load(sums_row + 1, mask=smask, other=0.0)
     # Sum r == 0 means p_i <= q_i everywhere, i.e. p_i == q_i (both sum to 1): then a
     # rejection has probability 0 and only rounding gets here; p_i is then the exact
     # conditional distribution, so sampling it cannot bias the output.
     use_p = tl.sum(sum_r, axis=0) <= 0.0
     sums = tl.where(use_p, sum_p, sum_r)
     target = tl.load(u_ptr + b * stride_ub + gamma * stride_ut) * tl.sum(sums, axis=0)
-    # First chunk whose cumulative mass exceeds u * total, and its exclusive prefix.
-    # Rounding can leave every prefix short of u * total: then the last chunk with mass,
-    # whose last token with mass is what an exact sum would have hit.
+    # First sub-block whose cumulative mass exceeds u * total, and its exclusive prefix.
+    # Rounding can leave every prefix short of u * total: then the last sub-block with
+    # mass, whose last token with mass is what an exact sum would have hit.
     cs = tl.cumsum(sums, axis=0)
-    hit = tl.min(tl.where(smask & (cs > target), ss, S), axis=0)
-    hit = tl.where(hit < S, hit, tl.maximum(tl.max(tl.where(sums > 0, ss, -1), axis=0), 0))
+    hit = tl.min(tl.where(smask & (cs > target), ss, NSB), axis=0)
+    hit = tl.where(hit < NSB, hit, tl.maximum(tl.max(tl.where(sums > 0, ss, -1), axis=0), 0))
     run = tl.sum(tl.where(ss < hit, sums, 0.0), axis=0)
     p_row = p_ptr + b * stride_pb + n_acc * stride_pt
     q_row = q_ptr + b * stride_qb + n_acc * stride_qt
     q_len = tl.where((n_acc < gamma) & ~use_p, V, 0)
-    start = hit * CHUNK
-    token, last_in = _residual_search(p_row, q_row, start, tl.minimum(start + CHUNK, V), q_len,
-                                      run, target, V, BLOCK)
-    # Rounding can leave the in-chunk sum just short of u * total: the chunk's last token
-    # with mass (what an exact sum would have hit); an all-zero row gives 0.
+    start = hit * W
+    token, last_in = _residual_search(p_row, q_row, start, tl.minimum(start + W, V), q_len,
+                                      run, target, V, WP)
+    # Rounding can leave the in-block sum just short of u * total: the sub-block's last
+    # token with mass (what an exact sum would have hit); an all-zero row gives 0.
     token = tl.where(token < 0, tl.maximum(last_in, 0), token)
     tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
     tl.store(next_ptr + b, token.to(tl.int64))
@@ -270,9 +294,9 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         return num_acc, next_token
     strides = (draft_tokens.stride(0), draft_tokens.stride(1), q_probs.stride(0), q_probs.stride(1),
                p.stride(0), p.stride(1), uniforms.stride(0), uniforms.stride(1))
-    S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_PROGRAMS_PER_SM if greedy else _SAMPLING_PROGRAMS_PER_SM))
-    SP = triton.next_power_of_2(S)
     if greedy:
+        S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_PROGRAMS_PER_SM))
+        SP = triton.next_power_of_2(S)
         BLOCK = chunk_block(chunk, _TILE_GREEDY // GP)
         part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
@@ -286,16 +310,24 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
             PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP * GP <= 256 else 4,
         )
     else:
-        BLOCK = max(16, min(triton.next_power_of_2(chunk), _TILE_SAMPLING))
-        num_warps = tile_warps(2 * BLOCK, _SAMPLING_PER_THREAD)  # a p and a q element per column
-        part = torch.empty(B * S * 2, dtype=torch.float32, device=dev)
+        # S chunks of NW parts of W columns (W a multiple of 16 when S > 1: aligned vector loads),
+        # one sub-block per part or per chunk
+        NW = _SAMPLING_WARPS
+        S, chunk = chunking(V, _n_vsplit(B, V, dev, _SAMPLING_PROGRAMS_PER_SM), 16 * NW)
+        W = triton.cdiv(chunk, NW)
+        NSUB = NW if chunk > _WARP_SUBBLOCKS_ABOVE else 1
+        NSB = S * NSUB
+        WD = W * (NW // NSUB)                  # the draw's block: one sub-block
+        RPT = min(_SAMPLING_PER_THREAD // 4, triton.next_power_of_2(triton.cdiv(W, 128)))
+        sums = torch.empty(B * NSB * 2, dtype=torch.float32, device=dev)
         _residual_partial_kernel[(B, S)](
-            draft_tokens, q_probs, p, uniforms, part, gamma, V, S, chunk, *strides,
-            GP=GP, BLOCK=BLOCK, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
+            draft_tokens, q_probs, p, uniforms, sums, gamma, V, NSB, W, *strides,
+            GP=GP, NW=NW, RPT=RPT, NSUB=NSUB, PDL=use_pdl, launch_pdl=use_pdl, num_warps=NW,
         )
         _residual_draw_kernel[(B,)](
-            draft_tokens, q_probs, p, uniforms, part, num_acc, next_token,
-            gamma, V, S, chunk, *strides, GP=GP, SP=SP, BLOCK=BLOCK, num_warps=num_warps,
-            PDL=use_pdl, launch_pdl=use_pdl,
+            draft_tokens, q_probs, p, uniforms, sums, num_acc, next_token,
+            gamma, V, NSB, WD, *strides, GP=GP, NSBP=triton.next_power_of_2(NSB),
+            WP=triton.next_power_of_2(WD),
+            num_warps=_DRAW_WARPS, PDL=use_pdl, launch_pdl=use_pdl,
         )
     return num_acc, next_token

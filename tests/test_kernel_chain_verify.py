@@ -257,8 +257,14 @@ def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
 @pytest.mark.parametrize("n_split", [3, 24])
 @pytest.mark.parametrize("B, gamma, V, sharp", [(8, 4, 173, 2.0), (6, 2, 1000, 2.0),
                                                 (4, 0, 1000, 2.0), (8, 3, 173, 6.0)])
-def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, kernel_device, monkeypatch):
+@pytest.mark.parametrize("warps, warp_blocks", [(1, True), (4, True), (4, False)])
+def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, warps, warp_blocks, kernel_device,
+                                          monkeypatch):
+    """Chunks of one sub-block, or of `warps` (one per warp): the draw's sub-block prefix and
+    in-block scan against the reference's cumsum over the whole row."""
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+    monkeypatch.setattr(_k, "_SAMPLING_WARPS", warps)
+    monkeypatch.setattr(_k, "_WARP_SUBBLOCKS_ABOVE", 0 if warp_blocks else 1 << 30)
     draft, q, p, u = _sampling_case(B, gamma, V, kernel_device, seed=n_split, sharp=sharp)
     q_wide = torch.zeros(B, gamma, V + 5, device=kernel_device)
     q_wide[..., :V] = q
@@ -269,8 +275,10 @@ def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, kernel_de
 
 def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatch):
     """The 6-token scenario spread over V = 173 (one token per chunk of 32), extreme
-    uniforms included: chunk prefix + in-chunk scan must pick what the reference picks."""
+    uniforms included: sub-block prefix + in-block scan must pick what the reference picks."""
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 6)
+    monkeypatch.setattr(_k, "_SAMPLING_WARPS", 2)   # chunks of 32, sub-blocks of 16
+    monkeypatch.setattr(_k, "_WARP_SUBBLOCKS_ABOVE", 0)
     draft, q6, p6, u = _scenario(60, seed=6)
     u[:4, -1] = torch.tensor([0.0, 1.0 - 2 ** -24, 0.5, 0.25])
     spots = torch.arange(6) * 32 + 5
