@@ -110,7 +110,9 @@ def cases(smoke, device):
             out.append(("window_divergence", f"KL only B={B} K={K} P={P} V={V}", B * (K + 1) * P * V * es,
                         (p_l, q_l), {"grid": None, "tv": False}, True))
     # chain_verify: greedy on bf16 logits with every token accepted (all gamma+1 rows read);
-    # sampling on fp32 probabilities with q == p (all accepted, bonus drawn from p_gamma).
+    # sampling on fp32 probabilities with q == p (all accepted, bonus drawn from p_gamma: one
+    # row of p read) and, at 64+ requests, with q peaked at the drafts (rejected at position
+    # 0: the residual p_0 - q_0, a row of p and one of q).
     cv_shapes = [(1, 5)] if smoke else [(1, 5), (1, 6), (64, 5), (256, 6)]
     for B, gamma in cv_shapes:
         logits = rnd(B, gamma + 1, V)
@@ -122,6 +124,12 @@ def cases(smoke, device):
         u = torch.rand(B, gamma + 1, generator=g).to(device)
         out.append(("chain_verify", f"sample B={B} gamma={gamma} V={V}", B * V * 4,
                     (draft, q, p), {"greedy": False, "uniforms": u}, True))
+        if B >= 64:
+            q_l = torch.randn(B, gamma, V, generator=g) * 2.0
+            q_l.scatter_add_(2, draft.cpu()[..., None], torch.full((B, gamma, 1), 20.0))
+            q_rej = torch.softmax(q_l, dim=-1).to(device)
+            out.append(("chain_verify", f"sample rejected@0 B={B} gamma={gamma} V={V}", 2 * B * V * 4,
+                        (draft, q_rej, p), {"greedy": False, "uniforms": u}, True))
     return out
 
 
@@ -147,10 +155,12 @@ def time_us(fn, smoke):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
 
 
-def rotating(fn_of, args, kwargs, min_bytes=256 << 20):
+def rotating(fn_of, args, kwargs, nbytes, min_bytes=256 << 20):
     """A no-argument callable for do_bench_cudagraph that calls fn_of(*args, **kwargs) on
     the next of n copies of the large (>= 1 MB) input tensors (same strides), n such that
-    the copies hold `min_bytes` or more: each captured call reads inputs no recent call read."""
+    the calls in one round read `min_bytes` or more (`nbytes` each: what the op reads, which
+    can be a small part of its inputs, e.g. chain_verify's one row of p): each captured call
+    reads inputs no recent call read."""
     def big(t):
         return torch.is_tensor(t) and t.numel() * t.element_size() >= (1 << 20)
 
@@ -161,7 +171,7 @@ def rotating(fn_of, args, kwargs, min_bytes=256 << 20):
         return c.copy_(t)
 
     size = sum(t.numel() * t.element_size() for t in list(args) + list(kwargs.values()) if big(t))
-    n = max(1, -(-min_bytes // max(size, 1)))
+    n = max(1, -(-min_bytes // max(min(size, nbytes), 1)))
     copies = [([copy(t) for t in args], {k: copy(v) for k, v in kwargs.items()}) for _ in range(n)]
     turn = itertools.count()
 
@@ -233,7 +243,7 @@ def main():
                 if cuda and (name == "triton" or spent < 0.8):
                     row[f"{name}_graph_us"] = graph_time_us(fn)
         if cuda and not smoke and nbytes >= (4 << 20) and isinstance(row.get("triton_graph_us"), float):
-            row["triton_graph_cold_us"] = graph_time_us(rotating(launcher, a, kw))
+            row["triton_graph_cold_us"] = graph_time_us(rotating(launcher, a, kw, nbytes))
             if isinstance(row["triton_graph_cold_us"], float):
                 row["triton_graph_cold_pct_of_copy"] = 100 * nbytes / (row["triton_graph_cold_us"] * 1e-6) / 1e9 / copy_gbs
         if op == "ensemble_mix" and kw["greedy"] and a[1].shape[1] > 1:
