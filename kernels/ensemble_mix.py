@@ -282,7 +282,7 @@ def _mix_chunk_kernel(
         q_c = tl.where(kmask, q_c, -1.0)
         q_cert = tl.max(q_c, axis=0)
         tok_c = tl.min(tl.where(q_c == q_cert, cand, BIG_IDX), axis=0)
-        run_chunk = (q_cert <= bound).to(tl.int32)    # NaN: not certified
+        run_chunk = 1 - (q_cert > bound).to(tl.int32)   # NaN (a NaN or all -inf view): not certified
         if REPORT:
             if sp == 0:
                 tl.store(certified_ptr + b, 1 - run_chunk)

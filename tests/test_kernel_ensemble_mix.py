@@ -535,6 +535,28 @@ def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, ker
     torch.testing.assert_close(prob, ref[1], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("K, n_split, width", [(2, 1, None), (4, 3, None), (2, 2, 256)])
+def test_greedy_views_with_an_undefined_view(fill, K, n_split, width, kernel_device, monkeypatch):
+    """A view of NaN logits, or of -inf everywhere, makes its request's mixture NaN: the
+    certificate must not hold on a NaN (the chunk pass decides, one or several steps per
+    chunk), and the token is the reference's (torch.argmax: the first NaN, 0), never an index
+    outside the vocabulary (it was 2^31 - 1); the other request is unaffected."""
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
+    if width:
+        _tiles_of(monkeypatch, width)
+    B, V = 2, 3000
+    logits = torch.randn(B * K, V, generator=torch.Generator().manual_seed(5))
+    logits[K - 1] = fill                                     # request 0's last view
+    logits = logits.to(kernel_device)
+    w = torch.full((B, K), 1.0 / K, device=kernel_device)
+    certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
+    token, *_ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    assert certified[0].item() == 0
+    assert token.tolist() == ensemble_mix_reference(logits, w, greedy=True)[0].tolist()
+    assert token[0].item() == 0
+
+
 @pytest.mark.parametrize("live_columns", [8, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_live_slot_batches(live_columns, dtype, kernel_device, monkeypatch):
