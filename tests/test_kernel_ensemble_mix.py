@@ -480,7 +480,8 @@ def test_certified_greedy_matches_reference(B, K, V, dtype, n_split, kernel_devi
         clear = (top2[:, 0] - top2[:, 1]) > 1e-5
         assert torch.equal(token[clear], ref[0][clear])
         assert torch.equal(token, outs[False][0])
-        torch.testing.assert_close(token_prob, outs[False][1], atol=1e-7, rtol=1e-6)
+        # the two paths sum q's terms in different orders (on a GPU with one-instruction exp2s)
+        torch.testing.assert_close(token_prob, outs[False][1], atol=1e-7, rtol=1e-5)
         torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
 
 
