@@ -556,6 +556,9 @@ def test_greedy_views_with_an_undefined_view(fill, K, n_split, width, kernel_dev
     assert certified[0].item() == 0
     assert token.tolist() == ensemble_mix_reference(logits, w, greedy=True)[0].tolist()
     assert token[0].item() == 0
+    seed, offset = (torch.tensor([t], device=kernel_device) for t in (3, 0))
+    token, *_ = _k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset)   # sampling: in range too
+    assert ((token >= 0) & (token < V)).all()
 
 
 @pytest.mark.parametrize("live_columns", [8, 512])

@@ -75,7 +75,8 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
 
     Returns
     -------
-    token : Tensor [B] int64
+    token : Tensor [B] int64 in [0, V); a NaN mixture row (a view of NaN logits, or of -inf
+        everywhere) gives greedy token 0, the first NaN, as torch.argmax
     token_prob : Tensor [B] fp32, q[b, token[b]]
     mixture : Tensor [B, V] fp32 or None
     lse : Tensor [B*K] fp32, logsumexp(logits_k / temperature) per row
