@@ -220,10 +220,11 @@ def _residual_partial_kernel(
 @triton.jit
 def _residual_draw_kernel(
     draft_ptr, q_ptr, p_ptr, u_ptr, sums_ptr, num_acc_ptr, next_ptr,
-    gamma, V, NSB, W, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
+    gamma, V, NSB, SBW, stride_db, stride_dt, stride_qb, stride_qt, stride_pb, stride_pt,
     stride_ub, stride_ut, GP: tl.constexpr, NSBP: tl.constexpr, WP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Sampling combine: totals, the sub-block holding u * total, inverse-CDF scan of it."""
+    """Sampling combine: totals, the sub-block (SBW columns, WP its power of two) holding
+    u * total, inverse-CDF scan of it."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     n_acc = _num_accepted(draft_ptr, q_ptr, p_ptr, u_ptr, b, gamma, stride_db, stride_dt,
@@ -249,8 +250,8 @@ def _residual_draw_kernel(
     p_row = p_ptr + b * stride_pb + n_acc * stride_pt
     q_row = q_ptr + b * stride_qb + n_acc * stride_qt
     q_len = tl.where((n_acc < gamma) & ~use_p, V, 0)
-    start = hit * W
-    token, last_in = _residual_search(p_row, q_row, start, tl.minimum(start + W, V), q_len,
+    start = hit * SBW
+    token, last_in = _residual_search(p_row, q_row, start, tl.minimum(start + SBW, V), q_len,
                                       run, target, V, WP)
     # Rounding can leave the in-block sum just short of u * total: the sub-block's last
     # token with mass (what an exact sum would have hit); an all-zero row gives 0.
