@@ -542,7 +542,8 @@ def test_greedy_views_with_an_undefined_view(fill, K, n_split, width, kernel_dev
     """A view of NaN logits, or of -inf everywhere, makes its request's mixture NaN: the
     certificate must not hold on a NaN (the chunk pass decides, one or several steps per
     chunk), and the token is the reference's (torch.argmax: the first NaN, 0), never an index
-    outside the vocabulary (it was 2^31 - 1); the other request is unaffected."""
+    outside the vocabulary (a NaN certificate taken as holding gives BIG_IDX, 2^31 - 1); the
+    other request is unaffected."""
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
     if width:
         _tiles_of(monkeypatch, width)
