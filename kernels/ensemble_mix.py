@@ -24,9 +24,9 @@ MB at B = 128, K = 4, V = 32064; pass 1 then loads them evict_last, see `_P1_EVI
 Greedy without the mixture row: pass 1 also keeps each view's argmax and second-largest
 logit; a token that is no view's argmax has q_v <= sum_k w_k q_k(second largest), so when
 the best of the K candidates beats that bound, it is the argmax and the second pass is
-skipped (always, when the views agree on their argmax).  Otherwise (several pass-1 steps per chunk) pass 2
-re-reads only the thread slots of pass 1 whose bound, from each view's slot maximum, can
-reach the best candidate's q (`_live_chunk_best`).
+skipped (always, when the views agree on their argmax).  Otherwise (several pass-1 steps
+per chunk) pass 2 re-reads only the thread slots of pass 1 whose bound, from each view's
+slot maximum, can reach the best candidate's q (`_live_chunk_best`).
 Pass 1 streams 16-byte groups, each loaded and reduced by one thread (its running max,
 sum-exp and best group live in that thread: no barrier in the loop, ~9 SASS instructions
 and 1.1 exp2 per element against ~13 and 1 with element-wise running values), the
