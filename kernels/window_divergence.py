@@ -17,7 +17,8 @@ V=32064: B*P is tiny, so the vocabulary itself is split over programs.  Two laun
 Two passes over the logits: TV needs both normalisers before any |p - q_k| term. KL
 alone (the kld and hedge policies) does not: `_wd_kl_kernel` is one launch and one pass,
 sum_v p_v (y_p - y_k) accumulated against the running max of the target and rescaled
-with its sum-exp, the last program of each row folding the splits.  The stats launch and
+with its sum-exp, the last program of each row folding the splits (with few rows, as at
+the engine's B = 1, each program takes one view and the target is read once per view).  The stats launch and
 the KL pass keep running max / sum-exp per thread over 16-byte groups that thread alone
 loads (as `ensemble_mix` pass 1, see `_common`), the divergence launch element-wise running
 partial KL and TV; all reduce across the tile once per program; exponentials are exp2 with
@@ -269,11 +270,13 @@ def _wd_div_kernel(
 @triton.jit
 def _wd_kl_kernel(
     p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
-    P, V, CH, NS, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
+    P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
     K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
     STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """KL only (no TV, no grid): one pass over the logits, grid (B*P, NS).
+    """KL only (no TV, no grid): one pass over the logits, grid (B*P, NS, KT // K): each
+    program reads the target and K of the KT views (views kg * K .. kg * K + K - 1, kg the
+    third program index; with K < KT the target is read once per group of views).
 
     KL(p || q_k) = sum_v p_v (y_p - y_k) - lse_p + lse_k (y = x * scale, log2 units), and
     sum_v p_v (y_p - y_k) = A_k / S with S = sum exp2(y_p - m) and A_k = sum exp2(y_p - m)
@@ -283,11 +286,13 @@ def _wd_kl_kernel(
     form a group that one thread loads and reduces alone, so every running value lives per
     thread slot ([BLOCK // (RPT * VEC)]): the slot's max, one exp2 per element against the
     new max, one per slot and step to rescale the sums (as in `ensemble_mix` pass 1).
-    Partials per (row, split): [m, S, A_k | m_k, s_k]; the last program of a row to arrive
-    folds them in split order and resets the counter."""
+    Partials per (row, group, split): [m, S, A_k | m_k, s_k]; the last program of a (row,
+    group) to arrive folds them in split order and resets the counter."""
     pdl_wait(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
+    kg = tl.program_id(2)
+    grp = row.to(tl.int64) * tl.num_programs(2) + kg   # (row, view group)
     row64 = row.to(tl.int64)
     b = row64 // P
     pos = row64 % P
@@ -303,7 +308,7 @@ def _wd_kl_kernel(
     sq = ()
     acc = ()
     for k in tl.static_range(K):
-        q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + k * stride_qk,)
+        q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + (kg * K + k) * stride_qk,)
         mq = mq + (tl.full([NT], NEG_BIG, tl.float32),)
         sq = sq + (tl.zeros([NT], tl.float32),)
         acc = acc + (tl.zeros([NT], tl.float32),)
@@ -335,7 +340,7 @@ def _wd_kl_kernel(
     top = tl.max(mp, axis=0)
     f = exp2((mp - top) * scale, FAST)
     W: tl.constexpr = 2 + 3 * K
-    part = part_ptr + (row64 * NS + split) * W
+    part = part_ptr + (grp * NS + split) * W
     tl.store(part, top)
     tl.store(part + 1, tl.sum(sp * f, axis=0))
     for k in tl.static_range(K):
@@ -345,11 +350,11 @@ def _wd_kl_kernel(
         tl.store(part + 2 + 2 * K + k, tot_k)
 
     tl.debug_barrier()  # every thread's partial stores precede the release below
-    arrived = tl.atomic_add(cnt_ptr + row64, 1, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
     if arrived == NS - 1:
         ss = tl.arange(0, NSP)
         smask = ss < NS
-        prow = part_ptr + (row64 * NS + ss) * W
+        prow = part_ptr + (grp * NS + ss) * W
         pm = tl.load(prow, mask=smask, other=NEG_BIG, cache_modifier=".cg")
         g_top = tl.max(pm, axis=0)
         g_f = exp2((pm - g_top) * scale, FAST)
@@ -361,8 +366,8 @@ def _wd_kl_kernel(
                 tl.load(prow + 2 + K + k, mask=smask, other=NEG_BIG, cache_modifier=".cg"),
                 tl.load(prow + 2 + 2 * K + k, mask=smask, other=0.0, cache_modifier=".cg"), scale, 0, FAST)
             lse_k = g_top_k * scale + log2(g_tot_k, FAST)
-            tl.store(kl_ptr + (b * K + k) * P + pos, (a * scale / g_tot - lse_p + lse_k) * LN2)
-        tl.store(cnt_ptr + row64, 0)  # every split has arrived: ready for the next launch
+            tl.store(kl_ptr + (b * KT + kg * K + k) * P + pos, (a * scale / g_tot - lse_p + lse_k) * LN2)
+        tl.store(cnt_ptr + grp, 0)  # every split has arrived: ready for the next launch
 
 
 def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True):
@@ -491,6 +496,13 @@ _KL_MIN_CHUNK = 1024
 _KL_BLOCK = None
 _KL_STAGES = 1
 _KL_WARPS = 4
+# Few rows (B * P <= _KL_SPLIT_ROWS, the engine's B = 1): one view per program, the target
+# read once per view (from L2 after the first), so that the launch has K times the programs,
+# at _KL_SPLIT_TILE // 2 columns per step. H200, cold bf16 inputs, graph replays: B = 1, K = 4,
+# P = 6 6.69 -> 4.42 us; B = 1, K = 2, P = 5 4.40 -> 3.65 (4096-column tiles: 4.56, 4.14). At
+# B = 16, K = 4 (96 rows) 17.65 -> 18.42, B = 32, K = 2 16.36 -> 18.33: not split there.
+_KL_SPLIT_ROWS = 16
+_KL_SPLIT_TILE = 2048
 
 
 def _kl_only(p_logits, q_logits, kl, temperature):
@@ -499,16 +511,18 @@ def _kl_only(p_logits, q_logits, kl, temperature):
     dev = p_logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     R = B * P
-    step = _KL_BLOCK or 1 << ((_KL_TILE // (K + 1)).bit_length() - 1)
-    chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R, _target_programs(dev))
+    split_views = K > 1 and R <= _KL_SPLIT_ROWS
+    kb = 1 if split_views else K  # views per program
+    step = _KL_BLOCK or 1 << (((_KL_SPLIT_TILE if split_views else _KL_TILE) // (kb + 1)).bit_length() - 1)
+    chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R * (K // kb), _target_programs(dev))
     block = max(16, min(step, triton.next_power_of_2(chunk)))
     vec = 16 // max(p_logits.element_size(), q_logits.element_size())  # groups of <= 16 bytes in both
     rpt = max(1, block // (vec * 32 * _KL_WARPS))
-    part = torch.empty(R * ns * (2 + 3 * K), dtype=torch.float32, device=dev)
-    _wd_kl_kernel[(R, ns)](
-        p_logits, q_logits, part, counters(dev, R), kl,
-        P, V, chunk, ns, p_logits.stride(0), p_logits.stride(1),
+    part = torch.empty(R * ns * (K // kb) * (2 + 3 * kb), dtype=torch.float32, device=dev)
+    _wd_kl_kernel[(R, ns, K // kb)](
+        p_logits, q_logits, part, counters(dev, R * (K // kb)), kl,
+        P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
-        K=K, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
+        K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
         PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )

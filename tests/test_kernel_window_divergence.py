@@ -226,16 +226,19 @@ def test_neg_inf_logits_are_masked_vocabulary(kernel_device):
 
 @pytest.mark.parametrize("dtype, block", [(torch.float32, 1024), (torch.bfloat16, 1024), (torch.bfloat16, 2048)])
 @pytest.mark.parametrize("splits", ["one", "default", "many"])
-def test_kl_only_one_pass(kernel_device, monkeypatch, splits, dtype, block):
+@pytest.mark.parametrize("split_views", [False, True])
+def test_kl_only_one_pass(kernel_device, monkeypatch, splits, dtype, block, split_views):
     # The one-pass KL: outputs NaN-poisoned, large logit ranges (the running sums are
     # rescaled many times), a masked column range, identical rows giving 0, repeat calls
     # bitwise equal, and the arrival counters left at zero for the next launch. Steps of
     # 1024 / 2048 columns: 1, 2 or 4 groups (of 4 fp32 / 8 bf16 columns) per thread and step;
     # one split per row: 3-5 steps per program (the running sums rescaled between steps).
+    # Views all in one program or one per program (the target re-read for each).
     from tabed_engine.kernels import _common
     if splits != "default":
         monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20 if splits == "many" else 1)
     monkeypatch.setattr(_k, "_KL_BLOCK", block)
+    monkeypatch.setattr(_k, "_KL_SPLIT_ROWS", 1 << 30 if split_views else 0)  # one view per program or all
     B, K, P, V = 2, 3, 3, 4099
     p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.8, seed=5)
     p_logits = (p_logits * 6.0).to(dtype).contiguous()  # logits over a ~100-nat range
@@ -251,7 +254,7 @@ def test_kl_only_one_pass(kernel_device, monkeypatch, splits, dtype, block):
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
     assert outs[0][1, 2].abs().max() < 1e-5 and (outs[0][0] > 1e-3).all()
-    assert int(_common.COUNTERS[torch.device(kernel_device)].abs().sum()) == 0
+    assert int(_common.COUNTERS[p_logits.device].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("p_dtype, q_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
