@@ -18,12 +18,12 @@ Two passes over the logits: TV needs both normalisers before any |p - q_k| term.
 alone (the kld and hedge policies) does not: `_wd_kl_kernel` is one launch and one pass,
 sum_v p_v (y_p - y_k) accumulated against the running max of the target and rescaled
 with its sum-exp, the last program of each row folding the splits (with few rows, as at
-the engine's B = 1, each program takes one view and the target is read once per view).  The stats launch and
-the KL pass keep running max / sum-exp per thread over 16-byte groups that thread alone
-loads (as `ensemble_mix` pass 1, see `_common`), the divergence launch element-wise running
-partial KL and TV; all reduce across the tile once per program; exponentials are exp2 with
-temperature and log2(e) folded into one scale, and the divergences are summed in log2
-units and scaled by ln 2 once.
+the engine's B = 1, each program takes one view and the target is read once per view).
+The stats launch and the KL pass keep running max / sum-exp per thread over 16-byte
+groups that thread alone loads (as `ensemble_mix` pass 1, see `_common`), the divergence
+launch element-wise running partial KL and TV; all reduce across the tile once per
+program; exponentials are exp2 with temperature and log2(e) folded into one scale, and
+the divergences are summed in log2 units and scaled by ln 2 once.
 
 Everything accumulates in fp32; argmax ties resolve to the lowest index (torch.argmax);
 split counts depend on shapes and the SM count only (no host sync: the launcher runs in
