@@ -513,14 +513,15 @@ def _kl_only(p_logits, q_logits, kl, temperature):
     R = B * P
     split_views = K > 1 and R <= _KL_SPLIT_ROWS
     kb = 1 if split_views else K  # views per program
+    groups = K // kb              # view groups per row: the grid's third dimension
     step = _KL_BLOCK or 1 << (((_KL_SPLIT_TILE if split_views else _KL_TILE) // (kb + 1)).bit_length() - 1)
-    chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R * (K // kb), _target_programs(dev))
+    chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R * groups, _target_programs(dev))
     block = max(16, min(step, triton.next_power_of_2(chunk)))
     vec = 16 // max(p_logits.element_size(), q_logits.element_size())  # groups of <= 16 bytes in both
     rpt = max(1, block // (vec * 32 * _KL_WARPS))
-    part = torch.empty(R * ns * (K // kb) * (2 + 3 * kb), dtype=torch.float32, device=dev)
-    _wd_kl_kernel[(R, ns, K // kb)](
-        p_logits, q_logits, part, counters(dev, R * (K // kb)), kl,
+    part = torch.empty(R * ns * groups * (2 + 3 * kb), dtype=torch.float32, device=dev)
+    _wd_kl_kernel[(R, ns, groups)](
+        p_logits, q_logits, part, counters(dev, R * groups), kl,
         P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
         K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
