@@ -9,7 +9,11 @@ in the same run. A graph of back-to-back calls on one input finds part of it sti
 when it is not much larger than L2 (33-49 MB here, 50 MB of L2 on an H100 / H200), so the
 Triton op is also timed on rotating copies of its inputs at the shapes of 4 MB or more
 (`*_graph_cold_us`: 256 MB or more read in turn, every call's input comes from DRAM): the
-bandwidth figure to compare with the copy ceiling.
+bandwidth figure to compare with the copy ceiling. Next to it, the read floor of the same
+bytes (`read_floor_us`, benchmarks/read_floor.py: a kernel that only reads and adds them,
+cold, graph replays): at ~33 MB a bare read reaches ~78% of the copy bandwidth, the rest
+being a launch's ramp and tail, so `triton_graph_cold_pct_of_read_floor` says how far an
+op is from the fastest it could be at its size.
 
     python benchmarks/bench_ensemble_ops.py [--out benchmarks/results/ensemble_ops.json]
     TRITON_INTERPRET=1 python benchmarks/bench_ensemble_ops.py --smoke   # CPU check, no timings
@@ -34,14 +38,16 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import triton  # noqa: E402
-import triton.testing
+import triton.testing  # noqa: E402
 
-from tabed_engine.kernels import chain_verify as k_cv
-from tabed_engine.kernels import ensemble_mix as k_em
-from tabed_engine.kernels import window_divergence as k_wd
-from tabed_engine.ops.chain_verify import chain_verify_reference
-from tabed_engine.ops.ensemble_mix import ensemble_mix_reference
-from tabed_engine.ops.window_divergence import window_divergence_reference
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from read_floor import read_floor_us  # noqa: E402
+from tabed_engine.kernels import chain_verify as k_cv  # noqa: E402
+from tabed_engine.kernels import ensemble_mix as k_em  # noqa: E402
+from tabed_engine.kernels import window_divergence as k_wd  # noqa: E402
+from tabed_engine.ops.chain_verify import chain_verify_reference  # noqa: E402
+from tabed_engine.ops.ensemble_mix import ensemble_mix_reference  # noqa: E402
+from tabed_engine.ops.window_divergence import window_divergence_reference  # noqa: E402
 
 
 def simplex_grid(K, steps=10):
@@ -213,6 +219,7 @@ def main():
     smoke = args.smoke
     copy_gbs = copy_bandwidth_gbs(device, smoke)
     rows = []
+    floors = {}  # nbytes -> read floor (us)
     for op, label, nbytes, a, kw, comparable in cases(smoke, device):
         if args.ops and op not in args.ops:
             continue
@@ -246,6 +253,11 @@ def main():
             row["triton_graph_cold_us"] = graph_time_us(rotating(launcher, a, kw, nbytes))
             if isinstance(row["triton_graph_cold_us"], float):
                 row["triton_graph_cold_pct_of_copy"] = 100 * nbytes / (row["triton_graph_cold_us"] * 1e-6) / 1e9 / copy_gbs
+                if nbytes not in floors:
+                    floors[nbytes] = read_floor_us(nbytes, device)
+                row["read_floor_us"] = floors[nbytes]
+                row["read_floor_pct_of_copy"] = 100 * nbytes / (floors[nbytes] * 1e-6) / 1e9 / copy_gbs
+                row["triton_graph_cold_pct_of_read_floor"] = 100 * floors[nbytes] / row["triton_graph_cold_us"]
         if op == "ensemble_mix" and kw["greedy"] and a[1].shape[1] > 1:
             certified = torch.zeros(a[1].shape[0], dtype=torch.int32, device=device)
             launcher(*a, **kw, certified_out=certified)
@@ -267,7 +279,8 @@ def main():
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "smoke": smoke, "interpreter": bool(os.environ.get("TRITON_INTERPRET")),
         "copy_bandwidth_GBs": copy_gbs, "timer": "triton.testing.do_bench median (us); *_graph_us: do_bench_cudagraph; "
-                 "*_graph_cold_us: do_bench_cudagraph over rotating input copies (>= 256 MB)",
+                 "*_graph_cold_us: do_bench_cudagraph over rotating input copies (>= 256 MB); read_floor_us: "
+                 "benchmarks/read_floor.py, a read of the same bytes timed the same way",
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
     }
@@ -280,7 +293,8 @@ def main():
 def print_table(rows, copy_gbs, smoke):
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s" + ("  (smoke: no timing claims)" if smoke else ""))
     cols = ["triton_us", "eager_us", "compile_us", "triton_graph_us", "triton_graph_cold_us", "triton_pct_of_copy",
-            "triton_graph_pct_of_copy", "triton_graph_cold_pct_of_copy", "speedup_vs_eager", "speedup_vs_compile"]
+            "triton_graph_pct_of_copy", "triton_graph_cold_pct_of_copy", "read_floor_pct_of_copy",
+            "triton_graph_cold_pct_of_read_floor", "speedup_vs_eager", "speedup_vs_compile"]
     widths = [max(20, len(c) + 2) for c in cols]
     print(f"{'op':<18}{'case':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
