@@ -16,7 +16,11 @@ being a launch's ramp and tail, so `triton_graph_cold_pct_of_read_floor` says ho
 op is from the fastest it could be at its size.
 
     python benchmarks/bench_ensemble_ops.py [--out benchmarks/results/ensemble_ops.json]
+    python benchmarks/bench_ensemble_ops.py --large --out benchmarks/results/ensemble_ops_large.json
     TRITON_INTERPRET=1 python benchmarks/bench_ensemble_ops.py --smoke   # CPU check, no timings
+
+`--large` runs only the bandwidth shapes with four times the rows (123-131 MB read, more
+than L2 holds: a second pass over the logits comes from DRAM there).
 
 The run keeps to --time-budget seconds (default 150, under the 200 s the GPU session
 gives it): once half of it is spent the torch.compile baselines are skipped (each costs
@@ -62,8 +66,10 @@ OPS = {  # op: (Triton launcher, PyTorch reference)
 }
 
 
-def cases(smoke, device):
-    """(op, label, bytes it must move, args, kwargs, reference comparable) per configuration."""
+def cases(smoke, device, large=False):
+    """(op, label, bytes it must move, args, kwargs, reference comparable) per configuration.
+    large: only the bandwidth shapes with 4x the rows (123-131 MB read, past the 50 MB L2;
+    chain_verify B = 1024)."""
     V = 64 if smoke else 32064
     dt, es = torch.bfloat16, 2
     g = torch.Generator().manual_seed(0)
@@ -76,6 +82,8 @@ def cases(smoke, device):
     # with the reference; the reference's sampling syncs the host, so sampling is Triton-only.
     em_shapes = [(1, 1), (1, 4)] if smoke else [(1, 1), (1, 2), (1, 4), (16, 4), (64, 1), (128, 4),
                                                  (256, 2), (512, 1)]
+    if large:
+        em_shapes = [(2, 4)] if smoke else [(512, 4), (1024, 2), (2048, 1)]
     for B, K in em_shapes:
         logits = rnd(B * K, V)
         w = torch.full((B, K), 1.0 / K, device=device)
@@ -94,7 +102,10 @@ def cases(smoke, device):
     # second pass there. The draft's views are one model on views of one request and mostly
     # agree: "agree" rows are a shared random row plus 0.3-scale noise per view, where pass
     # 1's certificate decides the token (the row reports the certified fraction).
-    for B, K in ([(1, 4)] if smoke else [(1, 2), (1, 4), (16, 4), (128, 4), (256, 2)]):
+    agree_shapes = [(1, 4)] if smoke else [(1, 2), (1, 4), (16, 4), (128, 4), (256, 2)]
+    if large:
+        agree_shapes = [(2, 4)] if smoke else [(512, 4), (1024, 2)]
+    for B, K in agree_shapes:
         base = torch.randn(B, 1, V, generator=g) * 2.0
         logits = (base + 0.3 * torch.randn(B, K, V, generator=g)).reshape(B * K, V).to(dt).to(device)
         w = torch.full((B, K), 1.0 / K, device=device)
@@ -105,6 +116,8 @@ def cases(smoke, device):
     wd_shapes = [(1, 2, 5, False), (1, 2, 5, True)] if smoke else [
         (1, 1, 5, False), (1, 2, 5, False), (1, 4, 6, False), (16, 4, 6, False),
         (64, 1, 6, False), (1, 2, 5, True), (1, 4, 6, True)]
+    if large:
+        wd_shapes = [(2, 2, 5, False)] if smoke else [(64, 4, 6, False), (256, 1, 6, False)]
     for B, K, P, with_grid in wd_shapes:
         buf = rnd(P, B, K + 1, V)
         p_l, q_l = buf[:, :, 0].permute(1, 0, 2), buf[:, :, 1:].permute(1, 2, 0, 3)
@@ -120,6 +133,8 @@ def cases(smoke, device):
     # row of p read) and, at 64+ requests, with q peaked at the drafts (rejected at position
     # 0: the residual p_0 - q_0, a row of p and one of q).
     cv_shapes = [(1, 5)] if smoke else [(1, 5), (1, 6), (64, 5), (256, 6)]
+    if large:
+        cv_shapes = [(64, 5)] if smoke else [(1024, 6)]
     for B, gamma in cv_shapes:
         logits = rnd(B, gamma + 1, V)
         draft = logits[:, :gamma].argmax(-1)
@@ -210,6 +225,8 @@ def main():
     ap.add_argument("--time-budget", type=float, default=150.0,
                     help="seconds: baselines are skipped as the run nears it (see the docstring)")
     ap.add_argument("--ops", nargs="+", choices=sorted(OPS), default=None, help="only these ops (default: all)")
+    ap.add_argument("--large", action="store_true",
+                    help="only the bandwidth shapes with 4x the rows (123-131 MB, past L2)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -220,7 +237,7 @@ def main():
     copy_gbs = copy_bandwidth_gbs(device, smoke)
     rows = []
     floors = {}  # nbytes -> read floor (us)
-    for op, label, nbytes, a, kw, comparable in cases(smoke, device):
+    for op, label, nbytes, a, kw, comparable in cases(smoke, device, args.large):
         if args.ops and op not in args.ops:
             continue
         launcher, reference = OPS[op]
