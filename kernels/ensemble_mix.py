@@ -1,12 +1,13 @@
 """Fused ensemble mixing of the K draft views: softmax per view, mix, pick a token.
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
-and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 8
-greedy with K > 1, 16 when sampling (8 with K > 1 and no mixture row), at least 1024
-columns per chunk), so the launcher never syncs and can be captured in a CUDA graph.  Two
-launches exchange small partials:
+and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 16
+when sampling; with K > 1 and no mixture row 4 per SM over the B * K view rows, K = 2
+sampling 8 per SM over B; at least 1024 columns per chunk), so the launcher never syncs
+and can be captured in a CUDA graph.  Two launches exchange small partials:
 
-  1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views; greedy with
+  1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views (with K > 1
+     and no mixture row one view per program, grid (B * K, S): `_ROWWISE`); greedy with
      one view (KP == 1) also the chunk's argmax; sampling also the sum-exp of each draw
      slot (below).
   2. `_mix_chunk_kernel`: folds the S partials of its row into the normalisers (S * K
@@ -106,6 +107,18 @@ _PER_THREAD = 16
 # B = 512, K = 1 within 0.1. The mixture row's stores marked "evict_first" as well: mixed
 # (B = 512 38.3, B = 256 30.9), not kept.
 _P1_EVICT = "evict_last"
+# Pass 1 with K > 1 and no mixture row: one view row per program, grid (B * K, S), S from B * K
+# rows at _PROGRAMS_PER_SM (the layout of K = 1) instead of K views per program at 2048 / KP
+# columns per view and step. The views are independent until pass 2. H200, cold bf16 inputs,
+# graph replays, one process (HEAD -> this): past L2 greedy agreeing views B = 512, K = 4
+# 53.9 -> 47.8 us, sample B = 512, K = 4 48.1 -> 42.2, greedy B = 512, K = 4 58.3 -> 57.7; at 33
+# MB within 0.7 us (agreeing B = 128, K = 4 18.2 -> 17.5); engine shapes greedy B = 1, K = 4
+# 6.75 -> 5.66, agreeing 4.90 -> 3.94, B = 1, K = 2 4.89 -> 4.66, sample B = 16, K = 4 7.74 ->
+# 6.63. Sampling with K = 2 keeps K views per program (B = 1 4.26 vs 4.39, B = 1024 41.3 vs
+# 41.9); with the mixture row too (its pass 2 wants the finer split: B = 128, K = 4 23.9 vs
+# 34.0). 1024-column steps: faster past L2 (agreeing B = 512, K = 4 43.8), slower at 33 MB
+# (sample B = 128, K = 4 16.2).
+_ROWWISE = True
 
 
 @triton.jit
@@ -115,12 +128,15 @@ def _mix_partial_kernel(
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, MULTI: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    ROWWISE: tl.constexpr, KV: tl.constexpr,
 ):
     """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
     argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
     logit.
 
-    Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups (see `_common`):
+    Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups (see `_common`; with
+    ROWWISE, KP == 1 and program row r is view r % K of request r // K; partial rows hold
+    KV views either way):
     running max and sum-exp per view and slot. The argmax keeps each slot's best step (its
     values and start), the column within it is found once, after the loop. MULTI (CERT
     with several steps per chunk) keeps only the start and reads the values again after the
@@ -141,15 +157,23 @@ def _mix_partial_kernel(
     draw slot), rows (b, s, k) of P // SW in slot.
     """
     pdl_wait(PDL)
-    b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     start = sp * CHUNK
     end = tl.minimum(start + CHUNK, V)
     NT: tl.constexpr = BLOCK // (RPT * VEC)                        # slots (threads) per view
     ks = tl.arange(0, KP)
-    kmask = ks < K
+    if ROWWISE:  # grid (B * K, S), KP == 1: program row r is view r % K of request r // K
+        r = tl.program_id(0).to(tl.int64)
+        b = r // K
+        kv = ks + (r % K).to(tl.int32)                             # [1]: the view
+        kmask = ks < 1
+        rows_ptr = (logits_ptr + r * stride_logits + ks * 0)[:, None, None, None]
+    else:
+        b = tl.program_id(0).to(tl.int64)
+        kv = ks
+        kmask = ks < K
+        rows_ptr = (logits_ptr + (b * K + ks).to(tl.int64) * stride_logits)[:, None, None, None]
     gcols = group_cols(RPT, NT, VEC)                               # [RPT, NT, VEC] columns of a step
-    rows_ptr = (logits_ptr + (b * K + ks).to(tl.int64) * stride_logits)[:, None, None, None]
     m = tl.full([KP, NT], NEG_BIG, tl.float32)                     # running max of each slot
     s = tl.zeros([KP, NT], tl.float32)                             # sum of exp2((x - m) * scale)
     bx = tl.full([KP, RPT, NT, VEC], NEG_BIG, tl.float32)          # PICK/CERT: the best step's values
@@ -184,22 +208,22 @@ def _mix_partial_kernel(
         rest = tl.where(gcols[None] + b_v0[:, None, :, None] == col[:, None, :, None], NEG_BIG, bx)
         second = tl.maximum(m2, tl.max(tl.max(rest, axis=3), axis=1))
         c_2nd = tl.max(tl.where(col == c_idx[:, None], second, m), axis=1)
-        tl.store(cert_ptr + (b * S + sp) * KP + ks, c_2nd)
-        tl.store(cert_idx_ptr + (b * S + sp) * KP + ks, c_idx)
+        tl.store(cert_ptr + (b * S + sp) * KV + kv, c_2nd)
+        tl.store(cert_idx_ptr + (b * S + sp) * KV + kv, c_idx)
         # each thread slot's max per view: the bounds that let pass 2 skip slots
         if MULTI:
-            tl.store(slot_ptr + _slot_max_offsets(b, S, sp, ks, KP, NT), m, mask=kmask[:, None])
+            tl.store(slot_ptr + _slot_max_offsets(b, S, sp, kv, KV, NT), m, mask=kmask[:, None])
     top, tot = lse_reduce(m, s, scale, 1, FAST)
     if DRAW:
         NSS: tl.constexpr = P // SW
         m4 = tl.reshape(m, [KP, NT * VEC // P, NSS, SW // VEC])    # thread t -> slot (t * VEC mod P) // SW
         s4 = tl.reshape(s, [KP, NT * VEC // P, NSS, SW // VEC])
         d_s = tl.sum(tl.sum(s4 * exp2((m4 - top[:, None, None, None]) * scale, FAST), axis=3), axis=1)
-        d_off = ((b * S + sp) * KP + ks[:, None]) * NSS + tl.arange(0, NSS)[None, :]
+        d_off = ((b * S + sp) * KV + kv[:, None]) * NSS + tl.arange(0, NSS)[None, :]
         tl.store(slot_ptr + d_off, d_s, mask=kmask[:, None])
-    row = part_ptr + (b * S + sp) * (2 * KP + 2)
-    tl.store(row + ks, top, mask=kmask)
-    tl.store(row + KP + ks, tot, mask=kmask)
+    row = part_ptr + (b * S + sp) * (2 * KV + 2)
+    tl.store(row + kv, top, mask=kmask)
+    tl.store(row + KV + kv, tot, mask=kmask)
     if PICK:  # KP == 1: the chunk's best score (and value) y = x * scale, and its column
         tl.store(row + 2 * KP + ks, c_top * scale)
         tl.store(row + 2 * KP + 1 + ks, c_top * scale)
@@ -615,14 +639,20 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     # sampling: the draw order's period (V <= _DRAW_PERIOD: natural order whatever P), chunks
     # and pass-1 steps are multiples of it
     period = _DRAW_WIDTH if greedy else min(_DRAW_PERIOD, max(_DRAW_WIDTH, triton.next_power_of_2(V)))
-    S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
+    # pass 1 one view row per program (see _ROWWISE): V split for B * K rows at 4 per SM
+    rowwise = _ROWWISE and K > 1 and mixture is None and (greedy or K > 2)
+    if rowwise:
+        S, chunk = chunking(V, _n_vsplit(B * K, V, dev, _PROGRAMS_PER_SM), period)
+    else:
+        S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
+    KP1 = 1 if rowwise else KP                 # pass 1's views per program
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
-    BLOCK = max(chunk_block(chunk, _TILE // KP), period)
+    BLOCK = max(chunk_block(chunk, _TILE // KP1), period)
     BLOCK2 = max(chunk_block(chunk, _CHUNK_TILE // KP), period)   # pass 2's columns per view and step
     num_warps = tile_warps(KP * BLOCK2, _CHUNK_PER_THREAD)
     SP = triton.next_power_of_2(S)
     vec = 16 // logits.element_size()          # one 16-byte load per group
-    p1_warps = tile_warps(KP * BLOCK, _PER_THREAD)
+    p1_warps = tile_warps(KP1 * BLOCK, _PER_THREAD)
     # groups per thread and step; sampling: a thread's slot lies in one draw slot
     rpt = max(1, min(BLOCK // (vec * 32 * p1_warps), BLOCK // period))
     part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)
@@ -640,10 +670,10 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     # sampling: draw-slot sums per (chunk, view); greedy K > 1: each thread slot's max
     slot = torch.empty(B * S * KP * (nt if live else n_slots) if live or not greedy else 1,
                        dtype=torch.float32, device=dev)
-    _mix_partial_kernel[(B, S)](
+    _mix_partial_kernel[(B * K if rowwise else B, S)](
         logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
-        KP=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, MULTI=live,
+        KP=KP1, ROWWISE=rowwise, KV=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, MULTI=live,
         DRAW=not greedy, P=period,
         SW=_DRAW_WIDTH, STAGES=_STAGES, EVICT=_P1_EVICT if write_mix or not picked else "",  # "": default
         FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
