@@ -1,13 +1,14 @@
 """Fused ensemble mixing of the K draft views: softmax per view, mix, pick a token.
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
-and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 16
-when sampling; with K > 1 and no mixture row 4 per SM over the B * K view rows, K = 2
-sampling 8 per SM over B; at least 1024 columns per chunk), so the launcher never syncs
-and can be captured in a CUDA graph.  Two launches exchange small partials:
+and the device's SM count only (`_n_vsplit`: about 4 programs per SM whatever B is, 8
+greedy with K > 1, 16 when sampling (8 with K > 1 and no mixture row); with one view row
+per pass-1 program, `_ROWWISE`, 4 per SM over the B * K rows; at least 1024 columns per
+chunk), so the launcher never syncs and can be captured in a CUDA graph.  Two launches
+exchange small partials:
 
-  1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views (with K > 1
-     and no mixture row one view per program, grid (B * K, S): `_ROWWISE`); greedy with
+  1. `_mix_partial_kernel`: per (row, chunk) max and sum-exp of the K views (one view
+     per program, grid (B * K, S), where `_ROWWISE` applies); greedy with
      one view (KP == 1) also the chunk's argmax; sampling also the sum-exp of each draw
      slot (below).
   2. `_mix_chunk_kernel`: folds the S partials of its row into the normalisers (S * K
@@ -109,15 +110,17 @@ _PER_THREAD = 16
 _P1_EVICT = "evict_last"
 # Pass 1 with K > 1 and no mixture row: one view row per program, grid (B * K, S), S from B * K
 # rows at _PROGRAMS_PER_SM (the layout of K = 1) instead of K views per program at 2048 / KP
-# columns per view and step. The views are independent until pass 2. H200, cold bf16 inputs,
-# graph replays, one process (HEAD -> this): past L2 greedy agreeing views B = 512, K = 4
-# 53.9 -> 47.8 us, sample B = 512, K = 4 48.1 -> 42.2, greedy B = 512, K = 4 58.3 -> 57.7; at 33
-# MB within 0.7 us (agreeing B = 128, K = 4 18.2 -> 17.5); engine shapes greedy B = 1, K = 4
-# 6.75 -> 5.66, agreeing 4.90 -> 3.94, B = 1, K = 2 4.89 -> 4.66, sample B = 16, K = 4 7.74 ->
-# 6.63. Sampling with K = 2 keeps K views per program (B = 1 4.26 vs 4.39, B = 1024 41.3 vs
-# 41.9); with the mixture row too (its pass 2 wants the finer split: B = 128, K = 4 23.9 vs
-# 34.0). 1024-column steps: faster past L2 (agreeing B = 512, K = 4 43.8), slower at 33 MB
-# (sample B = 128, K = 4 16.2).
+# columns per view and step; the views are independent until pass 2. H200, cold bf16 inputs,
+# graph replays, one process (K views per program -> one): engine shapes greedy B = 1, K = 4
+# 6.75 -> 5.66 us, agreeing views 4.90 -> 3.94, B = 1, K = 2 4.89 -> 4.66, B = 16, K = 4 10.87
+# -> 9.43, sample B = 16, K = 4 7.74 -> 6.63; at 33 MB within 0.7 us (agreeing B = 128, K = 4
+# 18.2 -> 17.5); past L2 sample B = 512, K = 4 48.1 -> 42.2. Not taken: sampling with K = 2
+# (B = 1 4.26 vs 4.39, B = 1024 41.3 vs 41.9); the mixture row (its pass 2 wants the finer
+# split: B = 128, K = 4 23.9 vs 34.0); greedy where B * K rows leave one chunk per row (B =
+# 512, K = 4; B = 1024, K = 2), as pass 2 would re-read a disagreeing row's live slots in one
+# program, from DRAM (random views B = 512, K = 4 58.4 -> 62.7 and 58.3 -> 57.7 in two A/Bs,
+# 68.1 in the benchmark against 57.5 before; agreeing 53.9 -> 47.8). 1024-column steps: faster past L2 (agreeing B = 512, K = 4
+# 43.8), slower at 33 MB (sample B = 128, K = 4 16.2).
 _ROWWISE = True
 
 
@@ -639,11 +642,13 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     # sampling: the draw order's period (V <= _DRAW_PERIOD: natural order whatever P), chunks
     # and pass-1 steps are multiples of it
     period = _DRAW_WIDTH if greedy else min(_DRAW_PERIOD, max(_DRAW_WIDTH, triton.next_power_of_2(V)))
-    # pass 1 one view row per program (see _ROWWISE): V split for B * K rows at 4 per SM
+    # pass 1 one view row per program (see _ROWWISE): V split for B * K rows at 4 per SM;
+    # greedy only where that leaves pass 2 two chunks per row or more
     rowwise = _ROWWISE and K > 1 and mixture is None and (greedy or K > 2)
     if rowwise:
         S, chunk = chunking(V, _n_vsplit(B * K, V, dev, _PROGRAMS_PER_SM), period)
-    else:
+        rowwise = S > 1 or not greedy
+    if not rowwise:
         S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
     KP1 = 1 if rowwise else KP                 # pass 1's views per program
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed

@@ -348,6 +348,53 @@ def test_split_greedy_matches_reference(B, K, V, temperature, return_mixture, dt
         torch.testing.assert_close(mixture, ref[2], atol=1e-6, rtol=1e-5)
 
 
+class _GridSpy:
+    """Stands in for a Triton kernel: records each launch grid, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("greedy, agree", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("n_split", [1, 3])
+def test_pass1_layouts_match_reference(rowwise, greedy, agree, n_split, kernel_device, monkeypatch):
+    """Pass 1 with K views per program and with one view row per program (`_ROWWISE`, grid
+    (B * K, S)) write the same partials: the reference's tokens, probabilities and
+    normalisers either way, multi-step chunks included (the certificate's re-read and live
+    slots). Greedy with one chunk per row keeps K views per program (pass 2's split)."""
+    B, K, V = 2, 3, 1000
+    monkeypatch.setattr(_k, "_ROWWISE", rowwise)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+    _tiles_of(monkeypatch, 64)
+    _draw_order(monkeypatch, 16, 8)
+    spy = _GridSpy(_k._mix_partial_kernel)
+    monkeypatch.setattr(_k, "_mix_partial_kernel", spy)
+    logits, w = _inputs(B, K, V, torch.float32, kernel_device, seed=11 + n_split)
+    if agree:  # views that share their argmax: the certificate decides, no second pass
+        logits = (logits[:1] + 0.1 * logits).contiguous()
+    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+    seed = torch.tensor([5], device=kernel_device)
+    offset = torch.tensor([0], device=kernel_device)
+    certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
+    token, token_prob, _, lse = _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset,
+                                                certified_out=certified if greedy else None)
+    assert spy.grids[-1][0] == (B * K if rowwise and (n_split > 1 or not greedy) else B)
+    torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
+    _check_token(token, token_prob, ref[2], 1e-6) if greedy else torch.testing.assert_close(
+        token_prob, ref[2].gather(1, token[:, None]).squeeze(1), atol=1e-6, rtol=1e-5)
+    if greedy:
+        assert torch.equal(token, ref[0])
+        assert ((certified == 1) | (certified == 0)).all() and (not agree or bool(certified.all()))
+    else:  # the draw order does not depend on the layout: the other layout draws the same tokens
+        monkeypatch.setattr(_k, "_ROWWISE", not rowwise)
+        assert torch.equal(_k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset)[0], token)
+
+
 @pytest.mark.parametrize("K", [1, 2])
 def test_split_ties_pick_lowest_index(K, kernel_device, monkeypatch):
     # V = 173 in 7 chunks of 32: ties at a chunk boundary (31 | 32), inside a chunk, later.
