@@ -37,7 +37,8 @@ def probe_chunk(numel: int, programs: int, block: int) -> int:
     return triton.cdiv(triton.cdiv(numel, programs), block) * block
 
 
-def read_probe(x: torch.Tensor, out: torch.Tensor, programs: int, num_warps: int = 4, per_thread: int = 8) -> torch.Tensor:
+def read_probe(x: torch.Tensor, out: torch.Tensor, programs: int, num_warps: int = 4,
+               per_thread: int = 8) -> torch.Tensor:
     """Partial sums of the contiguous tensor x (any float dtype) over `programs` chunks,
     written to out[:n] (n = the chunks actually used, returned as out[:n])."""
     if not x.is_contiguous():

@@ -119,8 +119,8 @@ _P1_EVICT = "evict_last"
 # split: B = 128, K = 4 23.9 vs 34.0); greedy where B * K rows leave one chunk per row (B =
 # 512, K = 4; B = 1024, K = 2), as pass 2 would re-read a disagreeing row's live slots in one
 # program, from DRAM (random views B = 512, K = 4 58.4 -> 62.7 and 58.3 -> 57.7 in two A/Bs,
-# 68.1 in the benchmark against 57.5 before; agreeing 53.9 -> 47.8). 1024-column steps: faster past L2 (agreeing B = 512, K = 4
-# 43.8), slower at 33 MB (sample B = 128, K = 4 16.2).
+# 68.1 in the benchmark against 57.5 before; agreeing 53.9 -> 47.8). 1024-column steps:
+# faster past L2 (agreeing B = 512, K = 4 43.8), slower at 33 MB (sample B = 128, K = 4 16.2).
 _ROWWISE = True
 
 
