@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from tabed_engine.kernels._common import target_programs
+
 
 @triton.jit
 def _read_probe_kernel(x_ptr, out_ptr, N, CHUNK, BLOCK: tl.constexpr):
@@ -70,14 +72,14 @@ def read_floor_us(nbytes: int, device, min_bytes: int = 256 << 20) -> float:
     numel = max(1, nbytes // 2)
     copies = [torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
               for _ in range(max(2, triton.cdiv(min_bytes, numel * 2)))]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    out = torch.empty(sms * max(s[0] for s in _SHAPES), dtype=torch.float32, device=device)
+    out = torch.empty(target_programs(device, max(s[0] for s in _SHAPES)), dtype=torch.float32, device=device)
     best = float("inf")
     for per_sm, warps, per_thread in _SHAPES:
         turn = itertools.count()
+        programs = target_programs(device, per_sm)
 
         def call():
-            return read_probe(copies[next(turn) % len(copies)], out, sms * per_sm, warps, per_thread)
+            return read_probe(copies[next(turn) % len(copies)], out, programs, warps, per_thread)
         best = min(best, triton.testing.do_bench_cudagraph(call, rep=60, return_mode="median") * 1e3)
     del copies
     return best
