@@ -42,11 +42,25 @@ _MIN_CHUNK = 1024
 _MAX_SPLITS = 128
 _PROGRAMS_PER_SM = 8
 _INTERPRETER_PROGRAMS = 16  # CPU interpreter: programs run one after another
+_INTERPRETER_L2 = 1 << 20   # CPU interpreter: a cache size for launch choices that depend on it
 
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(index):
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_cache_bytes(device):
+    """The device's L2 cache size in bytes (host query, no sync)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _INTERPRETER_L2
+    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def target_programs(device, per_sm=_PROGRAMS_PER_SM):

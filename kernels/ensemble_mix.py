@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, counters,
-                      exp2, group_best_cols, group_cols, group_lse_step, log2, lse_reduce, n_vsplit as _n_vsplit,
-                      pdl, pdl_wait,
+                      exp2, group_best_cols, group_cols, group_lse_step, l2_cache_bytes, log2, lse_reduce,
+                      n_vsplit as _n_vsplit, pdl, pdl_wait,
                       uniforms, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -122,6 +122,14 @@ _P1_EVICT = "evict_last"
 # 68.1 in the benchmark against 57.5 before; agreeing 53.9 -> 47.8). 1024-column steps:
 # faster past L2 (agreeing B = 512, K = 4 43.8), slower at 33 MB (sample B = 128, K = 4 16.2).
 _ROWWISE = True
+# Greedy with logits larger than L2: one view row per program with at least 2 chunks per row
+# and 1024-column steps, where the rule above falls back. H200, cold bf16 inputs, graph
+# replays, one process (fallback -> this): random views B = 512, K = 4 (131 MB) 57.5 -> 48.9 us
+# (54% -> 64% of copy), agreeing 52.9 -> 45.1, B = 1024, K = 2 50.9 -> 47.7, agreeing 49.1 ->
+# 45.9. Not at 33 MB: B = 128, K = 4 17.6 -> 19.8, B = 256, K = 2 18.2 -> 20.5 (at
+# 2048-column steps 17.8 and 18.2); 3 chunks per row: 52.1 at B = 512, K = 4.
+_ROWWISE_BIG_SPLIT = 2
+_ROWWISE_BIG_TILE = 1024
 
 
 @triton.jit
@@ -644,15 +652,18 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     period = _DRAW_WIDTH if greedy else min(_DRAW_PERIOD, max(_DRAW_WIDTH, triton.next_power_of_2(V)))
     # pass 1 one view row per program (see _ROWWISE): V split for B * K rows at 4 per SM;
     # greedy only where that leaves pass 2 two chunks per row or more
+    # (past L2, greedy: at least _ROWWISE_BIG_SPLIT chunks per row, _ROWWISE_BIG_TILE steps)
     rowwise = _ROWWISE and K > 1 and mixture is None and (greedy or K > 2)
+    big = rowwise and greedy and logits.numel() * logits.element_size() > l2_cache_bytes(dev)
     if rowwise:
-        S, chunk = chunking(V, _n_vsplit(B * K, V, dev, _PROGRAMS_PER_SM), period)
+        S, chunk = chunking(V, max(_ROWWISE_BIG_SPLIT if big else 1, _n_vsplit(B * K, V, dev, _PROGRAMS_PER_SM)),
+                            period)
         rowwise = S > 1 or not greedy
     if not rowwise:
         S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
     KP1 = 1 if rowwise else KP                 # pass 1's views per program
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
-    BLOCK = max(chunk_block(chunk, _TILE // KP1), period)
+    BLOCK = max(chunk_block(chunk, (_ROWWISE_BIG_TILE if big and rowwise else _TILE) // KP1), period)
     BLOCK2 = max(chunk_block(chunk, _CHUNK_TILE // KP), period)   # pass 2's columns per view and step
     num_warps = tile_warps(KP * BLOCK2, _CHUNK_PER_THREAD)
     SP = triton.next_power_of_2(S)

@@ -359,17 +359,20 @@ class _GridSpy:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("rowwise, big", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("greedy, agree", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("n_split", [1, 3])
-def test_pass1_layouts_match_reference(rowwise, greedy, agree, n_split, kernel_device, monkeypatch):
+def test_pass1_layouts_match_reference(rowwise, big, greedy, agree, n_split, kernel_device, monkeypatch):
     """Pass 1 with K views per program and with one view row per program (`_ROWWISE`, grid
     (B * K, S)) write the same partials: the reference's tokens, probabilities and
     normalisers either way, multi-step chunks included (the certificate's re-read and live
-    slots). Greedy with one chunk per row keeps K views per program (pass 2's split)."""
+    slots). Greedy with one chunk per row keeps K views per program (pass 2's split), unless
+    the logits exceed L2 (`big`: then at least 2 chunks per row, in their own steps)."""
     B, K, V = 2, 3, 1000
     monkeypatch.setattr(_k, "_ROWWISE", rowwise)
     monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+    monkeypatch.setattr(_k, "l2_cache_bytes", lambda device: 0 if big else 1 << 40)
+    monkeypatch.setattr(_k, "_ROWWISE_BIG_TILE", 32)
     _tiles_of(monkeypatch, 64)
     _draw_order(monkeypatch, 16, 8)
     spy = _GridSpy(_k._mix_partial_kernel)
@@ -383,7 +386,8 @@ def test_pass1_layouts_match_reference(rowwise, greedy, agree, n_split, kernel_d
     certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
     token, token_prob, _, lse = _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset,
                                                 certified_out=certified if greedy else None)
-    assert spy.grids[-1][0] == (B * K if rowwise and (n_split > 1 or not greedy) else B)
+    rows = B * K if rowwise and (n_split > 1 or not greedy or big) else B
+    assert spy.grids[-1] == (rows, max(n_split, 2 if big and greedy else 1))
     torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
     if greedy:
         _check_token(token, token_prob, ref[2], 1e-6)
