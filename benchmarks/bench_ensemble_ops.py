@@ -128,6 +128,15 @@ def cases(smoke, device, large=False):
         if not with_grid and (smoke or K > 1 or B > 1):  # KL alone (kld/hedge): one pass
             out.append(("window_divergence", f"KL only B={B} K={K} P={P} V={V}", B * (K + 1) * P * V * es,
                         (p_l, q_l), {"grid": None, "tv": False}, True))
+        if not with_grid:
+            # the engine's tvd history (KL and TV): the rows' normalisers come from the
+            # verification and the draft loop (q's as a permuted [P, B, K] buffer): one pass
+            # (the reference takes them too)
+            p_lse = torch.logsumexp(p_l.float(), -1)
+            q_lse = torch.logsumexp(q_l.float(), -1).permute(2, 0, 1).contiguous().permute(1, 2, 0)
+            norms = {"p_lse": p_lse, "q_lse": q_lse}
+            out.append(("window_divergence", f"lse given B={B} K={K} P={P} V={V}",
+                        B * (K + 1) * P * V * es, (p_l, q_l), {"grid": None, **norms}, True))
     # chain_verify: greedy on bf16 logits with every token accepted (all gamma+1 rows read);
     # sampling on fp32 probabilities with q == p (all accepted, bonus drawn from p_gamma: one
     # row of p read) and, at 64+ requests, with q peaked at the drafts (rejected at position
@@ -140,6 +149,10 @@ def cases(smoke, device, large=False):
         draft = logits[:, :gamma].argmax(-1)
         out.append(("chain_verify", f"greedy B={B} gamma={gamma} V={V}", B * (gamma + 1) * V * es,
                     (draft, None, logits), {"greedy": True}, True))
+        # the tvd policy's verification: the target rows' logsumexp from the same pass
+        lse = torch.empty(B, gamma + 1, device=device)
+        out.append(("chain_verify", f"greedy+lse B={B} gamma={gamma} V={V}", B * (gamma + 1) * V * es,
+                    (draft, None, logits), {"greedy": True, "lse_out": lse}, True))
         p = torch.softmax(logits.float(), dim=-1)
         q = p[:, :gamma].contiguous()
         u = torch.rand(B, gamma + 1, generator=g).to(device)

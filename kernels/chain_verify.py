@@ -10,6 +10,8 @@ request kernel combines the chunk partials:
             `_greedy_accept_kernel`: best per position (lowest index on ties, as
             torch.argmax), then the accepted prefix and the next token.  One pass over
             the logits; the worst case (all accepted) reads what an early exit would.
+            With `lse_out` (LSE) the same sweep also keeps a running sum-exp per element,
+            and the combine merges the chunks' (max, sum) into each row's logsumexp.
   sampling  `_residual_partial_kernel`: each program redoes the gamma gathers of the
             acceptance test (p(x_i), q(x_i), a few loads) to know the row pair at the
             first rejection, then sums the residual max(p - q, 0) and p over each
@@ -27,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ONE_STEP, best_combine, chunk_block, chunking, load_rows, n_vsplit as _n_vsplit, pdl, pdl_wait,
-                      tile_warps)
+from ._common import (LN2, LOG2E, NEG_BIG, ONE_STEP, best_combine, chunk_block, chunking, exp2, load_rows, log2,
+                      lse_reduce, n_vsplit as _n_vsplit, pdl, pdl_wait, tile_warps)
 
 # Elements per tile: greedy [GP, BLOCK] tiles of 4K (gamma + 1 <= 8 rows of 512), with
 # ~2 programs per SM: in an H200 sweep (graph replays, all drafts accepted, tiles
@@ -60,21 +62,34 @@ _WARP_SUBBLOCKS_ABOVE = ONE_STEP
 
 @triton.jit
 def _rows_argmax(p_ptr, b, gamma, start, end, stride_pb, stride_pt,
-                 GP: tl.constexpr, BLOCK: tl.constexpr):
+                 GP: tl.constexpr, BLOCK: tl.constexpr, LSE: tl.constexpr, FAST: tl.constexpr):
     """Max and its (lowest) index of the gamma + 1 rows of request b over [start, end),
-    read as [GP, BLOCK] tiles so all rows' loads are in flight together."""
+    read as [GP, BLOCK] tiles so all rows' loads are in flight together.  With LSE also
+    per row (m, s): the max (at least NEG_BIG) and the sum of exp2((x - m) * LOG2E)."""
     js = tl.arange(0, GP)
     cols = tl.arange(0, BLOCK)
     rows = p_ptr + b * stride_pb + js.to(tl.int64) * stride_pt
     best = tl.full([GP, BLOCK], float("-inf"), tl.float32)
     best_v0 = tl.zeros([GP, BLOCK], tl.int32) + start
+    if LSE:
+        s = tl.zeros([GP, BLOCK], tl.float32)
     for v0 in range(start, end, BLOCK):
         x = load_rows(rows, v0 + cols, js <= gamma, v0 + cols < end)
         take = x > best  # strict: the earlier step keeps ties
+        if LSE:
+            # running sum against the running max best (floored at NEG_BIG: finite, so a
+            # -inf x adds exp2(-inf) = 0, never NaN); one exp2 per element: rescales s
+            # when x is the new max, else is x's own term
+            e = exp2(tl.abs(x - tl.maximum(best, NEG_BIG)) * -LOG2E, FAST)
+            s = tl.where(take, s * e + 1.0, s + e)
         best = tl.where(take, x, best)
         best_v0 = tl.where(take, v0, best_v0)
+    if LSE:
+        m, s = lse_reduce(tl.maximum(best, NEG_BIG), s, LOG2E, 1, FAST)
+    else:
+        m, s = best, best  # unused
     best, idx, _ = best_combine(best, best_v0, best, cols[None, :], 1)
-    return best, idx
+    return best, idx, m, s
 
 
 @triton.jit
@@ -160,27 +175,34 @@ def _residual_search(p_row, q_row, start, end, q_len, run, target, V, BLOCK: tl.
 
 @triton.jit
 def _argmax_partial_kernel(
-    p_ptr, part_val_ptr, part_idx_ptr, gamma, V, S, CHUNK, stride_pb, stride_pt,
-    GP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    p_ptr, part_val_ptr, part_idx_ptr, gamma, V, S, CHUNK, stride_pb, stride_pt, part_lse_ptr,
+    GP: tl.constexpr, BLOCK: tl.constexpr, LSE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Greedy split pass: best logit and its (lowest) index per position in one chunk."""
+    """Greedy split pass: best logit and its (lowest) index per position in one chunk; with
+    LSE also the chunk's (max, sum-exp) per position, at part_lse [B, S, 2, GP]."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     start = sp * CHUNK
-    best, idx = _rows_argmax(p_ptr, b, gamma, start, tl.minimum(start + CHUNK, V),
-                             stride_pb, stride_pt, GP, BLOCK)
+    best, idx, m, s = _rows_argmax(p_ptr, b, gamma, start, tl.minimum(start + CHUNK, V),
+                                   stride_pb, stride_pt, GP, BLOCK, LSE, FAST)
     out = (b * S + sp) * GP + tl.arange(0, GP)
     tl.store(part_val_ptr + out, best)
     tl.store(part_idx_ptr + out, idx)
+    if LSE:
+        out_lse = (b * S + sp) * (2 * GP) + tl.arange(0, GP)
+        tl.store(part_lse_ptr + out_lse, m)
+        tl.store(part_lse_ptr + out_lse + GP, s)
 
 
 @triton.jit
 def _greedy_accept_kernel(
     draft_ptr, part_val_ptr, part_idx_ptr, num_acc_ptr, next_ptr,
-    gamma, V, S, stride_db, stride_dt, GP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr,
+    gamma, V, S, stride_db, stride_dt, part_lse_ptr, lse_ptr, stride_lb, stride_lt,
+    GP: tl.constexpr, SP: tl.constexpr, LSE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Greedy combine: per-position argmax over the chunks, accepted prefix, next token."""
+    """Greedy combine: per-position argmax over the chunks, accepted prefix, next token;
+    with LSE the logsumexp (natural log) of each position's logits into lse [B, gamma + 1]."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     js = tl.arange(0, GP)
@@ -195,6 +217,13 @@ def _greedy_accept_kernel(
     n_acc, token = _accept_prefix(draft, idx, js, gamma, GP)
     tl.store(num_acc_ptr + b, n_acc.to(tl.int64))
     tl.store(next_ptr + b, token.to(tl.int64))
+    if LSE:
+        lse_ptrs = (b * S + ss)[:, None] * (2 * GP) + js[None, :]  # [SP, GP]
+        m = tl.load(part_lse_ptr + lse_ptrs, mask=smask[:, None], other=NEG_BIG)
+        s = tl.load(part_lse_ptr + lse_ptrs + GP, mask=smask[:, None], other=0.0)
+        top, tot = lse_reduce(m, s, LOG2E, 0, FAST)
+        # top + ln(tot); a row of -inf only: NEG_BIG + log2(0) = -inf
+        tl.store(lse_ptr + b * stride_lb + js * stride_lt, top + log2(tot, FAST) * LN2, mask=js <= gamma)
 
 
 @triton.jit
@@ -260,7 +289,7 @@ def _residual_draw_kernel(
     tl.store(next_ptr + b, token.to(tl.int64))
 
 
-def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
+def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=None):
     """Triton launcher; see `tabed_engine.ops.chain_verify.chain_verify` for the contract."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.int64:
         raise ValueError(f"draft_tokens must be int64 [B, gamma], got {draft_tokens.dtype} "
@@ -286,6 +315,14 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
             raise ValueError(f"uniforms must be [B, gamma+1] = [{B}, {gamma + 1}]")
         if q_probs.device != p.device or uniforms.device != p.device:
             raise ValueError("all inputs must be on one device")
+    if lse_out is not None:
+        if not greedy:
+            raise ValueError("lse_out is greedy only (p holds target logits there)")
+        if not isinstance(lse_out, torch.Tensor) or lse_out.dtype != torch.float32:
+            raise TypeError(f"lse_out must be a float32 tensor, got {getattr(lse_out, 'dtype', type(lse_out))}")
+        if lse_out.shape != (B, gamma + 1) or lse_out.device != p.device:
+            raise ValueError(f"lse_out must be [B, gamma+1] = [{B}, {gamma + 1}] on {p.device}, got "
+                             f"{tuple(lse_out.shape)} on {lse_out.device}")
     dev = p.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     num_acc = torch.empty(B, dtype=torch.int64, device=dev)
@@ -301,14 +338,20 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
         BLOCK = chunk_block(chunk, _TILE_GREEDY // GP)
         part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
+        lse = lse_out is not None
+        # per (request, chunk): GP maxima then GP sums; unused pointers get part_val
+        part_lse = torch.empty(B * S * 2 * GP, dtype=torch.float32, device=dev) if lse else part_val
+        lse_dst, lse_strides = (lse_out, lse_out.stride()) if lse else (part_val, (0, 0))
+        fast = dev.type == "cuda"
         _argmax_partial_kernel[(B, S)](
-            p, part_val, part_idx, gamma, V, S, chunk, p.stride(0), p.stride(1),
-            GP=GP, BLOCK=BLOCK, PDL=use_pdl, launch_pdl=use_pdl, num_warps=tile_warps(GP * BLOCK),
+            p, part_val, part_idx, gamma, V, S, chunk, p.stride(0), p.stride(1), part_lse,
+            GP=GP, BLOCK=BLOCK, LSE=lse, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl,
+            num_warps=tile_warps(GP * BLOCK),
         )
         _greedy_accept_kernel[(B,)](
             draft_tokens, part_val, part_idx, num_acc, next_token, gamma, V, S,
-            draft_tokens.stride(0), draft_tokens.stride(1), GP=GP, SP=SP,
-            PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP * GP <= 256 else 4,
+            draft_tokens.stride(0), draft_tokens.stride(1), part_lse, lse_dst, *lse_strides, GP=GP, SP=SP,
+            LSE=lse, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP * GP <= 256 else 4,
         )
     else:
         # S chunks of NW parts of W columns (W a multiple of 16 when S > 1: aligned vector loads),

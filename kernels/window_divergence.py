@@ -14,8 +14,11 @@ V=32064: B*P is tiny, so the vocabulary itself is split over programs.  Two laun
    workspace; the last program of each (row, chunk) to arrive (atomic counter, the
    "last block" pattern) reduces the NS2 partials in split order and writes the outputs.
 
-Two passes over the logits: TV needs both normalisers before any |p - q_k| term. KL
-alone (the kld and hedge policies) does not: `_wd_kl_kernel` is one launch and one pass,
+Two passes over the logits: TV needs both normalisers before any |p - q_k| term, unless
+the caller has them (the engine does: the draft's mixing kernel returns the views', the
+greedy verification the target's): then `_wd_given_kernel` is one launch and one pass
+for KL and TV, every term final when read. KL alone (the kld and hedge policies) needs
+no normaliser up front: `_wd_kl_kernel` is one launch and one pass,
 sum_v p_v (y_p - y_k) accumulated against the running max of the target and rescaled
 with its sum-exp, the last program of each row folding the splits (with few rows, as at
 the engine's B = 1, each program takes one view and the target is read once per view).
@@ -35,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, counters, exp2, group_best_cols, group_cols, group_lse_step,
-                      log2, lse_reduce, pdl, pdl_wait, target_programs, tile_warps)
+                      l2_cache_bytes, log2, lse_reduce, pdl, pdl_wait, target_programs, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of the reductions
@@ -61,6 +64,33 @@ _GRID_TILES = ((128, 4, 1024, 4), (512, 8, 1024, 8), (None, 16, 2048, 8))
 _TV_PROGRAMS_PER_SM = 8
 _TV_TILE = 2048
 _TV_DIV_WARPS = 4
+
+
+# TV (and KL) without a grid from normalisers the caller has (p_lse, q_lse): one pass, the
+# layout of the KL-only pass; with the logits larger than L2 at least one 16-byte group per
+# thread and step (1024 bf16 columns at 4 warps; K = 4 had 512, half the threads holding
+# copies). H200, cold bf16 inputs, graph replays, P = 6 (two-pass TV -> this): B = 1, K = 2,
+# P = 5 6.68 -> 3.61 us, B = 1, K = 4 8.25 -> 4.26, B = 16, K = 4 (31 MB) 27.8 -> 15.8 (26% ->
+# 46% of copy; 1024 columns there 17.9), B = 64, K = 1 (49 MB) 34.6 -> 15.9 (73%), B = 64,
+# K = 4 (123 MB) 102.8 -> 40.5 with 1024 columns (72%; 512: 52.7), B = 256, K = 1 (197 MB)
+# 112.0 -> 52.4 (88%). KL alone stays on the online pass (it needs no normalisers, so the
+# caller need not produce them): from given ones 3.31 vs 3.64 us at B = 1, K = 2, 14.2 vs
+# 17.6 at B = 16, K = 4, but 21.1 vs 17.4 at B = 64, K = 1.
+_GIVEN_ONE_PASS = True
+
+
+def check_normalisers(p_lse, q_lse, B, K, P, device):
+    """Validate optional given log-normalisers: both or neither, float32 [B, P] and
+    [B, K, P] on `device`. Returns whether they are given."""
+    if p_lse is None and q_lse is None:
+        return False
+    if p_lse is None or q_lse is None:
+        raise ValueError("p_lse and q_lse are given together or not at all")
+    for name, t, shape in (("p_lse", p_lse, (B, P)), ("q_lse", q_lse, (B, K, P))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"{name} must be float32 {list(shape)} on {device}, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+    return True
 
 
 def _split(V, unit, rows, target):
@@ -370,9 +400,87 @@ def _wd_kl_kernel(
         tl.store(cnt_ptr + grp, 0)  # every split has arrived: ready for the next launch
 
 
-def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True):
+@triton.jit
+def _wd_given_kernel(
+    p_ptr, q_ptr, plse_ptr, qlse_ptr, part_ptr, cnt_ptr, kl_ptr, tv_ptr,
+    P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
+    stride_lb, stride_lp, stride_mb, stride_mk, stride_mp, scale,
+    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """KL and TV with the normalisers given: one pass over the logits, grid (B*P, NS,
+    KT // K), the program layout of `_wd_kl_kernel`. With lse_p and lse_k known up front
+    (log2 units: the natural-log inputs times log2(e)) every term is final when read:
+    p_v = 2^(y_p - lse_p), q_v = 2^(y_k - lse_k) (y = x * scale), TV sums |p_v - q_v|, and
+    KL(p || q_k) = sum_v p_v (y_p - y_k) + (lse_k - lse_p) sum_v p_v, so no running max and
+    no rescaling. Partials per (row, group, split): [sum p, A_k | T_k]; the last program of a
+    (row, group) to arrive folds them in split order and resets the counter."""
+    pdl_wait(PDL)
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    kg = tl.program_id(2)
+    grp = row.to(tl.int64) * tl.num_programs(2) + kg   # (row, view group)
+    row64 = row.to(tl.int64)
+    b = row64 // P
+    pos = row64 % P
+    p_row = p_ptr + b * stride_pb + pos * stride_pp
+    lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
+    v_start = split * CH
+    v_end = tl.minimum(v_start + CH, V)
+    NT: tl.constexpr = BLOCK // (RPT * VEC)
+    cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
+    sp = tl.zeros([NT], tl.float32)
+    q_rows = ()
+    lse_q = ()
+    acc = ()
+    tva = ()
+    for k in tl.static_range(K):
+        q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + (kg * K + k) * stride_qk,)
+        lse_q = lse_q + (tl.load(qlse_ptr + b * stride_mb + pos * stride_mp + (kg * K + k) * stride_mk) * LOG2E,)
+        acc = acc + (tl.zeros([NT], tl.float32),)
+        tva = tva + (tl.zeros([NT], tl.float32),)
+    for v0 in range(v_start, v_end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < v_end
+        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        pv = exp2(xp * scale - lse_p, FAST)                          # 0 where x_p = -inf
+        sp += tl.sum(tl.sum(pv, axis=2), axis=0)
+        n_acc = ()
+        n_tva = ()
+        for k in tl.static_range(K):
+            xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+            qv = exp2(xq * scale - lse_q[k], FAST)
+            n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=0),)
+            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=0),)
+        acc = n_acc
+        tva = n_tva
+    W: tl.constexpr = 1 + 2 * K
+    part = part_ptr + (grp * NS + split) * W
+    tl.store(part, tl.sum(sp, axis=0))
+    for k in tl.static_range(K):
+        tl.store(part + 1 + k, tl.sum(acc[k], axis=0))
+        tl.store(part + 1 + K + k, tl.sum(tva[k], axis=0))
+
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
+    if arrived == NS - 1:
+        ss = tl.arange(0, NSP)
+        smask = ss < NS
+        prow = part_ptr + (grp * NS + ss) * W
+        s_p = tl.sum(tl.load(prow, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+        for k in tl.static_range(K):
+            a = tl.sum(tl.load(prow + 1 + k, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+            out = (b * KT + kg * K + k) * P + pos
+            t = tl.sum(tl.load(prow + 1 + K + k, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+            tl.store(kl_ptr + out, (a * scale + (lse_q[k] - lse_p) * s_p) * LN2)
+            tl.store(tv_ptr + out, 0.5 * t)
+        tl.store(cnt_ptr + grp, 0)  # every split has arrived: ready for the next launch
+
+
+def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True, p_lse=None, q_lse=None):
     """Triton launcher; see `tabed_engine.ops.window_divergence.window_divergence`.
-    KL alone (tv=False, no grid) is one launch and one pass over the logits; TV or a grid
+    KL alone (tv=False, no grid) is one launch and one pass over the logits, and so is TV
+    without a grid when the normalisers are given (p_lse, q_lse); otherwise TV or a grid
     needs both normalisers first: two launches, two passes."""
     if p_logits.dim() != 3 or q_logits.dim() != 4:
         raise ValueError(f"p_logits must be [B, P, V] and q_logits [B, K, P, V], got "
@@ -390,9 +498,15 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         raise ValueError("p_logits and q_logits must be on the same device")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    given = check_normalisers(p_lse, q_lse, B, K, P, p_logits.device)
     dev = p_logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     kl = torch.empty(B, K, P, dtype=torch.float32, device=dev)
+    if given and grid is None and tv and _GIVEN_ONE_PASS:
+        tv = torch.empty(B, K, P, dtype=torch.float32, device=dev)
+        if B * P and K and V:
+            _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature)
+        return kl, tv, None, None
     if grid is None and not tv:
         if B * P and K and V:
             _kl_only(p_logits, q_logits, kl, temperature)
@@ -505,25 +619,60 @@ _KL_SPLIT_ROWS = 16
 _KL_SPLIT_TILE = 2048
 
 
+def _one_pass_layout(p_logits, q_logits, min_step=16):
+    """Launch layout of the one-pass kernels (`_wd_kl_kernel`, `_wd_given_kernel`): (views
+    per program, view groups per row, chunk, chunks per row, columns per step (at least
+    `min_step`), VEC, RPT)."""
+    B, P, V = p_logits.shape
+    K = q_logits.shape[1]
+    R = B * P
+    split_views = K > 1 and R <= _KL_SPLIT_ROWS
+    kb = 1 if split_views else K  # views per program
+    groups = K // kb              # view groups per row: the grid's third dimension
+    tile = _KL_SPLIT_TILE if split_views else _KL_TILE
+    step = _KL_BLOCK or max(min_step, 1 << ((tile // (kb + 1)).bit_length() - 1))
+    chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R * groups, _target_programs(p_logits.device))
+    block = max(16, min(step, triton.next_power_of_2(chunk)))
+    vec = 16 // max(p_logits.element_size(), q_logits.element_size())  # groups of <= 16 bytes in both
+    rpt = max(1, block // (vec * 32 * _KL_WARPS))
+    return kb, groups, chunk, ns, block, vec, rpt
+
+
 def _kl_only(p_logits, q_logits, kl, temperature):
     B, P, V = p_logits.shape
     K = q_logits.shape[1]
     dev = p_logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     R = B * P
-    split_views = K > 1 and R <= _KL_SPLIT_ROWS
-    kb = 1 if split_views else K  # views per program
-    groups = K // kb              # view groups per row: the grid's third dimension
-    step = _KL_BLOCK or 1 << (((_KL_SPLIT_TILE if split_views else _KL_TILE) // (kb + 1)).bit_length() - 1)
-    chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R * groups, _target_programs(dev))
-    block = max(16, min(step, triton.next_power_of_2(chunk)))
-    vec = 16 // max(p_logits.element_size(), q_logits.element_size())  # groups of <= 16 bytes in both
-    rpt = max(1, block // (vec * 32 * _KL_WARPS))
+    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(p_logits, q_logits)
     part = torch.empty(R * ns * groups * (2 + 3 * kb), dtype=torch.float32, device=dev)
     _wd_kl_kernel[(R, ns, groups)](
         p_logits, q_logits, part, counters(dev, R * groups), kl,
         P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
         K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
+        PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
+    )
+
+
+def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
+    """KL and TV from the given normalisers: one launch, one pass."""
+    B, P, V = p_logits.shape
+    K = q_logits.shape[1]
+    dev = p_logits.device
+    use_pdl = pdl(dev)
+    R = B * P
+    es = max(p_logits.element_size(), q_logits.element_size())
+    past_l2 = R * (K + 1) * V * es > l2_cache_bytes(dev)
+    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(
+        p_logits, q_logits, (16 // es) * 32 * _KL_WARPS if past_l2 else 16)
+    part = torch.empty(R * ns * groups * (1 + 2 * kb), dtype=torch.float32, device=dev)
+    _wd_given_kernel[(R, ns, groups)](
+        p_logits, q_logits, p_lse, q_lse, part, counters(dev, R * groups), kl, tv,
+        P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
+        q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
+        p_lse.stride(0), p_lse.stride(1), q_lse.stride(0), q_lse.stride(1), q_lse.stride(2),
+        LOG2E.value / float(temperature),
+        K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, FAST=dev.type == "cuda",
         PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )

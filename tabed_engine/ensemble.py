@@ -89,14 +89,21 @@ class EnsembleState:
     def adaptive(self) -> bool:
         return self.cfg.policy in ("kld", "tvd", "w-grid", "hedge") and self.K > 1
 
+    @property
+    def uses_normalisers(self) -> bool:
+        """Whether `step` wants the rows' log-normalisers: TV (`tvd`) is then one pass over
+        the logits instead of two (KL needs none up front)."""
+        return self.adaptive and self.cfg.policy == "tvd"
+
     def reset(self):
         self.valid.zero_()
         self.cursor.zero_()
 
-    def step(self, p_logits, q_logits, n_acc, cursor, temperature: float = 1.0):
+    def step(self, p_logits, q_logits, n_acc, cursor, temperature: float = 1.0, p_lse=None, q_lse=None):
         """Record one block at slots cursor.. and return (next weights [B, K], new cursor).
 
-        p_logits [B, P, V] target, q_logits [B, K, P, V] views, n_acc [B] accepted drafts:
+        p_logits [B, P, V] target, q_logits [B, K, P, V] views, n_acc [B] accepted drafts,
+        optional p_lse [B, P] and q_lse [B, K, P] their rows' logsumexp(logits / temperature):
         positions 0..n_acc (the accepted ones plus the first rejected) are recorded; all P with
         `hedge`. Idempotent in its inputs (rewrites the same slots), as graph warm-up requires.
         Two or three launches on the GPU: `window_divergence` (one pass for KL alone) and
@@ -107,7 +114,7 @@ class EnsembleState:
         if not self.adaptive:
             return self.uniform, cursor + p_logits.shape[1]
         kl, tv, gm, gkl = window_divergence(p_logits, q_logits, temperature=temperature, grid=self.grid,
-                                            tv=self.cfg.policy == "tvd")
+                                            tv=self.cfg.policy == "tvd", p_lse=p_lse, q_lse=q_lse)
         policy = {"w-grid": POLICY_GRID, "hedge": POLICY_HEDGE}.get(self.cfg.policy, POLICY_DIV)
         return history_update(tv if self.cfg.policy == "tvd" else kl, gm, gkl, n_acc, cursor, self.valid,
                               self.div, self.match, self.gkl, self.grid, policy=policy, window=self.cfg.window,
@@ -137,13 +144,17 @@ class EnsembleState:
                               all_positions=True)
 
 
-def history_step(state: EnsembleState, tlogits, q_logits, n_acc, cursor, *, temperature: float,
-                 kv_len=None):
+def history_step(state: EnsembleState, tlogits, q_logits, n_acc, cursor, t_lse=None, q_lse=None, *,
+                 temperature: float, kv_len=None):
     """Graph-capturable history update: tlogits [B, γ+1, V] from verification, q_logits
-    [γ, B*K, V] from the draft loop. Returns (weights for the next block, new cursor)."""
+    [γ, B*K, V] from the draft loop, optionally their normalisers t_lse [B, γ+1] and q_lse
+    [γ, B*K] (see `EnsembleState.uses_normalisers`). Returns (weights for the next block,
+    new cursor)."""
     gamma, BK, V = q_logits.shape
     q = q_logits.view(gamma, state.B, state.K, V).permute(1, 2, 0, 3)
-    return state.step(tlogits[:, :gamma], q, n_acc, cursor, temperature)
+    if t_lse is not None:
+        t_lse, q_lse = t_lse[:, :gamma], q_lse.view(gamma, state.B, state.K).permute(1, 2, 0)
+    return state.step(tlogits[:, :gamma], q, n_acc, cursor, temperature, p_lse=t_lse, q_lse=q_lse)
 
 
 def confidence_weights(logits: torch.Tensor, B: int, K: int, temperature: float) -> torch.Tensor:

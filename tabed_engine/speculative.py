@@ -60,8 +60,9 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
     inp2: [B*K, 2] the rows' last two tokens, written at slots lens, lens+1; lens: [B*K];
     w: [B, K] ensemble weights; seed/offset: [1] int64 RNG state for the mixture samples.
     Returns drafted [B, γ], per-view logits [γ, B*K, V] in the draft's dtype (the mixing
-    and divergence kernels read any float dtype; no conversion kernel per step) and
-    mixtures [γ, B, V] fp32 (sampling).
+    and divergence kernels read any float dtype; no conversion kernel per step), mixtures
+    [γ, B, V] fp32 (sampling) and the per-view log-normalisers [γ, B*K] fp32 at
+    `temperature` (from the mixing kernel, for the history's divergences).
     per_view (greedy): every row follows its own argmax instead of the mixture's token, and
     drafted is [B*K, γ] (the first block's view tree).
     """
@@ -72,7 +73,7 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
                       logits_index=torch.ones(R, 1, dtype=torch.long, device=dev), kv_len=kv_len,
                       float_logits=False)[:, -1]
     lens = lens + 2
-    q_logits, mixtures, tokens = [], [], []
+    q_logits, mixtures, tokens, q_lse = [], [], [], []
     for i in range(gamma):
         step_w = confidence_weights(logits, B, K, temperature) if confidence else w
         # greedy draws no random numbers: no per-step offset kernel
@@ -81,9 +82,10 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
         # step's input ids (none after the last step); a fresh buffer each step, since the
         # returned token is a view of it and is kept in `tokens`
         ids = torch.empty(R, dtype=torch.long, device=dev) if K > 1 and i < gamma - 1 else None
-        tok, _, mix, _ = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
-                                      temperature=temperature, return_mixture=not greedy, view_tokens_out=ids)
+        tok, _, mix, lse = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
+                                        temperature=temperature, return_mixture=not greedy, view_tokens_out=ids)
         q_logits.append(logits)
+        q_lse.append(lse)
         mixtures.append(mix)
         tokens.append(tok)
         if i < gamma - 1:
@@ -91,7 +93,7 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
                               lengths=lens, kv_len=kv_len, float_logits=False)[:, -1]
             lens = lens + 1
     return (torch.stack(tokens, 1), torch.stack(q_logits),
-            torch.stack(mixtures) if not greedy else torch.empty(0, device=dev))
+            torch.stack(mixtures) if not greedy else torch.empty(0, device=dev), torch.stack(q_lse))
 
 
 def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
@@ -100,20 +102,28 @@ def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
     return target_lm(cache, pos, input_ids=vin, lengths=tlens, kv_len=kv_len)
 
 
-def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, sp, kv_len=None):
+def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, sp, normalisers=False,
+                 kv_len=None):
     """Target forward on vin = [last token, d_1..d_γ] and the lossless acceptance, one graph:
-    returns (target logits [B, γ+1, V], accepted drafts n_acc [B], next token [B], and
-    [n_acc, next token, d_1..d_γ] packed as [B, 2+γ] for the block's one host read).
+    returns (target logits [B, γ+1, V], accepted drafts n_acc [B], next token [B],
+    [n_acc, next token, d_1..d_γ] packed as [B, 2+γ] for the block's one host read, and with
+    `normalisers` the target rows' logsumexp(logits / T) [B, γ+1] fp32 for the history's TV,
+    T = 1 greedy (written by the greedy verification's own pass), else an empty tensor).
     Greedy: the target's argmax chain. Sampling (sp.temperature > 0): mixture [γ, B, V] is the
     draft distribution each d_i was drawn from, uniforms [B, γ+1] the acceptance draws."""
     tlogits = verify_forward(target_lm, cache, vin, tlens, kv_len=kv_len)
     drafted = vin[:, 1:]
+    t_lse = torch.empty(0, device=tlogits.device)
     if sp.greedy:
-        n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True)
+        if normalisers:
+            t_lse = torch.empty(tlogits.shape[:2], device=tlogits.device)
+        n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True, lse_out=t_lse if normalisers else None)
     else:
+        if normalisers:
+            t_lse = torch.logsumexp(tlogits.float() / sp.temperature, dim=-1)
         n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp),
                                   greedy=False, uniforms=uniforms)
-    return tlogits, n_acc, nxt, pack_head(n_acc, nxt, drafted)
+    return tlogits, n_acc, nxt, pack_head(n_acc, nxt, drafted), t_lse
 
 
 def pack_head(n_acc, nxt, drafted):
@@ -182,7 +192,7 @@ def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state, *, K:
     d_kv = eng.kv_bucket(longest + len(out) + gamma)
     draft_fn = partial(draft_block, eng.draft.lm, dcache, B=1, K=K, gamma=gamma, greedy=True, temperature=1.0,
                        confidence=False, per_view=True)
-    drafted, q_logits, _ = eng.run_graph(("draft_views", K, gamma), draft_fn,
+    drafted, q_logits, _, _ = eng.run_graph(("draft_views", K, gamma), draft_fn,
                                          dict(inp2=inp2, lens=lens, w=state.uniform, seed=zero, offset=zero),
                                          kv_len=d_kv)
     tokens, parents, node_of = view_trie(drafted.cpu())
@@ -256,8 +266,11 @@ def run_speculative(eng, prep, sp, gen, caption):
     confidence = eng.ensemble.policy == "confidence" and K > 1
     draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
                        temperature=temp, confidence=confidence)
-    verify_fn = partial(verify_block, eng.target.lm, tcache, sp=sp)
-    verify_key = ("verify", B, gamma, greedy, sp.temperature, sp.top_k, sp.top_p)
+    # the history's TV takes the target's and the views' normalisers from the verification
+    # and the draft loop (one pass over the logits instead of two)
+    norms = state.uses_normalisers
+    verify_fn = partial(verify_block, eng.target.lm, tcache, sp=sp, normalisers=norms)
+    verify_key = ("verify", B, gamma, greedy, sp.temperature, sp.top_k, sp.top_p, norms)
     # the block's one host read (accepted count, next token, drafted tokens), into pinned
     # memory on the GPU so the history update can be queued before the host waits
     head = torch.empty(2 + gamma, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -315,7 +328,7 @@ def run_speculative(eng, prep, sp, gen, caption):
             # ---- draft: γ steps, all views as rows of one batch per step
             if pending is None:
                 pending = queue_draft(inp2, lens, G)
-            drafted, q_logits, mixture = pending
+            drafted, q_logits, mixture, q_lse = pending
             pending = None
 
             # ---- verify: target forward on [last, d_1..d_γ] and acceptance (one graph)
@@ -324,7 +337,7 @@ def run_speculative(eng, prep, sp, gen, caption):
             inputs = dict(vin=vin, tlens=tlens)
             if not greedy:
                 inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
-            tlogits, n_acc, nxt, packed = eng.run_graph(verify_key, verify_fn, inputs,
+            tlogits, n_acc, nxt, packed, t_lse = eng.run_graph(verify_key, verify_fn, inputs,
                                                         kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
             if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
                 n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
@@ -343,8 +356,10 @@ def run_speculative(eng, prep, sp, gen, caption):
                 # after the verification is queued: on the GPU, nothing between the host's wait
                 # and the verification launch but what that launch needs
                 w_rec[block].copy_(w[0])                                     # before w is replaced
-                w, new_cursor = eng.run_graph(hist_key, hist_fn, dict(tlogits=tlogits, q_logits=q_logits,
-                                                                       n_acc=n_acc, cursor=state.cursor))
+                h_in = dict(tlogits=tlogits, q_logits=q_logits, n_acc=n_acc, cursor=state.cursor)
+                if norms:
+                    h_in.update(t_lse=t_lse, q_lse=q_lse)
+                w, new_cursor = eng.run_graph(hist_key, hist_fn, h_in)
                 state.cursor.copy_(new_cursor)
             timer.lap("time_ensemble")
 

@@ -58,6 +58,33 @@ def test_graph_sd_equals_ar_fp32(engine, views, policy):
         assert sd.stats.target_forwards < len(ar)  # drafts were accepted
 
 
+def test_tvd_history_takes_the_normalisers_in_graphs(engine):
+    """`tvd`: the verification graph writes the target's normalisers (greedy: the chain
+    verification's own pass; sampling: a logsumexp) and the history graph takes the views'
+    from the draft loop. Greedy: lossless, and the weights those of the CPU engine (which
+    computes the same divergences with the PyTorch references) wherever the blocks agree."""
+    _configure(engine, ("M", "T"), "tvd")
+    cpu = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cpu",
+                                 dtype=torch.float32)
+    _configure(cpu, ("M", "T"), "tvd")
+    text, imgs = _prompt(1)
+    sp = SamplingParams(max_new_tokens=40)
+    sd = engine.generate(text, images=imgs, sampling=sp, caption="w1 w2")
+    ar = engine.generate(text, images=imgs, sampling=sp, speculative=False).token_ids
+    assert_same_or_fp_tie(engine, text, imgs, sd.token_ids, ar)
+    ref = cpu.generate(text, images=imgs, sampling=sp, caption="w1 w2")
+    n = next((i for i, (a, b) in enumerate(zip(sd.stats.accepted_lengths, ref.stats.accepted_lengths)) if a != b),
+             len(sd.stats.accepted_lengths))
+    assert n >= 3 and len({tuple(w) for w in sd.stats.weights[:n]}) > 1     # weights moved
+    # block i's weights come from the blocks before it
+    torch.testing.assert_close(torch.tensor(sd.stats.weights[:n + 1]), torch.tensor(ref.stats.weights[:n + 1]),
+                               atol=2e-3, rtol=0)
+    sampled = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=40, temperature=0.8, seed=1),
+                              caption="w1 w2")
+    w = torch.tensor(sampled.stats.weights)
+    assert torch.isfinite(w).all() and torch.allclose(w.sum(-1), torch.ones(len(w)), atol=1e-3)
+
+
 def test_graphs_match_eager_and_cpu(engine):
     _configure(engine, ("M", "T"))
     text, imgs = _prompt(1)

@@ -299,3 +299,96 @@ def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatc
     out = _k.chain_verify(torch.tensor([[9]]).to(dev), p1[:, :1].clone().to(dev), p1.to(dev),
                           greedy=False, uniforms=torch.tensor([[0.1, 0.5]]).to(dev))
     assert out[0].item() == 0 and out[1].item() == spots[2].item()
+
+
+# ---- The target's log-normaliser (greedy lse_out) from the same pass.
+
+def _lse_case(B, gamma, V, dtype, device, seed=0):
+    """`_greedy_case` with masked vocabulary: row (0, 0) -inf on a random 40% of V,
+    row (B-1, gamma) on its first half (whole chunks of -inf), row (1, gamma) entirely
+    (logsumexp -inf) and row (0, gamma) with its max in the last column (the last chunk);
+    row (B-1, 0) is shifted to about -300 (all its exp underflow against a max of 0).
+    Drafts that matched the target argmax still do."""
+    draft, logits, _, target = _greedy_case(B, gamma, V, dtype, "cpu", seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    logits[-1, 0] -= 300.0
+    logits[0, 0, torch.rand(V, generator=g) < 0.4] = float("-inf")
+    logits[-1, -1, : V // 2] = float("-inf")
+    if B > 1:
+        logits[1, -1] = float("-inf")
+    logits[0, -1, V - 1] = 8.0
+    draft = torch.where(draft == target[:, :gamma], logits[:, :gamma].argmax(dim=-1), draft)
+    return draft.to(device), logits.to(device)
+
+
+def _check_lse(draft, logits, lse_out):
+    """(num_accepted, next_token) from the kernel with lse_out, against the reference and
+    torch.logsumexp; lse_out holds NaN before the call."""
+    out = _k.chain_verify(draft, None, logits, greedy=True, lse_out=lse_out)
+    ref = chain_verify_reference(draft, None, logits, greedy=True)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    torch.testing.assert_close(lse_out, torch.logsumexp(logits.float(), dim=-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("B, gamma, V, dtype, n_split, block", [
+    (1, 1, 1000, torch.float32, 1, None), (3, 4, 1000, torch.bfloat16, 3, None),
+    (7, 6, 1000, torch.float32, 24, None), (3, 6, 1000, torch.bfloat16, 3, 64),
+    (7, 1, 1000, torch.float32, 24, 16), (7, 4, 32064, torch.bfloat16, 3, None),
+    (1, 6, 32064, torch.float32, 24, None), (3, 1, 32064, torch.float32, 1, None),
+    (1, 4, 151936, torch.bfloat16, 24, None),
+])
+def test_greedy_lse_matches_reference(B, gamma, V, dtype, n_split, block, kernel_device, monkeypatch):
+    """Forced chunk counts; `block` columns per step (several steps per chunk) when given."""
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+    if block:
+        monkeypatch.setattr(_k, "chunk_block", lambda chunk, cap: block)
+    draft, logits = _lse_case(B, gamma, V, dtype, kernel_device, seed=n_split)
+    _check_lse(draft, logits, torch.full((B, gamma + 1), float("nan"), device=kernel_device))
+
+
+def test_greedy_lse_strided_out(kernel_device, monkeypatch):
+    """lse_out as a transposed slice of a wider NaN buffer: written there, the rest untouched."""
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 3)
+    B, gamma = 3, 4
+    draft, logits = _lse_case(B, gamma, 1000, torch.bfloat16, kernel_device)
+    buf = torch.full((gamma + 3, B + 2), float("nan"), device=kernel_device)
+    lse_out = buf[1:gamma + 2, 1:B + 1].t()
+    _check_lse(draft, logits, lse_out)
+    rest = torch.ones_like(buf, dtype=torch.bool)
+    rest[1:gamma + 2, 1:B + 1] = False
+    assert buf[rest].isnan().all()
+
+
+def test_lse_out_reference_and_dispatch():
+    draft, logits = _lse_case(3, 4, 100, torch.bfloat16, "cpu")
+    lse_out = torch.full((3, 5), float("nan"))
+    out = chain_verify(draft, None, logits, greedy=True, lse_out=lse_out)   # CPU: the reference
+    ref = chain_verify_reference(draft, None, logits, greedy=True)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert torch.equal(lse_out, torch.logsumexp(logits.float(), dim=-1))
+
+
+def test_lse_out_bad_inputs_raise(kernel_device):
+    draft, q, p, u = _sampling_case(2, 3, 100, kernel_device)
+    good = torch.empty(2, 4, device=kernel_device)
+    for fn in (_k.chain_verify, chain_verify_reference):
+        with pytest.raises(ValueError, match="greedy only"):
+            fn(draft, q, p, greedy=False, uniforms=u, lse_out=good)
+        with pytest.raises(ValueError, match="lse_out must be"):
+            fn(draft, None, p, greedy=True, lse_out=good[:, :3])
+        with pytest.raises(ValueError, match="lse_out must be"):
+            fn(draft, None, p, greedy=True, lse_out=torch.empty(2, 4, device="meta"))
+        with pytest.raises(TypeError, match="float32"):
+            fn(draft, None, p, greedy=True, lse_out=good.double())
+    assert good.shape == (2, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_greedy_lse_full_size(dtype):
+    draft, logits = _lse_case(4, 5, 32064, dtype, "cuda")
+    lse_out = torch.full((4, 6), float("nan"), device="cuda")
+    out = chain_verify(draft, None, logits, greedy=True, lse_out=lse_out)
+    ref = chain_verify_reference(draft, None, logits, greedy=True)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    torch.testing.assert_close(lse_out, torch.logsumexp(logits.float(), dim=-1), atol=1e-5, rtol=1e-5)

@@ -257,6 +257,91 @@ def test_kl_only_one_pass(kernel_device, monkeypatch, splits, dtype, block, spli
     assert int(_common.COUNTERS[p_logits.device].abs().sum()) == 0
 
 
+def _normalisers(p_logits, q_logits, temperature):
+    """The rows' logsumexp(logits / T), q's laid out as the engine keeps them: a permuted
+    view of [P, B, K] (one row of normalisers per draft step)."""
+    p_lse = torch.logsumexp(p_logits.float() / temperature, dim=-1)
+    q_lse = torch.logsumexp(q_logits.float() / temperature, dim=-1).permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    return p_lse, q_lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", ["one", "default", "many"])
+@pytest.mark.parametrize("split_views", [False, True])
+def test_given_normalisers_one_pass(kernel_device, monkeypatch, splits, dtype, split_views):
+    # TV and KL from given normalisers (one launch): against the reference computing its own
+    # normalisers and the reference using the given ones; outputs NaN-poisoned (the launcher
+    # writes through its own buffers: the kernel entry is called on poisoned tensors), a
+    # masked column range, an identical view giving 0, multi-step chunks, repeat calls
+    # bitwise equal, counters left at zero.
+    from tabed_engine.kernels import _common
+    if splits != "default":
+        monkeypatch.setattr(_k, "_target_programs", lambda device, *per_sm: 1 << 20 if splits == "many" else 1)
+    monkeypatch.setattr(_k, "_KL_BLOCK", 1024)
+    monkeypatch.setattr(_k, "_KL_SPLIT_ROWS", 1 << 30 if split_views else 0)
+    B, K, P, V, T = 2, 3, 3, 4099, 0.7
+    p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.8, seed=9)
+    p_logits = (p_logits * 5.0).to(dtype).contiguous()
+    q_logits = q_logits.to(dtype)
+    p_logits[0, 1, 1000:3000] = float("-inf")
+    q_logits[1, 2] = p_logits[1]
+    p_lse, q_lse = _normalisers(p_logits, q_logits, T)
+    ref = window_divergence_reference(p_logits, q_logits, temperature=T)
+    ref_given = window_divergence_reference(p_logits, q_logits, temperature=T, p_lse=p_lse, q_lse=q_lse)
+    outs = []
+    for _ in range(2):
+        kl = torch.full((B, K, P), float("nan"), device=kernel_device)
+        tv = torch.full((B, K, P), float("nan"), device=kernel_device)
+        _k._given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, T)
+        outs.append((kl, tv))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    kl, tv = outs[0]
+    for got, want in ((kl, ref[0]), (tv, ref[1]), (kl, ref_given[0]), (tv, ref_given[1])):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert kl[1, 2].abs().max() < 1e-5 and tv[1, 2].abs().max() < 1e-5 and (tv[0] > 1e-3).all()
+    assert int(_common.COUNTERS[p_logits.device].abs().sum()) == 0
+    # through the public entry, and the given normalisers are what it uses: shifted ones
+    # change the result as the reference says
+    got = _k.window_divergence(p_logits, q_logits, temperature=T, p_lse=p_lse, q_lse=q_lse)
+    torch.testing.assert_close(got[1], ref[1], atol=2e-5, rtol=1e-4)
+    assert got[2] is None and got[3] is None
+    shifted = window_divergence_reference(p_logits, q_logits, temperature=T, p_lse=p_lse + 0.05, q_lse=q_lse)
+    got = _k.window_divergence(p_logits, q_logits, temperature=T, p_lse=p_lse + 0.05, q_lse=q_lse)
+    torch.testing.assert_close(got[1], shifted[1], atol=2e-5, rtol=1e-4)
+    assert (got[1] - ref[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("B, K, P, V", [(1, 4, 6, 32064), (3, 2, 5, 1000), (2, 1, 2, 151936)])
+def test_given_normalisers_engine_shapes(B, K, P, V, kernel_device):
+    p_logits, q_logits = _inputs(B, K, P, V, torch.bfloat16, kernel_device, noise=0.6, seed=B + V)
+    p_lse, q_lse = _normalisers(p_logits, q_logits, 1.0)
+    ref = window_divergence_reference(p_logits, q_logits)
+    for tv in (True, False):
+        kl, tv_out, _, _ = _k.window_divergence(p_logits, q_logits, tv=tv, p_lse=p_lse, q_lse=q_lse)
+        torch.testing.assert_close(kl, ref[0], atol=2e-5, rtol=1e-4)
+        if tv:
+            torch.testing.assert_close(tv_out, ref[1], atol=2e-5, rtol=1e-4)
+        else:
+            assert tv_out is None
+    # with a grid the kernels compute their own normalisers: same results
+    grid = simplex_grid(K, 2).to(kernel_device)
+    got = _k.window_divergence(p_logits, q_logits, grid=grid, p_lse=p_lse, q_lse=q_lse)
+    want = window_divergence_reference(p_logits, q_logits, grid=grid)
+    torch.testing.assert_close(got[3], want[3], atol=2e-5, rtol=1e-4)
+
+
+def test_given_normalisers_bad_inputs_raise(kernel_device):
+    p_logits, q_logits = _inputs(2, 2, 3, 100, torch.float32, kernel_device)
+    p_lse, q_lse = _normalisers(p_logits, q_logits, 1.0)
+    for bad in (dict(p_lse=p_lse), dict(q_lse=q_lse), dict(p_lse=p_lse[:, :2], q_lse=q_lse),
+                dict(p_lse=p_lse, q_lse=q_lse.double()), dict(p_lse=p_lse, q_lse=q_lse[:, :1])):
+        with pytest.raises(ValueError):
+            _k.window_divergence(p_logits, q_logits, **bad)
+    with pytest.raises(ValueError):
+        window_divergence_reference(p_logits, q_logits, p_lse=p_lse)
+    assert window_divergence(p_logits, q_logits, p_lse=p_lse, q_lse=q_lse)[0].shape == (2, 2, 3)
+
+
 @pytest.mark.parametrize("p_dtype, q_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
                                               (torch.float16, torch.bfloat16)])
 def test_mixed_dtypes(p_dtype, q_dtype, kernel_device):
@@ -298,4 +383,8 @@ def test_gpu_full_size_bf16(B, K, P, V):
     torch.testing.assert_close(out[0], ref[0], atol=5e-5, rtol=1e-4)
     torch.testing.assert_close(out[1], ref[1], atol=5e-5, rtol=1e-4)
     torch.testing.assert_close(out[3], ref[3], atol=5e-5, rtol=1e-4)
+    p_lse, q_lse = _normalisers(p_logits, q_logits, 1.0)
+    kl, tv, _, _ = window_divergence(p_logits, q_logits, p_lse=p_lse, q_lse=q_lse)
+    torch.testing.assert_close(kl, ref[0], atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(tv, ref[1], atol=5e-5, rtol=1e-4)
     _check_match(out[2], ref[2], p_logits, q_logits, grid, 1.0)

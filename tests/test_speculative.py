@@ -119,6 +119,18 @@ def test_adaptive_weights_move_to_matching_view(policy, order):
     assert all(ws[m] >= 0.85 for ws in w[3:]), w
 
 
+def test_sampled_tvd_weights_move_to_matching_view():
+    """Sampling with `tvd`: the history's TV takes the target normalisers computed in the
+    verification graph and the views' from the draft loop; the weights still find M."""
+    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
+                                 views=("T", "M"), policy="tvd", gamma=3)
+    text, imgs = prompt(1)
+    out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=25, stop_at_eos=False,
+                                                                  temperature=0.8, seed=3))
+    w = out.stats.weights
+    assert len(w) >= 4 and all(ws[1] >= 0.85 for ws in w[3:]), w
+
+
 def test_first_block_weights_come_from_the_prefill_position():
     """Before the first block, each view's KL from the target's distribution of the first
     token (free from the two prefills) is the history's first entry: kld weights ∝ 1/KL."""
@@ -286,6 +298,32 @@ def test_hedge_weights_exponentiate_clipped_kl_over_all_drafted_positions():
     assert int(cur) == 1 + P and bool(st.valid[:, :1 + P].all())
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_history_step_with_normalisers_matches_without(temperature):
+    """`tvd` takes the rows' normalisers from the verification ([B, γ+1]) and the draft loop
+    ([γ, B*K], one row per step): the same divergences and weights as computing them."""
+    from tabed_engine.ensemble import EnsembleConfig, EnsembleState, history_step
+
+    gen = torch.Generator().manual_seed(4)
+    B, K, gamma, V = 2, 3, 4, 37
+    tlogits = 2 * torch.randn(B, gamma + 1, V, generator=gen)
+    q_logits = 2 * torch.randn(gamma, B * K, V, generator=gen)
+    t_lse = torch.logsumexp(tlogits / temperature, -1)
+    q_lse = torch.logsumexp(q_logits / temperature, -1)
+    n_acc = torch.tensor([1, 3])
+    out = []
+    for norms in (False, True):
+        st = EnsembleState(EnsembleConfig(policy="tvd", num_views=K), B, capacity=16, device="cpu")
+        assert st.uses_normalisers
+        extra = (t_lse, q_lse) if norms else ()
+        w, cur = history_step(st, tlogits, q_logits, n_acc, st.cursor, *extra, temperature=temperature)
+        out.append((w, cur, st.div.clone()))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out[0][2], out[1][2], atol=1e-6, rtol=1e-5)
+    assert int(out[0][1]) == int(out[1][1]) == gamma and (out[1][2][:, :, :2] > 0.05).all()
+    assert not EnsembleState(EnsembleConfig(policy="kld", num_views=K), B, 16, "cpu").uses_normalisers
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_stop_at_eos_mid_generation(engine, speculative):
     """A token of an unstopped greedy run made the EOS: AR (pipelined one step deep, so one
@@ -344,7 +382,7 @@ def test_draft_logits_in_bf16_change_no_result(policy, temperature, monkeypatch)
     forward = LlamaLM.forward
     monkeypatch.setattr(LlamaLM, "forward", lambda self, *a, **kw: forward(self, *a, **{**kw, "float_logits": True}))
     assert run() == kept
-    drafted, q_logits, mixtures = block()
+    drafted, q_logits, mixtures, _ = block()
     assert q_logits.dtype == torch.float32
     assert torch.equal(drafted, kept_block[0]) and torch.equal(q_logits, kept_block[1].float())
     assert torch.equal(mixtures, kept_block[2])

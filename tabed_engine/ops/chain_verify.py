@@ -25,9 +25,23 @@ def _inverse_cdf(r, u):
     return torch.where(hit.any(dim=-1), hit.int().argmax(dim=-1), last_nz)
 
 
-def chain_verify_reference(draft_tokens, q_probs, p, *, greedy, uniforms=None):
+def _check_lse_out(lse_out, p, B, gamma, greedy):
+    """The launcher's checks of lse_out, for the reference (CPU path)."""
+    if not greedy:
+        raise ValueError("lse_out is greedy only (p holds target logits there)")
+    if not isinstance(lse_out, torch.Tensor) or lse_out.dtype != torch.float32:
+        raise TypeError(f"lse_out must be a float32 tensor, got {getattr(lse_out, 'dtype', type(lse_out))}")
+    if lse_out.shape != (B, gamma + 1) or lse_out.device != p.device:
+        raise ValueError(f"lse_out must be [B, gamma+1] = [{B}, {gamma + 1}] on {p.device}, got "
+                         f"{tuple(lse_out.shape)} on {lse_out.device}")
+
+
+def chain_verify_reference(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=None):
     """Plain-PyTorch chain verification (ground truth for tests; CPU path of the engine)."""
     B, gamma = draft_tokens.shape
+    if lse_out is not None:
+        _check_lse_out(lse_out, p, B, gamma, greedy)
+        lse_out.copy_(torch.logsumexp(p.float(), dim=-1))
     if greedy:
         target = p.argmax(dim=-1)                                           # [B, gamma+1]
         n_acc = (draft_tokens == target[:, :gamma]).long().cumprod(dim=1).sum(dim=1)
@@ -47,7 +61,7 @@ def chain_verify_reference(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     return n_acc, _inverse_cdf(r, uniforms[:, gamma])
 
 
-def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
+def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=None):
     """Verify B drafted chains of gamma tokens against the target.
 
     Parameters
@@ -62,6 +76,12 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     uniforms : Tensor [B, gamma+1] fp32 in [0, 1), sampling only
         uniforms[:, i] decides acceptance of token i; uniforms[:, gamma] drives the
         inverse-CDF draw of the next token.
+    lse_out : Tensor [B, gamma+1] fp32 or None, greedy only
+        When given (on p's device, any strides), filled with logsumexp(p[b, j]) (natural
+        log, temperature 1) for every request b and position j in 0..gamma, from the same
+        pass over the logits: the engine's history step reuses the target's log-normaliser
+        (TV needs it before its single pass) instead of another pass.  Passing it with
+        greedy=False raises ValueError.
 
     Returns
     -------
@@ -69,4 +89,4 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None):
     next_token : Tensor [B] int64, the correction (first rejection) or bonus token
     """
     fn = _k.chain_verify if (p.is_cuda and _k is not None) else chain_verify_reference
-    return fn(draft_tokens, q_probs, p, greedy=greedy, uniforms=uniforms)
+    return fn(draft_tokens, q_probs, p, greedy=greedy, uniforms=uniforms, lse_out=lse_out)

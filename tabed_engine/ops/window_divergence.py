@@ -14,10 +14,18 @@ except ImportError:  # triton missing: the reference serves every device
 _GRID_CHUNK = 16  # weight vectors per step of the reference: bounds B*16*P*V memory
 
 
-def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True):
-    """Plain-PyTorch window divergences (ground truth for tests; CPU path of the engine)."""
-    logp = torch.log_softmax(p_logits.float() / temperature, dim=-1)     # [B, P, V]
-    logq = torch.log_softmax(q_logits.float() / temperature, dim=-1)     # [B, K, P, V]
+def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True, p_lse=None,
+                                q_lse=None):
+    """Plain-PyTorch window divergences (ground truth for tests; CPU path of the engine).
+    Given normalisers are used as they are (log p = logits / T - p_lse)."""
+    if (p_lse is None) != (q_lse is None):
+        raise ValueError("p_lse and q_lse are given together or not at all")
+    if p_lse is None:
+        logp = torch.log_softmax(p_logits.float() / temperature, dim=-1)     # [B, P, V]
+        logq = torch.log_softmax(q_logits.float() / temperature, dim=-1)     # [B, K, P, V]
+    else:
+        logp = p_logits.float() / temperature - p_lse[..., None]
+        logq = q_logits.float() / temperature - q_lse[..., None]
     p = logp.exp()
     q = logq.exp()
     p4 = p[:, None]
@@ -34,7 +42,7 @@ def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=Non
     return kl, tv, torch.cat(match, dim=1), torch.cat(gkl, dim=1)
 
 
-def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True):
+def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True, p_lse=None, q_lse=None):
     """Divergences between the target and each draft view at P window positions.
 
     Parameters
@@ -49,7 +57,14 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         Mixture weight vectors (simplex grid) for the `w-grid` policy.
     tv : bool
         Also compute TV. Without TV and grid the GPU kernel makes one pass over the logits
-        (KL needs no normaliser up front); TV needs both normalisers first (two passes).
+        (KL needs no normaliser up front); TV needs both normalisers first: two passes,
+        unless they are given.
+    p_lse, q_lse : Tensor [B, P] and [B, K, P] fp32, optional (both or neither)
+        logsumexp(logits / temperature) of each target and view row, where the caller has
+        them (`ensemble_mix` returns the views', `chain_verify` the target's): without a
+        grid, KL and TV then take one pass over the logits. They must be the rows'
+        normalisers at this temperature (the distributions are exp(logits / T - lse)); with
+        a grid the GPU kernels compute their own.
 
     Returns
     -------
@@ -60,4 +75,4 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     """
     cuda = p_logits.is_cuda and _k is not None
     fn = _k.window_divergence if cuda else window_divergence_reference
-    return fn(p_logits, q_logits, temperature=temperature, grid=grid, tv=tv)
+    return fn(p_logits, q_logits, temperature=temperature, grid=grid, tv=tv, p_lse=p_lse, q_lse=q_lse)
