@@ -67,15 +67,14 @@ _TV_DIV_WARPS = 4
 
 
 # TV (and KL) without a grid from normalisers the caller has (p_lse, q_lse): one pass, the
-# layout of the KL-only pass; with the logits larger than L2 at least one 16-byte group per
-# thread and step (1024 bf16 columns at 4 warps; K = 4 had 512, half the threads holding
-# copies). H200, cold bf16 inputs, graph replays, P = 6 (two-pass TV -> this): B = 1, K = 2,
-# P = 5 6.68 -> 3.61 us, B = 1, K = 4 8.25 -> 4.26, B = 16, K = 4 (31 MB) 27.8 -> 15.8 (26% ->
-# 46% of copy; 1024 columns there 17.9), B = 64, K = 1 (49 MB) 34.6 -> 15.9 (73%), B = 64,
-# K = 4 (123 MB) 102.8 -> 40.5 with 1024 columns (72%; 512: 52.7), B = 256, K = 1 (197 MB)
-# 112.0 -> 52.4 (88%). KL alone stays on the online pass (it needs no normalisers, so the
-# caller need not produce them): from given ones 3.31 vs 3.64 us at B = 1, K = 2, 14.2 vs
-# 17.6 at B = 16, K = 4, but 21.1 vs 17.4 at B = 64, K = 1.
+# layout of the KL-only pass, wide steps past L2 (see _KL_WIDE_PAST_L2). H200, cold bf16
+# inputs, graph replays (two-pass TV -> this): B = 1, K = 2, P = 5 6.68 -> 3.61 us, B = 1,
+# K = 4, P = 6 8.25 -> 4.26, B = 16, K = 4 (31 MB) 27.8 -> 15.8 (26% -> 46% of copy; wide
+# steps there 17.9), B = 64, K = 1 (49 MB) 34.6 -> 15.9 (73%), B = 64, K = 4 (123 MB) 102.8
+# -> 40.5 (72%; 512-column steps 52.7), B = 256, K = 1 (197 MB) 112.0 -> 52.4 (88%). KL alone
+# stays on the online pass (it needs no normalisers, so the caller need not produce them):
+# from given ones 3.31 vs 3.64 us at B = 1, K = 2, 14.2 vs 17.6 at B = 16, K = 4, but 21.1 vs
+# 17.4 at B = 64, K = 1.
 _GIVEN_ONE_PASS = True
 
 
@@ -617,15 +616,24 @@ _KL_WARPS = 4
 # B = 16, K = 4 (96 rows) 17.65 -> 18.42, B = 32, K = 2 16.36 -> 18.33: not split there.
 _KL_SPLIT_ROWS = 16
 _KL_SPLIT_TILE = 2048
+# With the logits larger than L2, at least one 16-byte group per thread and step (1024 bf16
+# columns at 4 warps; at K = 4 the tile gave 512, half the threads holding copies). H200,
+# cold bf16 inputs, graph replays, P = 6: B = 64, K = 4 (123 MB) 50.3 -> 39.0 us (58% -> 74%
+# of copy), B = 48, K = 4 38.5 -> 30.5; K = 1, 2 have 1024+ columns already (same times); at
+# 31 MB (B = 16, K = 4) it is not taken: 17.7 either way.
+_KL_WIDE_PAST_L2 = True
 
 
-def _one_pass_layout(p_logits, q_logits, min_step=16):
+def _one_pass_layout(p_logits, q_logits, wide_past_l2):
     """Launch layout of the one-pass kernels (`_wd_kl_kernel`, `_wd_given_kernel`): (views
-    per program, view groups per row, chunk, chunks per row, columns per step (at least
-    `min_step`), VEC, RPT)."""
+    per program, view groups per row, chunk, chunks per row, columns per step, VEC, RPT).
+    wide_past_l2: with logits larger than L2, at least one 16-byte group per thread and step."""
     B, P, V = p_logits.shape
     K = q_logits.shape[1]
     R = B * P
+    es = max(p_logits.element_size(), q_logits.element_size())
+    past_l2 = R * (K + 1) * V * es > l2_cache_bytes(p_logits.device)
+    min_step = (16 // es) * 32 * _KL_WARPS if wide_past_l2 and past_l2 else 16
     split_views = K > 1 and R <= _KL_SPLIT_ROWS
     kb = 1 if split_views else K  # views per program
     groups = K // kb              # view groups per row: the grid's third dimension
@@ -644,7 +652,7 @@ def _kl_only(p_logits, q_logits, kl, temperature):
     dev = p_logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     R = B * P
-    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(p_logits, q_logits)
+    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
     part = torch.empty(R * ns * groups * (2 + 3 * kb), dtype=torch.float32, device=dev)
     _wd_kl_kernel[(R, ns, groups)](
         p_logits, q_logits, part, counters(dev, R * groups), kl,
@@ -662,10 +670,7 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
     dev = p_logits.device
     use_pdl = pdl(dev)
     R = B * P
-    es = max(p_logits.element_size(), q_logits.element_size())
-    past_l2 = R * (K + 1) * V * es > l2_cache_bytes(dev)
-    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(
-        p_logits, q_logits, (16 // es) * 32 * _KL_WARPS if past_l2 else 16)
+    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
     part = torch.empty(R * ns * groups * (1 + 2 * kb), dtype=torch.float32, device=dev)
     _wd_given_kernel[(R, ns, groups)](
         p_logits, q_logits, p_lse, q_lse, part, counters(dev, R * groups), kl, tv,

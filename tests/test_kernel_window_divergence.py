@@ -330,6 +330,24 @@ def test_given_normalisers_engine_shapes(B, K, P, V, kernel_device):
     torch.testing.assert_close(got[3], want[3], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("past_l2", [False, True])
+def test_one_pass_steps_past_l2(past_l2, kernel_device, monkeypatch):
+    # past L2 the one-pass kernels take at least one 16-byte group per thread and step
+    # (K = 4, bf16: 1024 columns instead of the tile's 512); the results do not change
+    monkeypatch.setattr(_k, "l2_cache_bytes", lambda device: 0 if past_l2 else 1 << 40)
+    monkeypatch.setattr(_k, "_KL_SPLIT_ROWS", 0)
+    p_logits, q_logits = _inputs(2, 4, 2, 5000, torch.bfloat16, kernel_device, seed=2)
+    layout = _k._one_pass_layout(p_logits, q_logits, True)
+    assert layout[4] == (1024 if past_l2 else 512)
+    assert _k._one_pass_layout(p_logits, q_logits, False)[4] == 512
+    p_lse, q_lse = _normalisers(p_logits, q_logits, 1.0)
+    ref = window_divergence_reference(p_logits, q_logits)
+    kl, tv, _, _ = _k.window_divergence(p_logits, q_logits, p_lse=p_lse, q_lse=q_lse)
+    kl1, _, _, _ = _k.window_divergence(p_logits, q_logits, tv=False)
+    for got, want in ((kl, ref[0]), (tv, ref[1]), (kl1, ref[0])):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_given_normalisers_bad_inputs_raise(kernel_device):
     p_logits, q_logits = _inputs(2, 2, 3, 100, torch.float32, kernel_device)
     p_lse, q_lse = _normalisers(p_logits, q_logits, 1.0)
