@@ -39,6 +39,16 @@ from ._common import (LN2, LOG2E, NEG_BIG, ONE_STEP, best_combine, chunk_block, 
 # split (32 chunks of 1008) does not change.
 _TILE_GREEDY = 4096
 _GREEDY_PROGRAMS_PER_SM = 2
+# With the target's log-normalisers (lse_out; the running sum is a third element-wise value):
+# tile elements, programs per SM, elements per thread. H200 sweep (cold bf16, graph replays,
+# all accepted; 8 settings of 1024-8192 x 2-8 per SM x 8 / 16 per thread), 4096 / 2 / 16 (the
+# plain greedy's) -> 2048 / 4 / 8: B = 256, gamma = 6 53.9 -> 43.6 us (50% -> 62% of copy;
+# 40.9 without lse_out), B = 1024 160.8 -> 179.0 (67% -> 60%; 4096 / 4 / 16: 44.8 and 161.0,
+# 2048 / 8 / 8: 45.6 and 155.9), B = 64, gamma = 5 16.1 -> 16.5; B = 1 4.54 in all (3.48
+# without).
+_TILE_GREEDY_LSE = 2048
+_GREEDY_LSE_PROGRAMS_PER_SM = 4
+_GREEDY_LSE_PER_THREAD = 8
 # Sampling: each warp of a program sums the residual (and p) over its own contiguous part of
 # the chunk, [RPT, 32, 4] fp32 groups per step (_SAMPLING_PER_THREAD elements per thread);
 # the part is a sub-block when chunks are longer than one draw step (many requests), and
@@ -333,12 +343,12 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=Non
     strides = (draft_tokens.stride(0), draft_tokens.stride(1), q_probs.stride(0), q_probs.stride(1),
                p.stride(0), p.stride(1), uniforms.stride(0), uniforms.stride(1))
     if greedy:
-        S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_PROGRAMS_PER_SM))
+        lse = lse_out is not None
+        S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_LSE_PROGRAMS_PER_SM if lse else _GREEDY_PROGRAMS_PER_SM))
         SP = triton.next_power_of_2(S)
-        BLOCK = chunk_block(chunk, _TILE_GREEDY // GP)
+        BLOCK = chunk_block(chunk, (_TILE_GREEDY_LSE if lse else _TILE_GREEDY) // GP)
         part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
-        lse = lse_out is not None
         # per (request, chunk): GP maxima then GP sums; unused pointers get part_val
         part_lse = torch.empty(B * S * 2 * GP, dtype=torch.float32, device=dev) if lse else part_val
         lse_dst, lse_strides = (lse_out, lse_out.stride()) if lse else (part_val, (0, 0))
@@ -346,7 +356,7 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=Non
         _argmax_partial_kernel[(B, S)](
             p, part_val, part_idx, gamma, V, S, chunk, p.stride(0), p.stride(1), part_lse,
             GP=GP, BLOCK=BLOCK, LSE=lse, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl,
-            num_warps=tile_warps(GP * BLOCK),
+            num_warps=tile_warps(GP * BLOCK, _GREEDY_LSE_PER_THREAD if lse else 16),
         )
         _greedy_accept_kernel[(B,)](
             draft_tokens, part_val, part_idx, num_acc, next_token, gamma, V, S,
