@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
-#   (stages: env build test kernels layer-kernels profile e2e e2e-demo world)
+#   (stages: env build test kernels kernels-large layer-kernels profile e2e e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -40,6 +40,16 @@ for stage in "$@"; do
         --out "$OUT/tree_attention.json" 2>&1 | tail -25
       timeout 120 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -12
       timeout 100 $PY benchmarks/bench_history_update.py --out "$OUT/history_update.json" 2>&1 | tail -8
+      ;;
+    kernels-large)
+      # the ensemble ops' bandwidth shapes with 4x the rows (past L2), one op per run so that
+      # each keeps its eager and torch.compile baselines within the time budget
+      timeout 200 $PY benchmarks/bench_ensemble_ops.py --large --ops ensemble_mix --time-budget 150 \
+        --out "$OUT/ensemble_ops_large_mix.json" 2>&1 | tail -13
+      timeout 200 $PY benchmarks/bench_ensemble_ops.py --large --ops window_divergence --time-budget 150 \
+        --out "$OUT/ensemble_ops_large_wd.json" 2>&1 | tail -8
+      timeout 200 $PY benchmarks/bench_ensemble_ops.py --large --ops chain_verify --time-budget 150 \
+        --out "$OUT/ensemble_ops_large_cv.json" 2>&1 | tail -6
       ;;
     layer-kernels)
       timeout 120 $PY benchmarks/bench_rope_kv_write.py --out "$OUT/rope_kv_write.json" 2>&1 | tail -14
