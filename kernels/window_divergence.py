@@ -74,8 +74,7 @@ _TV_DIV_WARPS = 4
 # -> 40.5 (72%; 512-column steps 52.7), B = 256, K = 1 (197 MB) 112.0 -> 52.4 (88%). KL alone
 # stays on the online pass (it needs no normalisers, so the caller need not produce them):
 # from given ones 3.31 vs 3.64 us at B = 1, K = 2, 14.2 vs 17.6 at B = 16, K = 4, but 21.1 vs
-# 17.4 at B = 64, K = 1.
-_GIVEN_ONE_PASS = True
+# 17.4 at B = 64, K = 1. (The numbers behind `_wd_given_kernel` and its launcher.)
 
 
 def check_normalisers(p_lse, q_lse, B, K, P, device):
@@ -297,6 +296,21 @@ def _wd_div_kernel(
 
 
 @triton.jit
+def _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp):
+    """A one-pass program's place, grid (B*P, NS, view groups): (split, view group, (row,
+    group) index, request b, position, target row pointer, the split's columns [v_start,
+    v_end))."""
+    row64 = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    kg = tl.program_id(2)
+    b = row64 // P
+    pos = row64 % P
+    v_start = split * CH
+    return (split, kg, row64 * tl.num_programs(2) + kg, b, pos, p_ptr + b * stride_pb + pos * stride_pp,
+            v_start, tl.minimum(v_start + CH, V))
+
+
+@triton.jit
 def _wd_kl_kernel(
     p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
     P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
@@ -318,16 +332,7 @@ def _wd_kl_kernel(
     Partials per (row, group, split): [m, S, A_k | m_k, s_k]; the last program of a (row,
     group) to arrive folds them in split order and resets the counter."""
     pdl_wait(PDL)
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    kg = tl.program_id(2)
-    grp = row.to(tl.int64) * tl.num_programs(2) + kg   # (row, view group)
-    row64 = row.to(tl.int64)
-    b = row64 // P
-    pos = row64 % P
-    p_row = p_ptr + b * stride_pb + pos * stride_pp
-    v_start = split * CH
-    v_end = tl.minimum(v_start + CH, V)
+    split, kg, grp, b, pos, p_row, v_start, v_end = _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp)
     NT: tl.constexpr = BLOCK // (RPT * VEC)
     cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
     mp = tl.full([NT], NEG_BIG, tl.float32)
@@ -415,17 +420,8 @@ def _wd_given_kernel(
     no rescaling. Partials per (row, group, split): [sum p, A_k | T_k]; the last program of a
     (row, group) to arrive folds them in split order and resets the counter."""
     pdl_wait(PDL)
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    kg = tl.program_id(2)
-    grp = row.to(tl.int64) * tl.num_programs(2) + kg   # (row, view group)
-    row64 = row.to(tl.int64)
-    b = row64 // P
-    pos = row64 % P
-    p_row = p_ptr + b * stride_pb + pos * stride_pp
+    split, kg, grp, b, pos, p_row, v_start, v_end = _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp)
     lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
-    v_start = split * CH
-    v_end = tl.minimum(v_start + CH, V)
     NT: tl.constexpr = BLOCK // (RPT * VEC)
     cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
     sp = tl.zeros([NT], tl.float32)
@@ -501,7 +497,7 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     dev = p_logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     kl = torch.empty(B, K, P, dtype=torch.float32, device=dev)
-    if given and grid is None and tv and _GIVEN_ONE_PASS:
+    if given and grid is None and tv:
         tv = torch.empty(B, K, P, dtype=torch.float32, device=dev)
         if B * P and K and V:
             _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature)

@@ -7,14 +7,18 @@ import torch
 from .config import SamplingParams
 
 
-def target_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, sp: SamplingParams, lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """Processed target distribution: softmax(logits / T) restricted to top-k / top-p.
 
     logits: [..., V] float32 -> probabilities [..., V] float32 (rows sum to 1).
     top-k keeps the k largest logits (ties at the k-th value kept); top-p keeps the smallest
     prefix of the sorted distribution whose mass reaches p (the token crossing p is kept).
+    lse_out: optional [...] float32, filled with logsumexp(logits / T) before top-k / top-p
+    (the unrestricted distribution's normaliser, for the history's divergences).
     """
     x = logits.float() / sp.temperature
+    if lse_out is not None:
+        torch.logsumexp(x, dim=-1, out=lse_out)
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -113,15 +113,12 @@ def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, s
     draft distribution each d_i was drawn from, uniforms [B, γ+1] the acceptance draws."""
     tlogits = verify_forward(target_lm, cache, vin, tlens, kv_len=kv_len)
     drafted = vin[:, 1:]
-    t_lse = torch.empty(0, device=tlogits.device)
+    t_lse = torch.empty(tlogits.shape[:2] if normalisers else 0, device=tlogits.device)
+    lse_out = t_lse if normalisers else None
     if sp.greedy:
-        if normalisers:
-            t_lse = torch.empty(tlogits.shape[:2], device=tlogits.device)
-        n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True, lse_out=t_lse if normalisers else None)
+        n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True, lse_out=lse_out)
     else:
-        if normalisers:
-            t_lse = torch.logsumexp(tlogits.float() / sp.temperature, dim=-1)
-        n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp),
+        n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp, lse_out),
                                   greedy=False, uniforms=uniforms)
     return tlogits, n_acc, nxt, pack_head(n_acc, nxt, drafted), t_lse
 

@@ -298,6 +298,19 @@ def test_hedge_weights_exponentiate_clipped_kl_over_all_drafted_positions():
     assert int(cur) == 1 + P and bool(st.valid[:, :1 + P].all())
 
 
+def test_target_probs_writes_the_unrestricted_normaliser():
+    """Sampling's verification takes the target normaliser for `tvd` from `target_probs`:
+    logsumexp(logits / T) before top-k / top-p, the probabilities unchanged."""
+    from tabed_engine.sampling import target_probs
+
+    logits = 3 * torch.randn(2, 4, VOCAB, generator=torch.Generator().manual_seed(1))
+    sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    lse = torch.full((2, 4), float("nan"))
+    probs = target_probs(logits, sp, lse)
+    assert torch.equal(probs, target_probs(logits, sp))
+    torch.testing.assert_close(lse, torch.logsumexp(logits / 0.7, -1))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_history_step_with_normalisers_matches_without(temperature):
     """`tvd` takes the rows' normalisers from the verification ([B, γ+1]) and the draft loop
