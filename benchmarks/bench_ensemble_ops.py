@@ -98,6 +98,9 @@ def cases(smoke, device, large=False):
         # counted: logits read once + the fp32 mixture written)
         out.append(("ensemble_mix", f"sample+mixture B={B} K={K} V={V}", nbytes + B * V * 4, (logits, w),
                     {"greedy": False, "seed": seed, "offset": off, "return_mixture": True}, False))
+        if large:  # past L2 the mixture row takes its own launch path (both modes)
+            out.append(("ensemble_mix", f"greedy+mixture B={B} K={K} V={V}", nbytes + B * V * 4, (logits, w),
+                        {"greedy": True, "return_mixture": True}, False))
     # Independent random views (above) rarely share an argmax, so greedy K > 1 takes the
     # second pass there. The draft's views are one model on views of one request and mostly
     # agree: "agree" rows are a shared random row plus 0.3-scale noise per view, where pass

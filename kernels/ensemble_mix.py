@@ -18,6 +18,10 @@ exchange small partials:
      finished by program (b, 0) at once.  Greedy with one view the pick is already
      known, so program (b, 0) finishes it.  Sampling: one more program per row draws.
 
+With the mixture row and logits larger than L2, the two passes run in one launch
+instead (`_mix_fused_kernel`: each program reads its chunk for pass 1, waits for its row's
+other chunks, and reads it again for pass 2 while it is still in L2).
+
 Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
 plus what needs q (every chunk with the mixture row; greedy without it, only what can
 beat the candidates, below; sampling without it, 1/32 of the row): q_v needs every view's
@@ -54,7 +58,7 @@ import triton.language as tl
 
 from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, counters,
                       exp2, group_best_cols, group_cols, group_lse_step, l2_cache_bytes, log2, lse_reduce,
-                      n_vsplit as _n_vsplit, pdl, pdl_wait,
+                      n_vsplit as _n_vsplit, pdl, pdl_wait, target_programs,
                       uniforms, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -130,6 +134,25 @@ _ROWWISE = True
 # 2048-column steps 17.8 and 18.2); 3 chunks per row: 52.1 at B = 512, K = 4.
 _ROWWISE_BIG_SPLIT = 2
 _ROWWISE_BIG_TILE = 1024
+# The mixture row with logits and row larger than L2: both passes in one launch
+# (`_mix_fused_kernel`), each chunk's second read right after its first, from L2.
+# _FUSED_WAIT: each program writes its own chunk (False: the row's last program writes them
+# all, as under the interpreter). Chunks of at least _FUSED_CHUNK columns and
+# _FUSED_TASK_BYTES of logits; pass-1 steps of _FUSED_TILE elements over the K views (K = 1:
+# _TILE); pass-2 steps of _FUSED_CHUNK_TILE (greedy K > 1, whose pass 2 keeps a running best
+# per element: _CHUNK_TILE); 4 warps (greedy K = 1: 8). H200, cold bf16 inputs, graph
+# replays, one process, two launches -> one (sweep of chunk 16/32 KB, pass-1 and pass-2
+# steps 2048/4096 and 2048/8192, 4/8 warps; the rule's settings): sample B = 512, K = 4
+# (197 MB) 95.3 -> 81.4 us (49% -> 57% of copy), B = 1024, K = 2 114.6 -> 97.1 (54% -> 64%),
+# B = 2048, K = 1 146.7 -> 121.4 (63% -> 76%); greedy 97.3 -> 89.9, 111.9 -> 99.1, 148.0
+# -> 121.0 (48/55/63% -> 52/62/77%). At 49 MB (B = 128, K = 4, inside L2) two launches
+# stay faster when sampling (23.9 vs 25.7 us).
+_FUSED = True
+_FUSED_WAIT = True
+_FUSED_CHUNK = 4096
+_FUSED_TASK_BYTES = 16384
+_FUSED_TILE = 4096
+_FUSED_CHUNK_TILE = 8192
 
 
 @triton.jit
@@ -141,7 +164,23 @@ def _mix_partial_kernel(
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
     ROWWISE: tl.constexpr, KV: tl.constexpr,
 ):
-    """Pass 1: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
+    """Pass 1 as its own launch: program (row, chunk) = (program_id(0), program_id(1)), see
+    `_mix_partial`."""
+    pdl_wait(PDL)
+    _mix_partial(tl.program_id(0), tl.program_id(1), logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
+                 slot_ptr, K, V, S, CHUNK, stride_logits, scale, KP, BLOCK, VEC, RPT, PICK, CERT, MULTI, DRAW,
+                 P, SW, STAGES, EVICT, FAST, ROWWISE, KV)
+
+
+@triton.jit
+def _mix_partial(
+    pid, sp, logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr, slot_ptr,
+    K, V, S, CHUNK, stride_logits, scale,
+    KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
+    CERT: tl.constexpr, MULTI: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
+    STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, ROWWISE: tl.constexpr, KV: tl.constexpr,
+):
+    """Pass 1 of chunk sp of program row pid: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
     argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
     logit.
 
@@ -167,20 +206,18 @@ def _mix_partial_kernel(
     chunk starts at a multiple of P and NT * VEC is one, so each thread slot lies in one
     draw slot), rows (b, s, k) of P // SW in slot.
     """
-    pdl_wait(PDL)
-    sp = tl.program_id(1)
     start = sp * CHUNK
     end = tl.minimum(start + CHUNK, V)
     NT: tl.constexpr = BLOCK // (RPT * VEC)                        # slots (threads) per view
     ks = tl.arange(0, KP)
     if ROWWISE:  # grid (B * K, S), KP == 1: program row r is view r % K of request r // K
-        r = tl.program_id(0).to(tl.int64)
+        r = pid.to(tl.int64)
         b = r // K
         kv = ks + (r % K).to(tl.int32)                             # [1]: the view
         kmask = ks < 1
         rows_ptr = (logits_ptr + r * stride_logits + ks * 0)[:, None, None, None]
     else:
-        b = tl.program_id(0).to(tl.int64)
+        b = pid.to(tl.int64)
         kv = ks
         kmask = ks < K
         rows_ptr = (logits_ptr + (b * K + ks).to(tl.int64) * stride_logits)[:, None, None, None]
@@ -252,7 +289,31 @@ def _mix_chunk_kernel(
     NB: tl.constexpr, DSTAGES: tl.constexpr, BLOCK1: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
     SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Pass 2: fold the S partials into the normalisers, then q over this program's chunk.
+    """Pass 2 as its own launch, see `_mix_chunk`. Programs run in the reverse of pass 1's
+    order, so the chunks pass 1 read last (the likeliest to be still in L2 when the logits
+    exceed it) are read first."""
+    pdl_wait(PDL)
+    _mix_chunk((tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64),
+               tl.num_programs(1) - 1 - tl.program_id(1), tl.num_programs(1),
+               logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
+               slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
+               V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
+               K, KP, SP, BLOCK, GREEDY, WRITE_MIX, PICKED, CERT, REPORT, TOK_K, P, SW, SB, NB, DSTAGES,
+               BLOCK1, RPT, VEC, SMAX, LIVE, FAST, "")
+
+
+@triton.jit
+def _mix_chunk(
+    b, sp, n_prog, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
+    slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
+    V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
+    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
+    GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
+    REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
+    NB: tl.constexpr, DSTAGES: tl.constexpr, BLOCK1: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
+    SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, CACHE: tl.constexpr,
+):
+    """Pass 2 of request b (int64), program sp of the row's n_prog: fold the S partials into the normalisers, then q over this program's chunk.
 
     CERT (greedy, K > 1, no mixture row): first the candidates, each view's argmax c_j. A
     token that is no view's argmax has q_v <= bound = sum_k w_k q_k(second largest of view
@@ -268,15 +329,11 @@ def _mix_chunk_kernel(
     the S bests (past L1: other programs wrote them) and stores the token.
 
     Sampling: one program per row draws the token from pass 1's draw-slot partials
-    (`_slot_draw`): grid (B, 1) without the mixture row; with it (B, S + 1), programs
-    0 .. S - 1 write q over their chunks and program S draws (first in launch order)
-    beside them.
+    (`_slot_draw`): one program per row without the mixture row; with it S + 1, programs
+    0 .. S - 1 write q over their chunks and program S draws beside them.
 
-    Programs run in the reverse of pass 1's order, so the chunks pass 1 read last (the
-    likeliest to be still in L2 when the logits exceed it) are read first."""
-    pdl_wait(PDL)
-    b = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
-    sp = tl.num_programs(1) - 1 - tl.program_id(1)
+    CACHE: the cache modifier of the loads of pass 1's partials (".cg" where pass 1 ran in
+    the same launch, `_mix_fused_kernel`)."""
     ks = tl.arange(0, KP)
     kmask = ks < K
     ss = tl.arange(0, SP)
@@ -288,13 +345,13 @@ def _mix_chunk_kernel(
     if not GREEDY:
         if SB >= SP:  # the draw's slot sums, one tile, loaded beside the partials (before any reduction)
             d_pre = tl.load(slot_ptr + _slot_offsets(b, S, ss, ks, KP, P // SW),
-                            mask=((ss < tl.where(sp == tl.num_programs(1) - 1, S, 0))[:, None]
-                                  & kmask[None, :])[:, :, None], other=0.0)   # the draw program only
+                            mask=((ss < tl.where(sp == n_prog - 1, S, 0))[:, None]
+                                  & kmask[None, :])[:, :, None], other=0.0, cache_modifier=CACHE)   # the draw program only
     ms = 0.0
     if LIVE > 0:  # pass 1's thread-slot maxima of this chunk, loaded beside the partials
         ms = tl.load(slot_ptr + _slot_max_offsets(b, S, sp, ks, KP, BLOCK1 // (RPT * VEC)), mask=kmask[:, None],
-                     other=NEG_BIG)
-    pm, ps, lse2 = _row_normalisers(prow, ks, pmask, kmask, scale, KP, FAST)
+                     other=NEG_BIG, cache_modifier=CACHE)
+    pm, ps, lse2 = _row_normalisers(prow, ks, pmask, kmask, scale, KP, FAST, CACHE)
     if sp == 0:
         tl.store(lse_ptr + b * K + ks, lse2 * LN2, mask=kmask)
     w = tl.load(weights_ptr + b * stride_wb + ks * stride_wk, mask=kmask, other=0.0)
@@ -302,11 +359,11 @@ def _mix_chunk_kernel(
     run_chunk = 1
     if CERT:
         crow = (b * S + ss[:, None]) * KP + ks[None, :]           # [SP, KP]
-        c_idx = tl.load(cert_idx_ptr + crow, mask=pmask, other=BIG_IDX)
+        c_idx = tl.load(cert_idx_ptr + crow, mask=pmask, other=BIG_IDX, cache_modifier=CACHE)
         top_k = tl.max(pm, axis=0)                                 # [KP] each view's max
         arg_k = tl.min(tl.where(pmask & (pm == top_k[None, :]), c_idx, BIG_IDX), axis=0)
         second = tl.maximum(
-            tl.max(tl.load(cert_ptr + crow, mask=pmask, other=NEG_BIG), axis=0),
+            tl.max(tl.load(cert_ptr + crow, mask=pmask, other=NEG_BIG, cache_modifier=CACHE), axis=0),
             tl.max(tl.where(pmask & (c_idx != arg_k[None, :]), pm, NEG_BIG), axis=0))
         bound = tl.sum(tl.where(kmask, w * exp2(second * scale - lse2, FAST), 0.0), axis=0)
         # q at the candidates: x_c[k, j] = logit of view k at view j's argmax
@@ -334,10 +391,10 @@ def _mix_chunk_kernel(
             tl.store(token_prob_ptr + b, q_tok)
 
     if not GREEDY:
-        if sp == tl.num_programs(1) - 1:  # the row's draw program: grid (B, 1), or (B, S + 1)
+        if sp == n_prog - 1:  # the row's draw program: 1 of 1, or S + 1 of S + 1
             _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, token_prob_ptr,
                        b, w, lse2, pm, pmask, d_pre, ks, kmask, V, S, stride_logits, scale,
-                       K, KP, SP, P, SW, SB, NB, TOK_K, DSTAGES, FAST)
+                       K, KP, SP, P, SW, SB, NB, TOK_K, DSTAGES, FAST, CACHE)
 
     if WRITE_MIX or (GREEDY and not PICKED):
         if (run_chunk != 0) & (sp < S):
@@ -374,6 +431,73 @@ def _mix_chunk_kernel(
                     _store_token(token_ptr, b, tok, ks, TOK_K)
                     tl.store(token_prob_ptr + b, q_tok)
                     tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
+
+
+@triton.jit
+def _mix_fused_kernel(
+    logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_prob_ptr,
+    mixture_ptr, lse_ptr, cnt_ptr,
+    B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
+    K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
+    VEC: tl.constexpr, RPT: tl.constexpr, GREEDY: tl.constexpr, PICKED: tl.constexpr, TOK_K: tl.constexpr,
+    P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr, DSTAGES: tl.constexpr,
+    STAGES: tl.constexpr, EVICT: tl.constexpr, WAIT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """The mixture row's two passes in one launch: the program that read a chunk in pass 1
+    reads it again for pass 2 right after (from L2, where the logits exceed it).
+
+    B * S programs, one per (row, chunk). A program takes a ticket (atomic counter: tickets
+    follow the order programs start in) and runs chunk t % S of row t // S: pass 1
+    (`_mix_partial`), then it counts itself in (the row's arrival counter). The row's last
+    to arrive draws the token (sampling), the partials of the whole row being stored. Then
+    pass 2 (`_mix_chunk`): with WAIT each program waits (spinning on the counter) until its
+    row's S programs have arrived and writes its own chunk; the S programs of a row hold
+    consecutive tickets, so they are running or done whenever at least S programs fit on the
+    device at once (the launcher's condition) and the wait ends. Without WAIT (the CPU
+    interpreter, which runs programs one after another) the row's last to arrive writes
+    every chunk.
+
+    Counters (cnt_ptr): [0] the ticket, [1 + b] row b's arrivals, [1 + B + b] its programs
+    done, [1 + 2B + b] greedy's chunk-best fold (`_mix_chunk`); the last ticket and each
+    row's last program reset theirs, so every launch leaves them zero."""
+    pdl_wait(PDL)
+    t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+    if t == B * S - 1:  # every program has its ticket
+        tl.store(cnt_ptr, 0)
+    b = (t // S).to(tl.int64)
+    sp = t % S
+    _mix_partial(b, sp, logits_ptr, part_ptr, part_idx_ptr, part_ptr, part_idx_ptr, slot_ptr,
+                 K, V, S, CHUNK, stride_logits, scale, KP, BLOCK1, VEC, RPT, PICKED, False, False,
+                 not GREEDY, P, SW, STAGES, EVICT, FAST, False, KP)
+    tl.debug_barrier()  # every thread's partials are stored before the release
+    arrived = tl.atomic_add(cnt_ptr + 1 + b, 1, sem="acq_rel", scope="gpu")
+    N2: tl.constexpr = 1 if GREEDY else 2   # + S: pass 2's programs per row (sampling: and the draw)
+    if not GREEDY:
+        if arrived == S - 1:
+            _mix_chunk(b, S, S + 1, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
+                       part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
+                       cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
+                       K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
+                       BLOCK1, RPT, VEC, 1, 0, FAST, ".cg")
+    if WAIT:
+        n = arrived + 1
+        while n < S:
+            n = tl.atomic_add(cnt_ptr + 1 + b, 0, sem="acquire", scope="gpu")
+        c_lo = sp
+        c_hi = sp + 1
+    else:
+        c_lo = tl.where(arrived == S - 1, 0, S)
+        c_hi = S
+    for c in range(c_lo, c_hi):
+        _mix_chunk(b, c, S + N2 - 1, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
+                   part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
+                   cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
+                   K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
+                   BLOCK1, RPT, VEC, 1, 0, FAST, ".cg")
+    done = tl.atomic_add(cnt_ptr + 1 + B + b, 1, sem="relaxed", scope="gpu")
+    if done == S - 1:  # the row's last program: every one has passed its wait
+        tl.store(cnt_ptr + 1 + b, 0)
+        tl.store(cnt_ptr + 1 + B + b, 0)
 
 
 # Pass 2 of greedy K > 1 re-reads a thread slot of pass 1 only where its bound, the mixture
@@ -465,11 +589,11 @@ def _store_token(token_ptr, b, tok, ks, TOK_K: tl.constexpr):
 
 
 @triton.jit
-def _row_normalisers(prow, ks, pmask, kmask, scale, KP: tl.constexpr, FAST: tl.constexpr):
+def _row_normalisers(prow, ks, pmask, kmask, scale, KP: tl.constexpr, FAST: tl.constexpr, CACHE: tl.constexpr):
     """Row b's S pass-1 partials ([SP] row pointers `prow`) -> (chunk maxima pm and sum-exps
     ps, [SP, KP]; each view's log2-normaliser lse2, [KP], 0 for padded views)."""
-    pm = tl.load(prow[:, None] + ks[None, :], mask=pmask, other=NEG_BIG)
-    ps = tl.load(prow[:, None] + KP + ks[None, :], mask=pmask, other=0.0)
+    pm = tl.load(prow[:, None] + ks[None, :], mask=pmask, other=NEG_BIG, cache_modifier=CACHE)
+    ps = tl.load(prow[:, None] + KP + ks[None, :], mask=pmask, other=0.0, cache_modifier=CACHE)
     top, tot = lse_reduce(pm, ps, scale, 0, FAST)
     lse2 = tl.where(kmask, top * scale + log2(tl.where(kmask, tot, 1.0), FAST), 0.0)  # log2 units
     return pm, ps, lse2
@@ -480,7 +604,7 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
                b, w, lse2, pm, pmask, d_pre, ks, kmask, V, S, stride_logits, scale,
                K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
                SB: tl.constexpr, NB: tl.constexpr, TOK_K: tl.constexpr, DSTAGES: tl.constexpr,
-               FAST: tl.constexpr):
+               FAST: tl.constexpr, CACHE: tl.constexpr):
     """Draw request b's token by inverse CDF in the draw order (slot T = (c mod P) // SW
     first, then column): slot T's mixture mass M_T = sum_{s,k} w_k 2^(max_s,k * scale -
     lse2_k) sumexp_s,k,T over pass 1's partials (chunks s, SB at a time); the row's uniform
@@ -507,8 +631,9 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
             smask = (s0 + sb) < S
             dmask = smask[:, None] & kmask[None, :]
             pm_b = tl.load(part_ptr + (b * S + s0 + sb[:, None]) * (2 * KP + 2) + ks[None, :], mask=dmask,
-                           other=NEG_BIG)   # chunk max per view, [SB, KP]
-            d_s = tl.load(slot_ptr + _slot_offsets(b, S, s0 + sb, ks, KP, NSS), mask=dmask[:, :, None], other=0.0)
+                           other=NEG_BIG, cache_modifier=CACHE)   # chunk max per view, [SB, KP]
+            d_s = tl.load(slot_ptr + _slot_offsets(b, S, s0 + sb, ks, KP, NSS), mask=dmask[:, :, None], other=0.0,
+                          cache_modifier=CACHE)
             mass += _slot_mass(pm_b, d_s, dmask, w, lse2, scale, FAST)
     cum = tl.cumsum(mass, 0)                                          # non-decreasing
     u = tl.sum(tl.where(tl.arange(0, 4) == 0,
@@ -659,16 +784,24 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         S, chunk = chunking(V, max(_ROWWISE_BIG_SPLIT if big else 1, _n_vsplit(B * K, V, dev, _PROGRAMS_PER_SM)),
                             period)
         rowwise = S > 1 or not greedy
-    if not rowwise:
+    # the mixture row past L2: one launch, chunks from _FUSED_TASK_BYTES (see _mix_fused_kernel)
+    fused = _FUSED and write_mix and logits.numel() * logits.element_size() + B * V * 4 > l2_cache_bytes(dev)
+    if fused:
+        cols = max(_FUSED_CHUNK, _FUSED_TASK_BYTES // (K * logits.element_size()))
+        S, chunk = chunking(V, min(128, triton.cdiv(V, cols)), period)
+    elif not rowwise:
         S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
     KP1 = 1 if rowwise else KP                 # pass 1's views per program
     picked = KP == 1 and greedy  # greedy, one view: argmax q_v = argmax x_v, no normaliser needed
-    BLOCK = max(chunk_block(chunk, (_ROWWISE_BIG_TILE if big and rowwise else _TILE) // KP1), period)
-    BLOCK2 = max(chunk_block(chunk, _CHUNK_TILE // KP), period)   # pass 2's columns per view and step
+    tile = (_FUSED_TILE if K > 1 else _TILE) if fused else _ROWWISE_BIG_TILE if big and rowwise else _TILE
+    BLOCK = max(chunk_block(chunk, tile // KP1), period)
+    # pass 2's columns per view and step
+    tile2 = _FUSED_CHUNK_TILE if fused and (picked or not greedy) else _CHUNK_TILE
+    BLOCK2 = max(chunk_block(chunk, tile2 // KP), period)
     num_warps = tile_warps(KP * BLOCK2, _CHUNK_PER_THREAD)
     SP = triton.next_power_of_2(S)
     vec = 16 // logits.element_size()          # one 16-byte load per group
-    p1_warps = tile_warps(KP1 * BLOCK, _PER_THREAD)
+    p1_warps = (8 if picked else 4) if fused else tile_warps(KP1 * BLOCK, _PER_THREAD)
     # groups per thread and step; sampling: a thread's slot lies in one draw slot
     rpt = max(1, min(BLOCK // (vec * 32 * p1_warps), BLOCK // period))
     part = torch.empty(B * S * (2 * KP + 2), dtype=torch.float32, device=dev)
@@ -686,6 +819,23 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     # sampling: draw-slot sums per (chunk, view); greedy K > 1: each thread slot's max
     slot = torch.empty(B * S * KP * (nt if live else n_slots) if live or not greedy else 1,
                        dtype=torch.float32, device=dev)
+    # every chunk when the mixture row is written (sampling: and a program that draws) or
+    # greedy K > 1 compares chunk bests; else one program per row (greedy K = 1 finishes the
+    # pick, sampling draws)
+    n_prog = S + (not greedy) if write_mix else (S if greedy and not picked else 1)
+    sb = min(SP, max(1, _DRAW_TILE // (KP * n_slots)))
+    nb = min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH))
+    if fused:
+        _mix_fused_kernel[(B * S,)](
+            logits, weights, seed_arg, offset_arg, part, part_idx, slot, token, token_prob, mixture, lse,
+            counters(dev, 1 + 3 * B),
+            B, V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1), stride_mix, scale,
+            K=K, KP=KP, SP=SP, BLOCK1=BLOCK, BLOCK2=BLOCK2, VEC=vec, RPT=rpt, GREEDY=greedy, PICKED=picked,
+            TOK_K=tok_k, P=period, SW=_DRAW_WIDTH, SB=sb, NB=nb, DSTAGES=_DRAW_STAGES, STAGES=_STAGES,
+            EVICT=_P1_EVICT, WAIT=_FUSED_WAIT and fast and S <= target_programs(dev, 1), FAST=fast,
+            num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
+        )
+        return token[::tok_k], token_prob, mixture, lse
     _mix_partial_kernel[(B * K if rowwise else B, S)](
         logits, part, part_idx, cert_buf, cert_idx, slot,
         K, V, S, chunk, logits.stride(0), scale,
@@ -694,10 +844,6 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         SW=_DRAW_WIDTH, STAGES=_STAGES, EVICT=_P1_EVICT if write_mix or not picked else "",  # "": default
         FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
-    # every chunk when the mixture row is written (sampling: and a program that draws) or
-    # greedy K > 1 compares chunk bests; else one program per row (greedy K = 1 finishes the
-    # pick, sampling draws)
-    n_prog = S + (not greedy) if write_mix else (S if greedy and not picked else 1)
     _mix_chunk_kernel[(B, n_prog)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx, slot,
         certified_out if certified_out is not None else token, token, token_prob, mix_arg, lse, counters(dev, B),
@@ -705,9 +851,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         stride_mix, scale,
         K=K, KP=KP, SP=SP, BLOCK=BLOCK2, GREEDY=greedy, WRITE_MIX=write_mix, PICKED=picked,
         CERT=cert, REPORT=cert and certified_out is not None, TOK_K=tok_k, P=period,
-        SW=_DRAW_WIDTH, SB=min(SP, max(1, _DRAW_TILE // (KP * n_slots))),
-        NB=min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH)),
-        DSTAGES=_DRAW_STAGES, BLOCK1=BLOCK, RPT=rpt, VEC=vec,
+        SW=_DRAW_WIDTH, SB=sb, NB=nb, DSTAGES=_DRAW_STAGES, BLOCK1=BLOCK, RPT=rpt, VEC=vec,
         SMAX=smax, LIVE=min(16, max(1, _LIVE_COLUMNS // (smax * rpt * vec))) if live else 0, FAST=fast,
         num_warps=_DRAW_WARPS if n_prog == 1 and not greedy else num_warps,
         PDL=use_pdl, launch_pdl=use_pdl,

@@ -118,6 +118,17 @@ def _exercise():
             ensemble_mix.ensemble_mix(torch.randn(2 * K, 1008, generator=g).to(bf), wk, greedy=greedy, seed=seed,
                                       offset=off)
         ensemble_mix.ensemble_mix(torch.randn(2 * K, 9008, generator=g).to(bf), wk, greedy=True)
+    # the mixture row in one launch (`_mix_fused_kernel`, taken past L2)
+    l2 = ensemble_mix.l2_cache_bytes
+    ensemble_mix.l2_cache_bytes = lambda device: 0
+    try:
+        for K in (1, 2, 3):
+            wk = torch.full((3, K), 1.0 / K)
+            for greedy in (True, False):
+                ensemble_mix.ensemble_mix(torch.randn(3 * K, 9008, generator=g).to(bf), wk, greedy=greedy, seed=seed,
+                                          offset=off, return_mixture=True)
+    finally:
+        ensemble_mix.l2_cache_bytes = l2
     # the token into every view row (the draft loop's K > 1 steps)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, view_tokens_out=torch.zeros(6, dtype=torch.int64))
     ensemble_mix.ensemble_mix(logits, w, greedy=False, seed=seed, offset=off, return_mixture=True,
@@ -203,8 +214,9 @@ def compile_all(path):
     # the recording ran on the CPU: also compile each launch as a GPU would make it (fast
     # exp2/log2 through inline PTX, bf16/fp16 dots, programmatic dependent launch, and the
     # arguments it specialises as 16-divisible: aligned tensors, integers such as V or a row
-    # stride; this is the variant with vectorised loads)
-    gpu = {"FAST": True, "FAST_MATH": True, "DOT_FP32": False, "PDL": True}
+    # stride; this is the variant with vectorised loads; and the programs that wait for others
+    # of the launch, which the interpreter cannot run)
+    gpu = {"FAST": True, "FAST_MATH": True, "DOT_FP32": False, "PDL": True, "WAIT": True}
     variants = []
     for e in launches:
         variants.append(dict(e, div16=[]))

@@ -785,3 +785,153 @@ def test_greedy_views_with_masked_columns(noise, kernel_device, monkeypatch):
     _check_token(outs[True][0], outs[True][1], ref[2], 1e-6)
     assert torch.equal(outs[True][0], ref[0]) and torch.equal(outs[False][0], ref[0])
     torch.testing.assert_close(outs[True][3], ref[3], atol=1e-5, rtol=1e-5)
+
+
+# ---- The mixture row in one launch (`_mix_fused_kernel`, taken where logits and row exceed L2).
+
+def _fused(monkeypatch, on, cols=None):
+    """Take the one-launch mixture path (on) or the two launches at any size; `cols`: its
+    chunk width (the period rounds it up when sampling)."""
+    monkeypatch.setattr(_k, "l2_cache_bytes", lambda device: 0 if on else 1 << 40)
+    if cols is not None:
+        monkeypatch.setattr(_k, "_FUSED_CHUNK", cols)
+        monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 0)
+
+
+def _row_counters_zero(device, B):
+    buf = _common.COUNTERS.get(torch.device(device))
+    return buf is None or int(buf[:1 + 3 * B].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("B, K, V, temperature", [
+    (1, 1, 1000, 1.0), (3, 3, 1000, 0.7), (5, 1, 1000, 1.3), (2, 4, 1000, 1.0), (2, 2, 3001, 0.8), (7, 4, 173, 1.0),
+])
+@pytest.mark.parametrize("cols", [64, 400])
+def test_fused_mixture_matches_reference(B, K, V, temperature, dtype, atol, rtol, cols, kernel_device, monkeypatch):
+    """Greedy with the mixture row in one launch: the reference's mixture, token, its
+    probability and the normalisers, with one chunk per row or several (V not a multiple of
+    the chunk), into a NaN-poisoned strided buffer; the counters are left zero."""
+    _fused(monkeypatch, True, cols)
+    logits, w = _inputs(B, K, V, dtype, kernel_device)
+    ref = ensemble_mix_reference(logits, w, greedy=True, temperature=temperature, return_mixture=True)
+    buf = torch.full((B, V + 5), float("nan"), device=kernel_device)
+    token, prob, mixture, lse = _k.ensemble_mix(logits, w, greedy=True, temperature=temperature,
+                                                mixture_out=buf[:, :V])
+    assert mixture.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(mixture, ref[2], atol=atol, rtol=rtol)
+    assert torch.isnan(buf[:, V:]).all()        # nothing past the row
+    _check_token(token, prob, ref[2], atol)
+    assert torch.equal(token, ref[0])
+    torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
+    assert _row_counters_zero(kernel_device, B)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("K, V, n_split", [(1, 1000, 3), (2, 1000, 1), (3, 2500, 4), (4, 3001, 2)])
+def test_fused_equals_two_launches(greedy, K, V, n_split, kernel_device, monkeypatch):
+    """One launch and two launches with the same chunks: the same token (sampling: the same
+    draw, as the draw order does not depend on the tiles) in every view row, the same
+    mixture row, probability and normalisers up to float rounding (the passes' tiles
+    differ); a second one-launch call (counters reused) repeats the first bit for bit."""
+    B = 6
+    _draw_order(monkeypatch, 64)
+    chunk = triton.cdiv(triton.cdiv(V, n_split), 64) * 64
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+    logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=2)
+    seed = torch.tensor([3], device=kernel_device)
+    offset = torch.tensor([40], device=kernel_device)
+    outs = []
+    for on in (False, True, True):
+        _fused(monkeypatch, on, chunk)
+        rows = torch.full((B * K,), -1, dtype=torch.int64, device=kernel_device)
+        out = _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, temperature=0.9,
+                              return_mixture=True, view_tokens_out=rows)
+        outs.append(out + (rows,))
+        assert _row_counters_zero(kernel_device, B)
+    for a, b in zip(outs[1], outs[2]):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][4], outs[1][4])
+    for i in (1, 2, 3):
+        torch.testing.assert_close(outs[1][i], outs[0][i], atol=1e-6, rtol=1e-5)
+    assert torch.equal(outs[0][4], outs[0][0].repeat_interleave(K))
+
+
+def test_fused_sampling_follows_mixture(kernel_device, monkeypatch):
+    """Sampling with the mixture row in one launch, 4 chunks per row (period 16, slots of
+    8): the draws follow the mixture (chi-square over 400 requests), not either view; the
+    mixture rows and probabilities are the reference's."""
+    _fused(monkeypatch, True, 16)
+    _draw_order(monkeypatch, 16, 8)
+    N, V = 400, 50
+    logits, weights, mix = _mixture_case(N, 2, V, kernel_device)
+    token, prob, mixture, _ = _k.ensemble_mix(logits, weights, greedy=False, seed=torch.tensor([9], device=kernel_device),
+                                              offset=torch.tensor([0], device=kernel_device), temperature=0.8,
+                                              return_mixture=True)
+    p = _chisq_pvalue(token, mix)
+    assert p > 1e-3, f"sampled tokens do not follow the mixture (p={p:.2e})"
+    for k in range(2):
+        assert _chisq_pvalue(token, torch.softmax(logits[k].float().cpu() / 0.8, dim=0)) < 1e-6
+    torch.testing.assert_close(mixture.cpu(), mix.expand(N, V), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(prob.cpu(), mix[token.cpu()], atol=1e-6, rtol=1e-5)
+    assert _row_counters_zero(kernel_device, N)
+
+
+def test_fused_taken_only_past_l2(monkeypatch):
+    """The launcher picks one launch only for the mixture row with logits and row larger
+    than L2, and two launches otherwise."""
+    calls = []
+    monkeypatch.setattr(_k, "_FUSED_CHUNK", 400)
+    for name in ("_mix_fused_kernel", "_mix_partial_kernel"):
+        monkeypatch.setattr(_k, name, _GridSpy(getattr(_k, name)))
+    logits, w = _inputs(2, 2, 1000, torch.float32, "cpu")
+    for l2, mix in ((0, True), (0, False), (1 << 40, True)):
+        monkeypatch.setattr(_k, "l2_cache_bytes", lambda device, l2=l2: l2)
+        _k.ensemble_mix(logits, w, greedy=True, return_mixture=mix)
+        calls.append((len(_k._mix_fused_kernel.grids), len(_k._mix_partial_kernel.grids)))
+    assert calls == [(1, 0), (1, 1), (1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("B, K", [(512, 4), (2048, 1)])
+def test_gpu_fused_full_size(greedy, B, K, monkeypatch):
+    """On the GPU past L2 (bf16 [B * K, 32064]): programs that wait for their row (WAIT) and
+    the row's last program writing every chunk store the same bits; two launches with the
+    same chunks the same tokens and, up to rounding, mixture; greedy tokens are the
+    reference's; repeated and graph-replayed calls agree and leave the counters zero."""
+    V = 32064
+    logits, w = _inputs(B, K, V, torch.bfloat16, "cuda", pad=0)
+    seed = torch.tensor([1], device="cuda")
+    offset = torch.tensor([7], device="cuda")
+    run = lambda: _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, return_mixture=True)
+    assert logits.numel() * 2 + B * V * 4 > _common.l2_cache_bytes(logits.device)
+    fused = run()
+    S = triton.cdiv(V, _k._FUSED_CHUNK if K > 1 else _k._FUSED_TASK_BYTES // 2)   # the launcher's chunks
+    outs = [fused, run()]
+    monkeypatch.setattr(_k, "_FUSED_WAIT", False)
+    outs.append(run())
+    monkeypatch.setattr(_k, "_FUSED", False)
+    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: S)
+    two = run()
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+    assert torch.equal(two[0], fused[0])
+    for i in (1, 2, 3):
+        torch.testing.assert_close(two[i], fused[i], atol=1e-6, rtol=1e-5)
+    monkeypatch.setattr(_k, "_FUSED", True)
+    monkeypatch.setattr(_k, "_FUSED_WAIT", True)
+    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+    torch.testing.assert_close(fused[2], ref[2], atol=1e-6, rtol=1e-5)
+    if greedy:
+        assert torch.equal(fused[0], ref[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs[0], captured):
+        assert torch.equal(a, b)
+    assert _row_counters_zero("cuda", B)
