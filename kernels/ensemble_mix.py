@@ -145,8 +145,12 @@ _ROWWISE_BIG_TILE = 1024
 # steps 2048/4096 and 2048/8192, 4/8 warps; the rule's settings): sample B = 512, K = 4
 # (197 MB) 95.3 -> 81.4 us (49% -> 57% of copy), B = 1024, K = 2 114.6 -> 97.1 (54% -> 64%),
 # B = 2048, K = 1 146.7 -> 121.4 (63% -> 76%); greedy 97.3 -> 89.9, 111.9 -> 99.1, 148.0
-# -> 121.0 (48/55/63% -> 52/62/77%). At 49 MB (B = 128, K = 4, inside L2) two launches
-# stay faster when sampling (23.9 vs 25.7 us).
+# -> 121.0 (48/55/63% -> 52/62/77%). Taken where logits and mixture row exceed L2 times
+# _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE (60 MB on the H200): greedy B = 128, K = 4 (49 MB)
+# 31.0 -> 26.6 us, B = 256, K = 2 (66 MB) 35.9 -> 29.5, B = 512, K = 1 (99 MB) 45.9 -> 33.3;
+# sampling there 23.8 -> 25.7, 29.8 -> 31.7, 38.5 -> 37.8 (slower up to about 1.5x L2).
+_FUSED_L2_GREEDY = 0.5
+_FUSED_L2_SAMPLE = 1.5
 _FUSED = True
 _FUSED_WAIT = True
 _FUSED_CHUNK = 4096
@@ -785,7 +789,8 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
                             period)
         rowwise = S > 1 or not greedy
     # the mixture row past L2: one launch, chunks from _FUSED_TASK_BYTES (see _mix_fused_kernel)
-    fused = _FUSED and write_mix and logits.numel() * logits.element_size() + B * V * 4 > l2_cache_bytes(dev)
+    fused = _FUSED and write_mix and (logits.numel() * logits.element_size() + B * V * 4
+                                      > l2_cache_bytes(dev) * (_FUSED_L2_GREEDY if greedy else _FUSED_L2_SAMPLE))
     if fused:
         cols = max(_FUSED_CHUNK, _FUSED_TASK_BYTES // (K * logits.element_size()))
         S, chunk = chunking(V, min(128, triton.cdiv(V, cols)), period)

@@ -877,19 +877,26 @@ def test_fused_sampling_follows_mixture(kernel_device, monkeypatch):
     assert _row_counters_zero(kernel_device, N)
 
 
-def test_fused_taken_only_past_l2(monkeypatch):
+def test_fused_taken_only_past_l2(kernel_device, monkeypatch):
     """The launcher picks one launch only for the mixture row with logits and row larger
-    than L2, and two launches otherwise."""
+    than L2 (times _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE), and two launches otherwise."""
     calls = []
     monkeypatch.setattr(_k, "_FUSED_CHUNK", 400)
+    monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 0)
     for name in ("_mix_fused_kernel", "_mix_partial_kernel"):
         monkeypatch.setattr(_k, name, _GridSpy(getattr(_k, name)))
-    logits, w = _inputs(2, 2, 1000, torch.float32, "cpu")
-    for l2, mix in ((0, True), (0, False), (1 << 40, True)):
-        monkeypatch.setattr(_k, "l2_cache_bytes", lambda device, l2=l2: l2)
-        _k.ensemble_mix(logits, w, greedy=True, return_mixture=mix)
-        calls.append((len(_k._mix_fused_kernel.grids), len(_k._mix_partial_kernel.grids)))
-    assert calls == [(1, 0), (1, 1), (1, 2)]
+    B, K, V = 2, 2, 1000
+    logits, w = _inputs(B, K, V, torch.float32, kernel_device)
+    nbytes = (B * K + B) * V * 4
+    seed = torch.tensor([1], device=kernel_device)
+    for greedy, factor in ((True, _k._FUSED_L2_GREEDY), (False, _k._FUSED_L2_SAMPLE)):
+        for l2, mix in ((nbytes / factor - 1, True), (nbytes / factor - 1, False), (nbytes / factor, True)):
+            monkeypatch.setattr(_k, "l2_cache_bytes", lambda device, l2=l2: l2)
+            _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=seed, return_mixture=mix)
+            calls.append((len(_k._mix_fused_kernel.grids), len(_k._mix_partial_kernel.grids)))
+    assert calls == [(1, 0), (1, 1), (1, 2), (2, 2), (2, 3), (2, 4)]
+    # B rows x 3 chunks (greedy: 336 columns), 2 (sampling: multiples of the draw period 512)
+    assert [g[0] for g in _k._mix_fused_kernel.grids] == [B * 3, B * 2]
 
 
 @pytest.mark.gpu
