@@ -140,15 +140,19 @@ _ROWWISE_BIG_TILE = 1024
 # all, as under the interpreter). Chunks of at least _FUSED_CHUNK columns and
 # _FUSED_TASK_BYTES of logits; pass-1 steps of _FUSED_TILE elements over the K views (K = 1:
 # _TILE); pass-2 steps of _FUSED_CHUNK_TILE (greedy K > 1, whose pass 2 keeps a running best
-# per element: _CHUNK_TILE); 4 warps (greedy K = 1: 8). H200, cold bf16 inputs, graph
-# replays, one process, two launches -> one (sweep of chunk 16/32 KB, pass-1 and pass-2
-# steps 2048/4096 and 2048/8192, 4/8 warps; the rule's settings): sample B = 512, K = 4
-# (197 MB) 95.3 -> 81.4 us (49% -> 57% of copy), B = 1024, K = 2 114.6 -> 97.1 (54% -> 64%),
-# B = 2048, K = 1 146.7 -> 121.4 (63% -> 76%); greedy 97.3 -> 89.9, 111.9 -> 99.1, 148.0
-# -> 121.0 (48/55/63% -> 52/62/77%). Taken where logits and mixture row exceed L2 times
-# _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE (60 MB on the H200): greedy B = 128, K = 4 (49 MB)
-# 31.0 -> 26.6 us, B = 256, K = 2 (66 MB) 35.9 -> 29.5, B = 512, K = 1 (99 MB) 45.9 -> 33.3;
-# sampling there 23.8 -> 25.7, 29.8 -> 31.7, 38.5 -> 37.8 (slower up to about 1.5x L2).
+# per element: _FUSED_GREEDY_COLUMNS per view), its loads and the mixture's stores marked
+# evict_first (_FUSED_EVICT2: the chunks still to be read again stay in L2); 4 warps
+# (greedy K = 1: 8). H200, cold bf16 inputs, graph replays, one process, two launches ->
+# one (sweeps of chunk 2048-8192 columns, pass-1 steps 2048-8192, pass-2 steps 1024-8192,
+# 4 / 8 warps, eviction hints, polling the counter with plain loads or with a nanosleep
+# backoff, neither kept): sample B = 512, K = 4 (197 MB) 95.1 -> 77.7 us (49% -> 60% of
+# copy), B = 1024, K = 2 114.5 -> 97.5 (54% -> 63%), B = 2048, K = 1 146.7 -> 122.6 (63% ->
+# 76%); greedy 97.0 -> 81.9, 111.8 -> 99.0, 148.1 -> 115.7 (48/55/63% -> 57/63/80%).
+# The first sweep (no eviction hints) also gave the thresholds: taken where logits and
+# mixture row exceed L2 times _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE (60 MB on the H200):
+# greedy B = 128, K = 4 (49 MB) 31.0 -> 26.6 us, B = 256, K = 2 (66 MB) 35.9 -> 29.5, B = 512,
+# K = 1 (99 MB) 45.9 -> 33.3; sampling there 23.8 -> 25.7, 29.8 -> 31.7, 38.5 -> 37.8 (slower
+# up to about 1.5x L2).
 _FUSED_L2_GREEDY = 0.5
 _FUSED_L2_SAMPLE = 1.5
 _FUSED = True
@@ -157,6 +161,8 @@ _FUSED_CHUNK = 4096
 _FUSED_TASK_BYTES = 16384
 _FUSED_TILE = 4096
 _FUSED_CHUNK_TILE = 8192
+_FUSED_GREEDY_COLUMNS = 1024
+_FUSED_EVICT2 = "evict_first"
 
 
 @triton.jit
@@ -303,7 +309,7 @@ def _mix_chunk_kernel(
                slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
                V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                K, KP, SP, BLOCK, GREEDY, WRITE_MIX, PICKED, CERT, REPORT, TOK_K, P, SW, SB, NB, DSTAGES,
-               BLOCK1, RPT, VEC, SMAX, LIVE, FAST, "")
+               BLOCK1, RPT, VEC, SMAX, LIVE, FAST, "", "")
 
 
 @triton.jit
@@ -315,7 +321,7 @@ def _mix_chunk(
     GREEDY: tl.constexpr, WRITE_MIX: tl.constexpr, PICKED: tl.constexpr, CERT: tl.constexpr,
     REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
     NB: tl.constexpr, DSTAGES: tl.constexpr, BLOCK1: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
-    SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, CACHE: tl.constexpr,
+    SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, CACHE: tl.constexpr, EVICT2: tl.constexpr,
 ):
     """Pass 2 of request b (int64), program sp of the row's n_prog: fold the S partials into the normalisers, then q over this program's chunk.
 
@@ -337,7 +343,8 @@ def _mix_chunk(
     0 .. S - 1 write q over their chunks and program S draws beside them.
 
     CACHE: the cache modifier of the loads of pass 1's partials (".cg" where pass 1 ran in
-    the same launch, `_mix_fused_kernel`)."""
+    the same launch, `_mix_fused_kernel`); EVICT2: the eviction policy of the chunk pass's
+    logits loads and mixture stores."""
     ks = tl.arange(0, KP)
     kmask = ks < K
     ss = tl.arange(0, SP)
@@ -415,9 +422,9 @@ def _mix_chunk(
                 for v0 in range(start, end, BLOCK):
                     offs = v0 + cols
                     vmask = offs < end
-                    q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST)
+                    q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST, EVICT2)
                     if WRITE_MIX:
-                        tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask)
+                        tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask, eviction_policy=EVICT2)
                     if GREEDY and not PICKED:
                         score = tl.where(vmask, q, float("-inf"))
                         best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
@@ -445,7 +452,8 @@ def _mix_fused_kernel(
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
     VEC: tl.constexpr, RPT: tl.constexpr, GREEDY: tl.constexpr, PICKED: tl.constexpr, TOK_K: tl.constexpr,
     P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr, DSTAGES: tl.constexpr,
-    STAGES: tl.constexpr, EVICT: tl.constexpr, WAIT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, EVICT: tl.constexpr, EVICT2: tl.constexpr, WAIT: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """The mixture row's two passes in one launch: the program that read a chunk in pass 1
     reads it again for pass 2 right after (from L2, where the logits exceed it).
@@ -482,7 +490,7 @@ def _mix_fused_kernel(
                        part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                        cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                        K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
-                       BLOCK1, RPT, VEC, 1, 0, FAST, ".cg")
+                       BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2)
     if WAIT:
         n = arrived + 1
         while n < S:
@@ -497,7 +505,7 @@ def _mix_fused_kernel(
                    part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                    cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                    K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
-                   BLOCK1, RPT, VEC, 1, 0, FAST, ".cg")
+                   BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2)
     done = tl.atomic_add(cnt_ptr + 1 + B + b, 1, sem="relaxed", scope="gpu")
     if done == S - 1:  # the row's last program: every one has passed its wait
         tl.store(cnt_ptr + 1 + b, 0)
@@ -554,7 +562,7 @@ def _live_chunk_best(logits_ptr, b, start, end, ms, w, lse2, q_floor, ks, kmask,
         slot = tl.max(tl.where(pick, tt[None, :], -1), axis=1)    # [L]: the live slots j0 .. j0 + L - 1
         offs = start + cols + slot[:, None, None, None] * VEC      # [L, SMAX, RPT, VEC]
         vmask = (slot >= 0)[:, None, None, None] & (offs < end)
-        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST)
+        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST, "")
         score = tl.where(vmask, q, float("-inf"))
         t_top = _tile_max(score)
         t_idx = -_tile_max(tl.where(score == t_top, -offs, -BIG_IDX))   # lowest column
@@ -655,7 +663,7 @@ def _slot_draw(logits_ptr, part_ptr, slot_ptr, seed_ptr, offset_ptr, token_ptr, 
     for n0 in tl.range(0, tl.cdiv(V, P), NB, num_stages=DSTAGES):
         offs = (n0 + ii // SW) * P + slot * SW + ii % SW   # NB periods' SW columns: the draw order
         vmask = offs < V
-        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST)
+        q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST, "")
         pos = vmask & (q > 0)       # never a zero-probability token
         cs = tl.cumsum(q, 0) + run
         # one reduction: the first column passing r_in and the last with q > 0, with their q
@@ -696,14 +704,16 @@ def _first_last(h0, qh0, l0, ql0, h1, qh1, l1, ql1):
 
 
 @triton.jit
-def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl.constexpr, FAST: tl.constexpr):
+def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl.constexpr, FAST: tl.constexpr,
+            EVICT: tl.constexpr):
     """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` (any shape) of row b.
     The views one tile at a time (K is a constexpr): the sum over views stays inside each
     thread; a [KP, ...] tile spreads the views over warps and its sum costs a shared-memory
     exchange and barriers every step."""
     q = tl.zeros(offs.shape, tl.float32)
     for k in tl.static_range(K):
-        x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask, other=float("-inf"),
+                    eviction_policy=EVICT).to(tl.float32)
         q += tl.sum(tl.where(ks == k, w, 0.0), axis=0) * exp2(x * scale - tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),
                                                                FAST)
     return q
@@ -801,7 +811,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     tile = (_FUSED_TILE if K > 1 else _TILE) if fused else _ROWWISE_BIG_TILE if big and rowwise else _TILE
     BLOCK = max(chunk_block(chunk, tile // KP1), period)
     # pass 2's columns per view and step
-    tile2 = _FUSED_CHUNK_TILE if fused and (picked or not greedy) else _CHUNK_TILE
+    tile2 = (_FUSED_CHUNK_TILE if picked or not greedy else _FUSED_GREEDY_COLUMNS * KP) if fused else _CHUNK_TILE
     BLOCK2 = max(chunk_block(chunk, tile2 // KP), period)
     num_warps = tile_warps(KP * BLOCK2, _CHUNK_PER_THREAD)
     SP = triton.next_power_of_2(S)
@@ -837,7 +847,8 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
             B, V, S, chunk, logits.stride(0), weights.stride(0), weights.stride(1), stride_mix, scale,
             K=K, KP=KP, SP=SP, BLOCK1=BLOCK, BLOCK2=BLOCK2, VEC=vec, RPT=rpt, GREEDY=greedy, PICKED=picked,
             TOK_K=tok_k, P=period, SW=_DRAW_WIDTH, SB=sb, NB=nb, DSTAGES=_DRAW_STAGES, STAGES=_STAGES,
-            EVICT=_P1_EVICT, WAIT=_FUSED_WAIT and fast and S <= target_programs(dev, 1), FAST=fast,
+            EVICT=_P1_EVICT, EVICT2=_FUSED_EVICT2, WAIT=_FUSED_WAIT and fast and S <= target_programs(dev, 1),
+            FAST=fast,
             num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
         )
         return token[::tok_k], token_prob, mixture, lse
