@@ -137,30 +137,30 @@ _ROWWISE_BIG_TILE = 1024
 # The mixture row with logits and row larger than L2: both passes in one launch
 # (`_mix_fused_kernel`), each chunk's second read right after its first, from L2.
 # _FUSED_WAIT: each program writes its own chunk (False: the row's last program writes them
-# all, as under the interpreter). Chunks of at least _FUSED_CHUNK columns and
-# _FUSED_TASK_BYTES of logits; pass-1 steps of _FUSED_TILE elements over the K views (K = 1:
-# _TILE); pass-2 steps of _FUSED_CHUNK_TILE (greedy K > 1, whose pass 2 keeps a running best
-# per element: _FUSED_GREEDY_COLUMNS per view), its loads and the mixture's stores marked
-# evict_first (_FUSED_EVICT2: the chunks still to be read again stay in L2); 4 warps
-# (greedy K = 1: 8). H200, cold bf16 inputs, graph replays, one process, two launches ->
-# one (sweeps of chunk 2048-8192 columns, pass-1 steps 2048-8192, pass-2 steps 1024-8192,
-# 4 / 8 warps, eviction hints, polling the counter with plain loads or with a nanosleep
-# backoff, neither kept): sample B = 512, K = 4 (197 MB) 95.1 -> 77.7 us (49% -> 60% of
-# copy), B = 1024, K = 2 114.5 -> 97.5 (54% -> 63%), B = 2048, K = 1 146.7 -> 122.6 (63% ->
-# 76%); greedy 97.0 -> 81.9, 111.8 -> 99.0, 148.1 -> 115.7 (48/55/63% -> 57/63/80%).
-# The first sweep (no eviction hints) also gave the thresholds: taken where logits and
-# mixture row exceed L2 times _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE (60 MB on the H200):
-# greedy B = 128, K = 4 (49 MB) 31.0 -> 26.6 us, B = 256, K = 2 (66 MB) 35.9 -> 29.5, B = 512,
-# K = 1 (99 MB) 45.9 -> 33.3; sampling there 23.8 -> 25.7, 29.8 -> 31.7, 38.5 -> 37.8 (slower
-# up to about 1.5x L2).
+# all, as under the interpreter). Chunks of _FUSED_TASK_BYTES of logits, at most _FUSED_CHUNK
+# columns; pass-1 steps of _FUSED_TILE elements over the K views (K = 1: _TILE); pass-2 steps
+# of _FUSED_CHUNK_TILE elements (_FUSED_CHUNK_TILE_K2 with two views; greedy K > 1, whose
+# pass 2 keeps a running best per element: _FUSED_GREEDY_COLUMNS per view), its loads and the
+# mixture's stores marked evict_first (_FUSED_EVICT2: the chunks still to be read again stay
+# in L2); 4 warps (greedy K = 1: 8). H200, cold bf16 inputs, graph replays, one process
+# (sweeps of chunks of 2048-8192 columns, pass-1 steps 2048-8192, pass-2 steps 1024-8192, 4 /
+# 8 warps, eviction hints; polling the counter with plain loads or with a nanosleep backoff,
+# neither kept), two launches -> one at these settings: sample B = 512, K = 4 (197 MB) 95.5
+# -> 75.5 us (49% -> 61% of copy), B = 1024, K = 2 114.7 -> 90.6 (54% -> 68%), B = 2048, K =
+# 1 146.8 -> 116.1 (63% -> 80%), B = 256, K = 2 (66 MB) 29.8 -> 25.8; greedy 97.2 -> 82.0,
+# 111.9 -> 96.3, 148.0 -> 114.6, 36.0 -> 26.8 (48/55/63/43% -> 57/64/81/58%). Taken where
+# logits and mixture row exceed L2 times _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE (60 MB on the
+# H200): greedy gains from 49 MB (B = 128, K = 4: 31.0 -> 24.6 us), sampling loses there
+# (24.0 -> 24.7).
 _FUSED_L2_GREEDY = 0.5
-_FUSED_L2_SAMPLE = 1.5
+_FUSED_L2_SAMPLE = 1.0
 _FUSED = True
 _FUSED_WAIT = True
-_FUSED_CHUNK = 4096
-_FUSED_TASK_BYTES = 16384
+_FUSED_CHUNK = 8192
+_FUSED_TASK_BYTES = 32768
 _FUSED_TILE = 4096
-_FUSED_CHUNK_TILE = 8192
+_FUSED_CHUNK_TILE = 4096
+_FUSED_CHUNK_TILE_K2 = 8192
 _FUSED_GREEDY_COLUMNS = 1024
 _FUSED_EVICT2 = "evict_first"
 
@@ -802,7 +802,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     fused = _FUSED and write_mix and (logits.numel() * logits.element_size() + B * V * 4
                                       > l2_cache_bytes(dev) * (_FUSED_L2_GREEDY if greedy else _FUSED_L2_SAMPLE))
     if fused:
-        cols = max(_FUSED_CHUNK, _FUSED_TASK_BYTES // (K * logits.element_size()))
+        cols = max(16, min(_FUSED_CHUNK, _FUSED_TASK_BYTES // (K * logits.element_size())))
         S, chunk = chunking(V, min(128, triton.cdiv(V, cols)), period)
     elif not rowwise:
         S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
@@ -811,7 +811,10 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     tile = (_FUSED_TILE if K > 1 else _TILE) if fused else _ROWWISE_BIG_TILE if big and rowwise else _TILE
     BLOCK = max(chunk_block(chunk, tile // KP1), period)
     # pass 2's columns per view and step
-    tile2 = (_FUSED_CHUNK_TILE if picked or not greedy else _FUSED_GREEDY_COLUMNS * KP) if fused else _CHUNK_TILE
+    if fused:
+        tile2 = _FUSED_GREEDY_COLUMNS * KP if greedy and not picked else _FUSED_CHUNK_TILE_K2 if KP == 2 else _FUSED_CHUNK_TILE
+    else:
+        tile2 = _CHUNK_TILE
     BLOCK2 = max(chunk_block(chunk, tile2 // KP), period)
     num_warps = tile_warps(KP * BLOCK2, _CHUNK_PER_THREAD)
     SP = triton.next_power_of_2(S)

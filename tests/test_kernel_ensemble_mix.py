@@ -795,7 +795,7 @@ def _fused(monkeypatch, on, cols=None):
     monkeypatch.setattr(_k, "l2_cache_bytes", lambda device: 0 if on else 1 << 40)
     if cols is not None:
         monkeypatch.setattr(_k, "_FUSED_CHUNK", cols)
-        monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 0)
+        monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 1 << 40)
 
 
 def _row_counters_zero(device, B):
@@ -882,7 +882,7 @@ def test_fused_taken_only_past_l2(kernel_device, monkeypatch):
     than L2 (times _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE), and two launches otherwise."""
     calls = []
     monkeypatch.setattr(_k, "_FUSED_CHUNK", 400)
-    monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 0)
+    monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 1 << 40)
     for name in ("_mix_fused_kernel", "_mix_partial_kernel"):
         monkeypatch.setattr(_k, name, _GridSpy(getattr(_k, name)))
     B, K, V = 2, 2, 1000
@@ -914,7 +914,7 @@ def test_gpu_fused_full_size(greedy, B, K, monkeypatch):
     run = lambda: _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, return_mixture=True)
     assert logits.numel() * 2 + B * V * 4 > _common.l2_cache_bytes(logits.device)
     fused = run()
-    S = triton.cdiv(V, _k._FUSED_CHUNK if K > 1 else _k._FUSED_TASK_BYTES // 2)   # the launcher's chunks
+    S = triton.cdiv(V, min(_k._FUSED_CHUNK, _k._FUSED_TASK_BYTES // (2 * K)))   # the launcher's chunks
     outs = [fused, run()]
     monkeypatch.setattr(_k, "_FUSED_WAIT", False)
     outs.append(run())
