@@ -149,11 +149,10 @@ _ROWWISE_BIG_TILE = 1024
 # -> 75.5 us (49% -> 61% of copy), B = 1024, K = 2 114.7 -> 90.6 (54% -> 68%), B = 2048, K =
 # 1 146.8 -> 116.1 (63% -> 80%), B = 256, K = 2 (66 MB) 29.8 -> 25.8; greedy 97.2 -> 82.0,
 # 111.9 -> 96.3, 148.0 -> 114.6, 36.0 -> 26.8 (48/55/63/43% -> 57/64/81/58%). Taken where
-# logits and mixture row exceed L2 times _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE (60 MB on the
-# H200): greedy gains from 49 MB (B = 128, K = 4: 31.0 -> 24.6 us), sampling loses there
-# (24.0 -> 24.7).
-_FUSED_L2_GREEDY = 0.5
-_FUSED_L2_SAMPLE = 1.0
+# logits and mixture row exceed L2 times _FUSED_L2 (60 MB on the H200): at 49 MB (B = 128,
+# K = 4) greedy 31.4 -> 23.7 us, sampling 23.8 -> 23.7; at 99 MB (B = 512, K = 1) 45.9 ->
+# 32.3 and 38.7 -> 33.5.
+_FUSED_L2 = 0.5
 _FUSED = True
 _FUSED_WAIT = True
 _FUSED_CHUNK = 8192
@@ -323,7 +322,8 @@ def _mix_chunk(
     NB: tl.constexpr, DSTAGES: tl.constexpr, BLOCK1: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
     SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, CACHE: tl.constexpr, EVICT2: tl.constexpr,
 ):
-    """Pass 2 of request b (int64), program sp of the row's n_prog: fold the S partials into the normalisers, then q over this program's chunk.
+    """Pass 2 of request b (int64), program sp of the row's n_prog: fold the S partials into
+    the normalisers, then q over this program's chunk.
 
     CERT (greedy, K > 1, no mixture row): first the candidates, each view's argmax c_j. A
     token that is no view's argmax has q_v <= bound = sum_k w_k q_k(second largest of view
@@ -357,7 +357,8 @@ def _mix_chunk(
         if SB >= SP:  # the draw's slot sums, one tile, loaded beside the partials (before any reduction)
             d_pre = tl.load(slot_ptr + _slot_offsets(b, S, ss, ks, KP, P // SW),
                             mask=((ss < tl.where(sp == n_prog - 1, S, 0))[:, None]
-                                  & kmask[None, :])[:, :, None], other=0.0, cache_modifier=CACHE)   # the draw program only
+                                  & kmask[None, :])[:, :, None], other=0.0,
+                            cache_modifier=CACHE)   # the draw program only
     ms = 0.0
     if LIVE > 0:  # pass 1's thread-slot maxima of this chunk, loaded beside the partials
         ms = tl.load(slot_ptr + _slot_max_offsets(b, S, sp, ks, KP, BLOCK1 // (RPT * VEC)), mask=kmask[:, None],
@@ -799,8 +800,8 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
                             period)
         rowwise = S > 1 or not greedy
     # the mixture row past L2: one launch, chunks from _FUSED_TASK_BYTES (see _mix_fused_kernel)
-    fused = _FUSED and write_mix and (logits.numel() * logits.element_size() + B * V * 4
-                                      > l2_cache_bytes(dev) * (_FUSED_L2_GREEDY if greedy else _FUSED_L2_SAMPLE))
+    nbytes = logits.numel() * logits.element_size() + B * V * 4
+    fused = _FUSED and write_mix and nbytes > l2_cache_bytes(dev) * _FUSED_L2
     if fused:
         cols = max(16, min(_FUSED_CHUNK, _FUSED_TASK_BYTES // (K * logits.element_size())))
         S, chunk = chunking(V, min(128, triton.cdiv(V, cols)), period)
@@ -812,7 +813,10 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     BLOCK = max(chunk_block(chunk, tile // KP1), period)
     # pass 2's columns per view and step
     if fused:
-        tile2 = _FUSED_GREEDY_COLUMNS * KP if greedy and not picked else _FUSED_CHUNK_TILE_K2 if KP == 2 else _FUSED_CHUNK_TILE
+        if greedy and not picked:
+            tile2 = _FUSED_GREEDY_COLUMNS * KP
+        else:
+            tile2 = _FUSED_CHUNK_TILE_K2 if KP == 2 else _FUSED_CHUNK_TILE
     else:
         tile2 = _CHUNK_TILE
     BLOCK2 = max(chunk_block(chunk, tile2 // KP), period)

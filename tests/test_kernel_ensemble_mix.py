@@ -865,9 +865,9 @@ def test_fused_sampling_follows_mixture(kernel_device, monkeypatch):
     _draw_order(monkeypatch, 16, 8)
     N, V = 400, 50
     logits, weights, mix = _mixture_case(N, 2, V, kernel_device)
-    token, prob, mixture, _ = _k.ensemble_mix(logits, weights, greedy=False, seed=torch.tensor([9], device=kernel_device),
-                                              offset=torch.tensor([0], device=kernel_device), temperature=0.8,
-                                              return_mixture=True)
+    seed = torch.tensor([9], device=kernel_device)
+    token, prob, mixture, _ = _k.ensemble_mix(logits, weights, greedy=False, seed=seed, offset=seed * 0,
+                                              temperature=0.8, return_mixture=True)
     p = _chisq_pvalue(token, mix)
     assert p > 1e-3, f"sampled tokens do not follow the mixture (p={p:.2e})"
     for k in range(2):
@@ -879,7 +879,7 @@ def test_fused_sampling_follows_mixture(kernel_device, monkeypatch):
 
 def test_fused_taken_only_past_l2(kernel_device, monkeypatch):
     """The launcher picks one launch only for the mixture row with logits and row larger
-    than L2 (times _FUSED_L2_GREEDY / _FUSED_L2_SAMPLE), and two launches otherwise."""
+    than L2 (times _FUSED_L2), and two launches otherwise."""
     calls = []
     monkeypatch.setattr(_k, "_FUSED_CHUNK", 400)
     monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 1 << 40)
@@ -889,8 +889,9 @@ def test_fused_taken_only_past_l2(kernel_device, monkeypatch):
     logits, w = _inputs(B, K, V, torch.float32, kernel_device)
     nbytes = (B * K + B) * V * 4
     seed = torch.tensor([1], device=kernel_device)
-    for greedy, factor in ((True, _k._FUSED_L2_GREEDY), (False, _k._FUSED_L2_SAMPLE)):
-        for l2, mix in ((nbytes / factor - 1, True), (nbytes / factor - 1, False), (nbytes / factor, True)):
+    for greedy in (True, False):
+        for l2, mix in ((nbytes / _k._FUSED_L2 - 1, True), (nbytes / _k._FUSED_L2 - 1, False),
+                        (nbytes / _k._FUSED_L2, True)):
             monkeypatch.setattr(_k, "l2_cache_bytes", lambda device, l2=l2: l2)
             _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=seed, return_mixture=mix)
             calls.append((len(_k._mix_fused_kernel.grids), len(_k._mix_partial_kernel.grids)))
