@@ -18,9 +18,9 @@ exchange small partials:
      finished by program (b, 0) at once.  Greedy with one view the pick is already
      known, so program (b, 0) finishes it.  Sampling: one more program per row draws.
 
-With the mixture row and logits larger than L2, the two passes run in one launch
-instead (`_mix_fused_kernel`: each program reads its chunk for pass 1, waits for its row's
-other chunks, and reads it again for pass 2 while it is still in L2).
+With the mixture row and logits and row larger than half of L2, the two passes run in one
+launch instead (`_mix_fused_kernel`: each program reads its chunk for pass 1, waits for its
+row's other chunks, and reads it again for pass 2 while it is still in L2).
 
 Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
 plus what needs q (every chunk with the mixture row; greedy without it, only what can
@@ -134,7 +134,7 @@ _ROWWISE = True
 # 2048-column steps 17.8 and 18.2); 3 chunks per row: 52.1 at B = 512, K = 4.
 _ROWWISE_BIG_SPLIT = 2
 _ROWWISE_BIG_TILE = 1024
-# The mixture row with logits and row larger than L2: both passes in one launch
+# The mixture row with logits and row larger than half of L2: both passes in one launch
 # (`_mix_fused_kernel`), each chunk's second read right after its first, from L2.
 # _FUSED_WAIT: each program writes its own chunk (False: the row's last program writes them
 # all, as under the interpreter). Chunks of _FUSED_TASK_BYTES of logits, at most _FUSED_CHUNK
