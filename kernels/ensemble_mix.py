@@ -484,7 +484,8 @@ def _mix_fused_kernel(
                  not GREEDY, P, SW, STAGES, EVICT, FAST, False, KP)
     tl.debug_barrier()  # every thread's partials are stored before the release
     arrived = tl.atomic_add(cnt_ptr + 1 + b, 1, sem="acq_rel", scope="gpu")
-    N2: tl.constexpr = 1 if GREEDY else 2   # + S: pass 2's programs per row (sampling: and the draw)
+    # pass 2's programs per row as `_mix_chunk` numbers them: S chunks, and sampling's draw (S)
+    N2: tl.constexpr = 0 if GREEDY else 1
     if not GREEDY:
         if arrived == S - 1:
             _mix_chunk(b, S, S + 1, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
@@ -502,7 +503,7 @@ def _mix_fused_kernel(
         c_lo = tl.where(arrived == S - 1, 0, S)
         c_hi = S
     for c in range(c_lo, c_hi):
-        _mix_chunk(b, c, S + N2 - 1, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
+        _mix_chunk(b, c, S + N2, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
                    part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                    cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                    K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
