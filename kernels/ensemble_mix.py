@@ -189,9 +189,9 @@ def _mix_partial(
     CERT: tl.constexpr, MULTI: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, ROWWISE: tl.constexpr, KV: tl.constexpr,
 ):
-    """Pass 1 of chunk sp of program row pid: per (row, chunk) max and sum-exp; with PICK (greedy, one view) the chunk's
-    argmax; with CERT (greedy, K > 1) each view's argmax in the chunk and its second-largest
-    logit.
+    """Pass 1 of chunk sp of program row pid: per (row, chunk) max and sum-exp; with PICK
+    (greedy, one view) the chunk's argmax; with CERT (greedy, K > 1) each view's argmax in
+    the chunk and its second-largest logit.
 
     Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups (see `_common`; with
     ROWWISE, KP == 1 and program row r is view r % K of request r // K; partial rows hold
@@ -488,7 +488,7 @@ def _mix_fused_kernel(
     N2: tl.constexpr = 0 if GREEDY else 1
     if not GREEDY:
         if arrived == S - 1:
-            _mix_chunk(b, S, S + 1, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
+            _mix_chunk(b, S, S + N2, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
                        part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                        cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                        K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
