@@ -22,6 +22,10 @@ no normaliser up front: `_wd_kl_kernel` is one launch and one pass,
 sum_v p_v (y_p - y_k) accumulated against the running max of the target and rescaled
 with its sum-exp, the last program of each row folding the splits (with few rows, as at
 the engine's B = 1, each program takes one view and the target is read once per view).
+Without normalisers and without a grid, where the logits exceed half of L2, TV is one
+launch too (`_wd_tv_fused_kernel`): each program runs the KL pass over its split (which
+yields the normalisers' partials), waits for the other splits of its (row, view group),
+and reads its split again for TV while it is still in L2.
 The stats launch and the KL pass keep running max / sum-exp per thread over 16-byte
 groups that thread alone loads (as `ensemble_mix` pass 1, see `_common`), the divergence
 launch element-wise running partial KL and TV; all reduce across the tile once per
@@ -296,30 +300,24 @@ def _wd_div_kernel(
 
 
 @triton.jit
-def _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp):
-    """A one-pass program's place, grid (B*P, NS, view groups): (split, view group, (row,
-    group) index, request b, position, target row pointer, the split's columns [v_start,
-    v_end))."""
-    row64 = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    kg = tl.program_id(2)
+def _one_pass_place(p_ptr, q_ptr, row64, split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
+                    K: tl.constexpr):
+    """A one-pass program's place: (request b, position, target row pointer, pointer to the
+    first of its K views' rows, the split's columns [v_start, v_end)), for row `row64`
+    (int64, b * P + position), V split `split` and view group `kg` (views kg * K ..)."""
     b = row64 // P
     pos = row64 % P
     v_start = split * CH
-    return (split, kg, row64 * tl.num_programs(2) + kg, b, pos, p_ptr + b * stride_pb + pos * stride_pp,
-            v_start, tl.minimum(v_start + CH, V))
+    return (b, pos, p_ptr + b * stride_pb + pos * stride_pp, q_ptr + b * stride_qb + pos * stride_qp
+            + (kg * K) * stride_qk, v_start, tl.minimum(v_start + CH, V))
 
 
 @triton.jit
-def _wd_kl_kernel(
-    p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
-    P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
-    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
-    STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-):
-    """KL only (no TV, no grid): one pass over the logits, grid (B*P, NS, KT // K): each
-    program reads the target and K of the KT views (views kg * K .. kg * K + K - 1, kg the
-    third program index; with K < KT the target is read once per group of views).
+def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
+                K: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, STAGES: tl.constexpr,
+                FAST: tl.constexpr, EVICT: tl.constexpr):
+    """The KL pass over columns [v_start, v_end) of a target row and K view rows (q_row,
+    q_row + stride_qk, ..): stores the partials [m, S, A_k | m_k, s_k] at `part`.
 
     KL(p || q_k) = sum_v p_v (y_p - y_k) - lse_p + lse_k (y = x * scale, log2 units), and
     sum_v p_v (y_p - y_k) = A_k / S with S = sum exp2(y_p - m) and A_k = sum exp2(y_p - m)
@@ -329,27 +327,22 @@ def _wd_kl_kernel(
     form a group that one thread loads and reduces alone, so every running value lives per
     thread slot ([BLOCK // (RPT * VEC)]): the slot's max, one exp2 per element against the
     new max, one per slot and step to rescale the sums (as in `ensemble_mix` pass 1).
-    Partials per (row, group, split): [m, S, A_k | m_k, s_k]; the last program of a (row,
-    group) to arrive folds them in split order and resets the counter."""
-    pdl_wait(PDL)
-    split, kg, grp, b, pos, p_row, v_start, v_end = _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp)
+    EVICT: the loads' eviction policy."""
     NT: tl.constexpr = BLOCK // (RPT * VEC)
     cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
     mp = tl.full([NT], NEG_BIG, tl.float32)
     sp = tl.zeros([NT], tl.float32)
-    q_rows = ()
     mq = ()
     sq = ()
     acc = ()
     for k in tl.static_range(K):
-        q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + (kg * K + k) * stride_qk,)
         mq = mq + (tl.full([NT], NEG_BIG, tl.float32),)
         sq = sq + (tl.zeros([NT], tl.float32),)
         acc = acc + (tl.zeros([NT], tl.float32),)
     for v0 in tl.range(v_start, v_end, BLOCK, num_stages=STAGES):
         offs = v0 + cols
         vmask = offs < v_end
-        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
         mp_new = tl.maximum(mp, tl.max(tl.max(xp, axis=2), axis=0))
         rescale = exp2((mp - mp_new) * scale, FAST)                  # old sums move to the new max
         ep = exp2(xp * scale - tl.maximum(mp_new * scale, NEG_BIG)[None, :, None], FAST)  # 0 where p_v = 0
@@ -359,7 +352,8 @@ def _wd_kl_kernel(
         n_sq = ()
         n_acc = ()
         for k in tl.static_range(K):
-            xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+            xq = tl.load(q_row + k * stride_qk + offs, mask=vmask, other=float("-inf"),
+                         eviction_policy=EVICT).to(tl.float32)
             # `group_lse_step` on 3D tiles: through it (as xq[None]) the loop took 2x as long
             m_k = tl.maximum(mq[k], tl.max(tl.max(xq, axis=2), axis=0))
             eq = exp2(xq * scale - tl.maximum(m_k * scale, NEG_BIG)[None, :, None], FAST)
@@ -373,8 +367,6 @@ def _wd_kl_kernel(
     # fold the tile: factors exp2((m - top) * scale) per element
     top = tl.max(mp, axis=0)
     f = exp2((mp - top) * scale, FAST)
-    W: tl.constexpr = 2 + 3 * K
-    part = part_ptr + (grp * NS + split) * W
     tl.store(part, top)
     tl.store(part + 1, tl.sum(sp * f, axis=0))
     for k in tl.static_range(K):
@@ -383,25 +375,107 @@ def _wd_kl_kernel(
         tl.store(part + 2 + K + k, top_k)
         tl.store(part + 2 + 2 * K + k, tot_k)
 
+
+@triton.jit
+def _kl_fold(prow, smask, scale, K: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr):
+    """Fold a (row, view group)'s KL partials (`_kl_partial`; prow [NSP] pointers to its
+    splits' rows in split order, smask the splits present): (lse_p, lse_q [KP]) in log2
+    units of x * scale and KL(p || q_k) [KP] in nats. The partials come from other programs
+    of the launch: loaded past L1 (.cg)."""
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    pm = tl.load(prow, mask=smask, other=NEG_BIG, cache_modifier=".cg")
+    g_top = tl.max(pm, axis=0)
+    g_f = exp2((pm - g_top) * scale, FAST)
+    g_tot = tl.sum(tl.load(prow + 1, mask=smask, other=0.0, cache_modifier=".cg") * g_f, axis=0)
+    lse_p = g_top * scale + log2(g_tot, FAST)
+    qrow = prow[:, None] + ks[None, :]
+    qmask = smask[:, None] & kmask[None, :]
+    a = tl.sum(tl.load(qrow + 2, mask=qmask, other=0.0, cache_modifier=".cg") * g_f[:, None], axis=0)
+    top_k, tot_k = lse_reduce(tl.load(qrow + 2 + K, mask=qmask, other=NEG_BIG, cache_modifier=".cg"),
+                              tl.load(qrow + 2 + 2 * K, mask=qmask, other=0.0, cache_modifier=".cg"), scale, 0, FAST)
+    lse_q = tl.where(kmask, top_k * scale + log2(tl.where(kmask, tot_k, 1.0), FAST), 0.0)
+    return lse_p, lse_q, (a * scale / g_tot - lse_p + lse_q) * LN2
+
+
+@triton.jit
+def _wd_kl_kernel(
+    p_ptr, q_ptr, part_ptr, cnt_ptr, kl_ptr,
+    P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
+    K: tl.constexpr, KP: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    RPT: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """KL only (no TV, no grid): one pass over the logits (`_kl_partial`), grid (B*P, NS,
+    KT // K): each program reads the target and K of the KT views (views kg * K .. kg * K +
+    K - 1, kg the third program index; with K < KT the target is read once per group of
+    views). Partials per (row, group, split); the last program of a (row, group) to arrive
+    folds them in split order (`_kl_fold`) and resets the counter."""
+    pdl_wait(PDL)
+    split = tl.program_id(1)
+    kg = tl.program_id(2)
+    grp = tl.program_id(0).to(tl.int64) * tl.num_programs(2) + kg
+    b, pos, p_row, q_row, v_start, v_end = _one_pass_place(
+        p_ptr, q_ptr, tl.program_id(0).to(tl.int64), split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk,
+        stride_qp, K)
+    W: tl.constexpr = 2 + 3 * K
+    _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
+                K, BLOCK, VEC, RPT, STAGES, FAST, "")
     tl.debug_barrier()  # every thread's partial stores precede the release below
     arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
     if arrived == NS - 1:
         ss = tl.arange(0, NSP)
-        smask = ss < NS
-        prow = part_ptr + (grp * NS + ss) * W
-        pm = tl.load(prow, mask=smask, other=NEG_BIG, cache_modifier=".cg")
-        g_top = tl.max(pm, axis=0)
-        g_f = exp2((pm - g_top) * scale, FAST)
-        g_tot = tl.sum(tl.load(prow + 1, mask=smask, other=0.0, cache_modifier=".cg") * g_f, axis=0)
-        lse_p = g_top * scale + log2(g_tot, FAST)
-        for k in tl.static_range(K):
-            a = tl.sum(tl.load(prow + 2 + k, mask=smask, other=0.0, cache_modifier=".cg") * g_f, axis=0)
-            g_top_k, g_tot_k = lse_reduce(
-                tl.load(prow + 2 + K + k, mask=smask, other=NEG_BIG, cache_modifier=".cg"),
-                tl.load(prow + 2 + 2 * K + k, mask=smask, other=0.0, cache_modifier=".cg"), scale, 0, FAST)
-            lse_k = g_top_k * scale + log2(g_tot_k, FAST)
-            tl.store(kl_ptr + (b * KT + kg * K + k) * P + pos, (a * scale / g_tot - lse_p + lse_k) * LN2)
+        ks = tl.arange(0, KP)
+        _, _, kl = _kl_fold(part_ptr + (grp * NS + ss) * W, ss < NS, scale, K, KP, FAST)
+        tl.store(kl_ptr + (b * KT + kg * K + ks) * P + pos, kl, mask=ks < K)
         tl.store(cnt_ptr + grp, 0)  # every split has arrived: ready for the next launch
+
+
+@triton.jit
+def _given_partial(p_row, q_row, stride_qk, lse_p, lse_q, v_start, v_end, part, scale,
+                   K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
+                   KL: tl.constexpr, FAST: tl.constexpr, EVICT: tl.constexpr):
+    """TV (and with KL the KL terms) over columns [v_start, v_end) of a target row and K
+    view rows from their normalisers (lse_p, lse_q [KP], log2 units of x * scale): every
+    term is final when read, p_v = 2^(y_p - lse_p), q_v = 2^(y_k - lse_k) (y = x * scale),
+    TV sums |p_v - q_v|, and KL(p || q_k) = sum_v p_v (y_p - y_k) + (lse_k - lse_p) sum_v
+    p_v, so no running max and no rescaling. Stores [sum p, A_k | T_k] at `part` (without
+    KL only T_k). The tiles of `_kl_partial`; EVICT: the loads' eviction policy."""
+    ks = tl.arange(0, KP)
+    NT: tl.constexpr = BLOCK // (RPT * VEC)
+    cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
+    sp = tl.zeros([NT], tl.float32)
+    lse_k = ()
+    acc = ()
+    tva = ()
+    for k in tl.static_range(K):
+        lse_k = lse_k + (tl.sum(tl.where(ks == k, lse_q, 0.0), axis=0),)
+        acc = acc + (tl.zeros([NT], tl.float32),)
+        tva = tva + (tl.zeros([NT], tl.float32),)
+    for v0 in range(v_start, v_end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < v_end
+        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+        pv = exp2(xp * scale - lse_p, FAST)                          # 0 where x_p = -inf
+        if KL:
+            sp += tl.sum(tl.sum(pv, axis=2), axis=0)
+        n_acc = ()
+        n_tva = ()
+        for k in tl.static_range(K):
+            xq = tl.load(q_row + k * stride_qk + offs, mask=vmask, other=float("-inf"),
+                         eviction_policy=EVICT).to(tl.float32)
+            if KL:
+                n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=0),)
+            qv = exp2(xq * scale - lse_k[k], FAST)
+            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=0),)
+        if KL:
+            acc = n_acc
+        tva = n_tva
+    if KL:
+        tl.store(part, tl.sum(sp, axis=0))
+    for k in tl.static_range(K):
+        if KL:
+            tl.store(part + 1 + k, tl.sum(acc[k], axis=0))
+        tl.store(part + 1 + K + k, tl.sum(tva[k], axis=0))
 
 
 @triton.jit
@@ -409,67 +483,114 @@ def _wd_given_kernel(
     p_ptr, q_ptr, plse_ptr, qlse_ptr, part_ptr, cnt_ptr, kl_ptr, tv_ptr,
     P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
     stride_lb, stride_lp, stride_mb, stride_mk, stride_mp, scale,
-    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    RPT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """KL and TV with the normalisers given: one pass over the logits, grid (B*P, NS,
-    KT // K), the program layout of `_wd_kl_kernel`. With lse_p and lse_k known up front
-    (log2 units: the natural-log inputs times log2(e)) every term is final when read:
-    p_v = 2^(y_p - lse_p), q_v = 2^(y_k - lse_k) (y = x * scale), TV sums |p_v - q_v|, and
-    KL(p || q_k) = sum_v p_v (y_p - y_k) + (lse_k - lse_p) sum_v p_v, so no running max and
-    no rescaling. Partials per (row, group, split): [sum p, A_k | T_k]; the last program of a
-    (row, group) to arrive folds them in split order and resets the counter."""
+    """KL and TV with the normalisers given: one pass over the logits (`_given_partial`),
+    grid (B*P, NS, KT // K), the program layout of `_wd_kl_kernel` (the natural-log inputs
+    times log2(e) are the log2 normalisers). Partials per (row, group, split): [sum p, A_k |
+    T_k]; the last program of a (row, group) to arrive folds them in split order and resets
+    the counter."""
     pdl_wait(PDL)
-    split, kg, grp, b, pos, p_row, v_start, v_end = _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp)
+    split = tl.program_id(1)
+    kg = tl.program_id(2)
+    grp = tl.program_id(0).to(tl.int64) * tl.num_programs(2) + kg
+    b, pos, p_row, q_row, v_start, v_end = _one_pass_place(
+        p_ptr, q_ptr, tl.program_id(0).to(tl.int64), split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk,
+        stride_qp, K)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
     lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
-    NT: tl.constexpr = BLOCK // (RPT * VEC)
-    cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
-    sp = tl.zeros([NT], tl.float32)
-    q_rows = ()
-    lse_q = ()
-    acc = ()
-    tva = ()
-    for k in tl.static_range(K):
-        q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + (kg * K + k) * stride_qk,)
-        lse_q = lse_q + (tl.load(qlse_ptr + b * stride_mb + pos * stride_mp + (kg * K + k) * stride_mk) * LOG2E,)
-        acc = acc + (tl.zeros([NT], tl.float32),)
-        tva = tva + (tl.zeros([NT], tl.float32),)
-    for v0 in range(v_start, v_end, BLOCK):
-        offs = v0 + cols
-        vmask = offs < v_end
-        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-        pv = exp2(xp * scale - lse_p, FAST)                          # 0 where x_p = -inf
-        sp += tl.sum(tl.sum(pv, axis=2), axis=0)
-        n_acc = ()
-        n_tva = ()
-        for k in tl.static_range(K):
-            xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-            qv = exp2(xq * scale - lse_q[k], FAST)
-            n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=0),)
-            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=0),)
-        acc = n_acc
-        tva = n_tva
+    lse_q = tl.load(qlse_ptr + b * stride_mb + pos * stride_mp + (kg * K + ks) * stride_mk, mask=kmask,
+                    other=0.0) * LOG2E
     W: tl.constexpr = 1 + 2 * K
-    part = part_ptr + (grp * NS + split) * W
-    tl.store(part, tl.sum(sp, axis=0))
-    for k in tl.static_range(K):
-        tl.store(part + 1 + k, tl.sum(acc[k], axis=0))
-        tl.store(part + 1 + K + k, tl.sum(tva[k], axis=0))
-
+    _given_partial(p_row, q_row, stride_qk, lse_p, lse_q, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
+                   K, KP, BLOCK, VEC, RPT, True, FAST, "")
     tl.debug_barrier()  # every thread's partial stores precede the release below
     arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
     if arrived == NS - 1:
         ss = tl.arange(0, NSP)
-        smask = ss < NS
-        prow = part_ptr + (grp * NS + ss) * W
-        s_p = tl.sum(tl.load(prow, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
-        for k in tl.static_range(K):
-            a = tl.sum(tl.load(prow + 1 + k, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
-            out = (b * KT + kg * K + k) * P + pos
-            t = tl.sum(tl.load(prow + 1 + K + k, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
-            tl.store(kl_ptr + out, (a * scale + (lse_q[k] - lse_p) * s_p) * LN2)
-            tl.store(tv_ptr + out, 0.5 * t)
+        prow = (part_ptr + (grp * NS + ss) * W)[:, None] + ks[None, :]
+        pmask = (ss < NS)[:, None] & kmask[None, :]
+        s_p = tl.sum(tl.load(part_ptr + (grp * NS + ss) * W, mask=ss < NS, other=0.0, cache_modifier=".cg"), axis=0)
+        a = tl.sum(tl.load(prow + 1, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
+        t = tl.sum(tl.load(prow + 1 + K, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
+        out = (b * KT + kg * K + ks) * P + pos
+        tl.store(kl_ptr + out, (a * scale + (lse_q - lse_p) * s_p) * LN2, mask=kmask)
+        tl.store(tv_ptr + out, 0.5 * t, mask=kmask)
         tl.store(cnt_ptr + grp, 0)  # every split has arrived: ready for the next launch
+
+
+@triton.jit
+def _wd_tv_fused_kernel(
+    p_ptr, q_ptr, part_ptr, part2_ptr, cnt_ptr, kl_ptr, tv_ptr,
+    NG, P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
+    K: tl.constexpr, KP: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    RPT: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, EVICT: tl.constexpr, EVICT2: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """KL and TV without given normalisers in one launch, past L2: the program that read a
+    split for the normalisers reads it again for TV right after (from L2).
+
+    NG * NS programs, one per ((row, view group), split), NG = B * P * KT // K. A program
+    takes a ticket (atomic counter: tickets follow the order programs start in) and runs
+    split t % NS of group t // NS: the KL pass (`_kl_partial`, which yields the normalisers'
+    partials too; loads `EVICT`), then it counts itself in at the group's counter. With WAIT
+    it spins until the group's NS programs have arrived, folds the normalisers
+    (`_kl_fold`) and runs the TV pass over its own split (`_given_partial` without KL,
+    loads `EVICT2`); the group's splits hold consecutive tickets, so they are running or
+    done whenever NS programs fit on the device at once (the launcher's condition) and the
+    wait ends. Without WAIT (the CPU interpreter, which runs programs one after another)
+    the group's last to arrive runs the TV pass over every split. The last program of the
+    group to finish folds KL and TV in split order.
+
+    Counters (cnt_ptr): [0] the ticket, [1 + g] group g's arrivals, [1 + NG + g] its
+    programs done; the last ticket and each group's last program reset theirs, so every
+    launch leaves them zero."""
+    pdl_wait(PDL)
+    t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+    if t == NG * NS - 1:  # every program has its ticket
+        tl.store(cnt_ptr, 0)
+    grp = (t // NS).to(tl.int64)
+    split = t % NS
+    b, pos, p_row, q_row, v_start, v_end = _one_pass_place(
+        p_ptr, q_ptr, grp // (KT // K), split, grp % (KT // K), P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk,
+        stride_qp, K)
+    W: tl.constexpr = 2 + 3 * K
+    W2: tl.constexpr = 1 + 2 * K
+    _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
+                K, BLOCK, VEC, RPT, STAGES, FAST, EVICT)
+    tl.debug_barrier()  # every thread's partials are stored before the release
+    arrived = tl.atomic_add(cnt_ptr + 1 + grp, 1, sem="acq_rel", scope="gpu")
+    if WAIT:
+        n = arrived + 1
+        while n < NS:
+            n = tl.atomic_add(cnt_ptr + 1 + grp, 0, sem="acquire", scope="gpu")
+        c_lo = split
+        c_hi = split + 1
+    else:
+        c_lo = tl.where(arrived == NS - 1, 0, NS)
+        c_hi = NS
+    ss = tl.arange(0, NSP)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    if c_lo < c_hi:
+        lse_p, lse_q, _ = _kl_fold(part_ptr + (grp * NS + ss) * W, ss < NS, scale, K, KP, FAST)
+        for c in range(c_lo, c_hi):
+            c_start = c * CH
+            _given_partial(p_row, q_row, stride_qk, lse_p, lse_q, c_start, tl.minimum(c_start + CH, V),
+                           part2_ptr + (grp * NS + c) * W2, scale, K, KP, BLOCK, VEC, RPT, False, FAST, EVICT2)
+    tl.debug_barrier()  # every thread's TV partials are stored before the release
+    done = tl.atomic_add(cnt_ptr + 1 + NG + grp, 1, sem="acq_rel", scope="gpu")
+    if done == NS - 1:  # the group's last program: every split's TV is stored
+        _, _, kl = _kl_fold(part_ptr + (grp * NS + ss) * W, ss < NS, scale, K, KP, FAST)
+        t_k = tl.sum(tl.load((part2_ptr + (grp * NS + ss) * W2 + 1 + K)[:, None] + ks[None, :],
+                             mask=(ss < NS)[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
+        out = (b * KT + (grp % (KT // K)) * K + ks) * P + pos
+        tl.store(kl_ptr + out, kl, mask=kmask)
+        tl.store(tv_ptr + out, 0.5 * t_k, mask=kmask)
+        tl.store(cnt_ptr + 1 + grp, 0)
+        tl.store(cnt_ptr + 1 + NG + grp, 0)
 
 
 def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True, p_lse=None, q_lse=None):
@@ -506,6 +627,10 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
         if B * P and K and V:
             _kl_only(p_logits, q_logits, kl, temperature)
         return kl, None, None, None
+    if grid is None and B * P and K and V and _tv_fused_taken(p_logits, q_logits):
+        tv = torch.empty(B, K, P, dtype=torch.float32, device=dev)
+        _tv_fused(p_logits, q_logits, kl, tv, temperature)
+        return kl, tv, None, None
     tv = torch.empty(B, K, P, dtype=torch.float32, device=dev)
     if grid is not None:
         if grid.dim() != 2 or grid.shape[1] != K or grid.dtype != torch.float32 or grid.device != dev:
@@ -654,8 +779,8 @@ def _kl_only(p_logits, q_logits, kl, temperature):
         p_logits, q_logits, part, counters(dev, R * groups), kl,
         P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
-        K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, STAGES=_KL_STAGES, FAST=dev.type == "cuda",
-        PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
+        K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt,
+        STAGES=_KL_STAGES, FAST=dev.type == "cuda", PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )
 
 
@@ -674,6 +799,64 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
         p_lse.stride(0), p_lse.stride(1), q_lse.stride(0), q_lse.stride(1), q_lse.stride(2),
         LOG2E.value / float(temperature),
-        K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, FAST=dev.type == "cuda",
-        PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
+        K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt,
+        FAST=dev.type == "cuda", PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
+    )
+
+
+# TV without given normalisers and without a grid, logits larger than L2 times _TV_FUSED_L2:
+# one launch (`_wd_tv_fused_kernel`) whose programs read their split twice, the second time
+# from L2, in splits of about _TV_FUSED_TASK_BYTES of logits (whole steps of the one-pass
+# layout); the first read's loads _TV_FUSED_EVICT, the second's _TV_FUSED_EVICT2.
+# _TV_FUSED_WAIT: each program runs the TV pass over its own split (False: the group's last
+# program runs it over all of them, as under the interpreter). H200, cold bf16 inputs, P = 6,
+# graph replays, one process (two launches -> one): B = 64, K = 4 (123 MB) 102.8 -> 75.4 us,
+# B = 128, K = 2 (148 MB) 100.5 -> 76.2, B = 256, K = 1 (197 MB) 112.1 -> 91.4; B = 16, K = 4
+# (31 MB) 27.9 -> 26.7, B = 32, K = 2 (37 MB) 27.8 -> 27.7, B = 64, K = 1 (49 MB) 34.7 -> 30.4.
+# 64 KB tasks within 3% either way (16 KB: up to 27% slower), no eviction hints within 3%,
+# 8 warps 0-45% slower, programs looping over tickets (2-8 per SM) 10-130% slower, a register
+# cap of 64-96 -3% to +35%, TV as 1 - sum min(p, q) (no exp2 of the target) 0.4-4.5% faster
+# (not kept: an identical view's TV is then ~1e-6 instead of 0).
+_TV_FUSED = True
+_TV_FUSED_L2 = 0.5
+_TV_FUSED_WAIT = True
+_TV_FUSED_TASK_BYTES = 32768
+_TV_FUSED_EVICT = "evict_last"
+_TV_FUSED_EVICT2 = "evict_first"
+
+
+def _tv_fused_taken(p_logits, q_logits):
+    """Whether TV without normalisers and without a grid takes the one-launch kernel."""
+    B, P, V = p_logits.shape
+    K = q_logits.shape[1]
+    es = max(p_logits.element_size(), q_logits.element_size())
+    return _TV_FUSED and B * P * (K + 1) * V * es > l2_cache_bytes(p_logits.device) * _TV_FUSED_L2
+
+
+def _tv_fused(p_logits, q_logits, kl, tv, temperature):
+    """KL and TV without given normalisers in one launch (`_wd_tv_fused_kernel`)."""
+    B, P, V = p_logits.shape
+    K = q_logits.shape[1]
+    dev = p_logits.device
+    use_pdl = pdl(dev)
+    R = B * P
+    kb, groups, _, _, block, vec, rpt = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
+    es = max(p_logits.element_size(), q_logits.element_size())
+    want = max(_TV_FUSED_TASK_BYTES // ((kb + 1) * es), triton.cdiv(V, _MAX_SPLITS))
+    chunk = block * max(1, want // block)
+    if triton.cdiv(V, chunk) > _MAX_SPLITS:
+        chunk = block * triton.cdiv(triton.cdiv(V, _MAX_SPLITS), block)
+    ns = triton.cdiv(V, chunk)
+    ng = R * groups
+    part = torch.empty(ng * ns * (2 + 3 * kb), dtype=torch.float32, device=dev)
+    part2 = torch.empty(ng * ns * (1 + 2 * kb), dtype=torch.float32, device=dev)
+    fast = dev.type == "cuda"
+    _wd_tv_fused_kernel[(ng * ns,)](
+        p_logits, q_logits, part, part2, counters(dev, 1 + 2 * ng), kl, tv,
+        ng, P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
+        q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
+        K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt,
+        STAGES=_KL_STAGES, WAIT=_TV_FUSED_WAIT and fast and ns <= _target_programs(dev, 1),
+        EVICT=_TV_FUSED_EVICT, EVICT2=_TV_FUSED_EVICT2, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=_KL_WARPS,
     )

@@ -348,6 +348,58 @@ def test_one_pass_steps_past_l2(past_l2, kernel_device, monkeypatch):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("task_bytes", [4096, 1 << 20])
+@pytest.mark.parametrize("split_views", [False, True])
+def test_tv_one_launch(kernel_device, monkeypatch, dtype, task_bytes, split_views):
+    # TV without normalisers in one launch (`_wd_tv_fused_kernel`: the KL pass, the wait for
+    # the (row, view group), the TV pass over the same split): outputs NaN-poisoned, large
+    # logit ranges, a masked column range, an identical view giving 0, several splits per
+    # row (small tasks) or one, views all in one program or one per program; against the
+    # reference and the two launches, repeat calls bitwise equal, counters left at zero.
+    from tabed_engine.kernels import _common
+    monkeypatch.setattr(_k, "_TV_FUSED_TASK_BYTES", task_bytes)
+    monkeypatch.setattr(_k, "_KL_SPLIT_ROWS", 1 << 30 if split_views else 0)
+    B, K, P, V, T = 2, 3, 3, 4099, 0.8
+    p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.8, seed=11)
+    p_logits = (p_logits * 6.0).to(dtype).contiguous()  # logits over a ~100-nat range
+    q_logits = q_logits.to(dtype)
+    p_logits[0, 1, 1000:3000] = float("-inf")          # p_v = 0 there
+    q_logits[1, 2] = p_logits[1]                       # an identical view: KL and TV 0
+    outs = []
+    for _ in range(2):
+        kl = torch.full((B, K, P), float("nan"), device=kernel_device)
+        tv = torch.full((B, K, P), float("nan"), device=kernel_device)
+        _k._tv_fused(p_logits, q_logits, kl, tv, T)
+        outs.append((kl, tv))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    kl, tv = outs[0]
+    ref = window_divergence_reference(p_logits, q_logits, temperature=T)
+    monkeypatch.setattr(_k, "_TV_FUSED", False)
+    two = _k.window_divergence(p_logits, q_logits, temperature=T)
+    for got, want in ((kl, ref[0]), (tv, ref[1]), (kl, two[0]), (tv, two[1])):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert kl[1, 2].abs().max() < 1e-5 and tv[1, 2].abs().max() < 1e-5 and (tv[0] > 1e-3).all()
+    assert int(_common.COUNTERS[p_logits.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("past", [False, True])
+def test_tv_one_launch_taken_past_l2(kernel_device, monkeypatch, past):
+    # the launcher takes the one launch for TV without normalisers and without a grid where
+    # the logits exceed L2 times _TV_FUSED_L2, and the two launches otherwise
+    p_logits, q_logits = _inputs(2, 2, 3, 1000, torch.bfloat16, kernel_device)
+    nbytes = 2 * 3 * 3 * 1000 * 2
+    monkeypatch.setattr(_k, "l2_cache_bytes", lambda device: nbytes / _k._TV_FUSED_L2 - (1 if past else 0))
+    calls = []
+    real = _k._tv_fused
+    monkeypatch.setattr(_k, "_tv_fused", lambda *a: calls.append(1) or real(*a))
+    ref = window_divergence_reference(p_logits, q_logits)
+    for kw in ({}, dict(tv=False), dict(grid=simplex_grid(2, 2).to(kernel_device))):
+        out = _k.window_divergence(p_logits, q_logits, **kw)
+        torch.testing.assert_close(out[0], ref[0], atol=2e-5, rtol=1e-4)
+    assert len(calls) == (1 if past else 0)   # only TV without a grid goes through it
+
+
 def test_given_normalisers_bad_inputs_raise(kernel_device):
     p_logits, q_logits = _inputs(2, 2, 3, 100, torch.float32, kernel_device)
     p_lse, q_lse = _normalisers(p_logits, q_logits, 1.0)
@@ -406,3 +458,38 @@ def test_gpu_full_size_bf16(B, K, P, V):
     torch.testing.assert_close(kl, ref[0], atol=5e-5, rtol=1e-4)
     torch.testing.assert_close(tv, ref[1], atol=5e-5, rtol=1e-4)
     _check_match(out[2], ref[2], p_logits, q_logits, grid, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, K", [(64, 4), (256, 1)])
+def test_gpu_tv_one_launch_full_size(B, K, monkeypatch):
+    """On the GPU past L2 (bf16, P = 6, V = 32064): the one launch against the reference and
+    the two launches; programs that wait for their group and the group's last program running
+    every split's TV pass store the same bits; graph replays agree; counters left zero."""
+    from tabed_engine.kernels import _common
+    P, V = 6, 32064
+    p_logits, q_logits = _inputs(B, K, P, V, torch.bfloat16, "cuda", noise=0.6)
+    assert _k._tv_fused_taken(p_logits, q_logits)
+    run = lambda: _k.window_divergence(p_logits, q_logits)
+    fused = run()
+    outs = [run()]
+    monkeypatch.setattr(_k, "_TV_FUSED_WAIT", False)
+    outs.append(run())
+    for other in outs:
+        assert torch.equal(fused[0], other[0]) and torch.equal(fused[1], other[1])
+    monkeypatch.setattr(_k, "_TV_FUSED_WAIT", True)
+    ref = window_divergence_reference(p_logits, q_logits)
+    monkeypatch.setattr(_k, "_TV_FUSED", False)
+    two = run()
+    monkeypatch.setattr(_k, "_TV_FUSED", True)
+    for want in (ref, two):
+        torch.testing.assert_close(fused[0], want[0], atol=5e-5, rtol=1e-4)
+        torch.testing.assert_close(fused[1], want[1], atol=5e-5, rtol=1e-4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(fused[0], captured[0]) and torch.equal(fused[1], captured[1])
+    assert int(_common.COUNTERS[p_logits.device].abs().sum()) == 0
