@@ -300,6 +300,21 @@ def _wd_div_kernel(
 
 
 @triton.jit
+def _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp):
+    """A one-pass program's place, grid (B*P, NS, view groups): (split, view group, (row,
+    group) index, request b, position, target row pointer, the split's columns [v_start,
+    v_end))."""
+    row64 = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    kg = tl.program_id(2)
+    b = row64 // P
+    pos = row64 % P
+    v_start = split * CH
+    return (split, kg, row64 * tl.num_programs(2) + kg, b, pos, p_ptr + b * stride_pb + pos * stride_pp,
+            v_start, tl.minimum(v_start + CH, V))
+
+
+@triton.jit
 def _one_pass_place(p_ptr, q_ptr, row64, split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
                     K: tl.constexpr):
     """A one-pass program's place: (request b, position, target row pointer, pointer to the
@@ -431,94 +446,102 @@ def _wd_kl_kernel(
 
 
 @triton.jit
-def _given_partial(p_row, q_row, stride_qk, lse_p, lse_q, v_start, v_end, part, scale,
-                   K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
-                   KL: tl.constexpr, FAST: tl.constexpr, EVICT: tl.constexpr):
-    """TV (and with KL the KL terms) over columns [v_start, v_end) of a target row and K
-    view rows from their normalisers (lse_p, lse_q [KP], log2 units of x * scale): every
-    term is final when read, p_v = 2^(y_p - lse_p), q_v = 2^(y_k - lse_k) (y = x * scale),
-    TV sums |p_v - q_v|, and KL(p || q_k) = sum_v p_v (y_p - y_k) + (lse_k - lse_p) sum_v
-    p_v, so no running max and no rescaling. Stores [sum p, A_k | T_k] at `part` (without
-    KL only T_k). The tiles of `_kl_partial`; EVICT: the loads' eviction policy."""
-    ks = tl.arange(0, KP)
+def _wd_given_kernel(
+    p_ptr, q_ptr, plse_ptr, qlse_ptr, part_ptr, cnt_ptr, kl_ptr, tv_ptr,
+    P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
+    stride_lb, stride_lp, stride_mb, stride_mk, stride_mp, scale,
+    K: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """KL and TV with the normalisers given: one pass over the logits, grid (B*P, NS,
+    KT // K), the program layout of `_wd_kl_kernel`. With lse_p and lse_k known up front
+    (log2 units: the natural-log inputs times log2(e)) every term is final when read:
+    p_v = 2^(y_p - lse_p), q_v = 2^(y_k - lse_k) (y = x * scale), TV sums |p_v - q_v|, and
+    KL(p || q_k) = sum_v p_v (y_p - y_k) + (lse_k - lse_p) sum_v p_v, so no running max and
+    no rescaling. Partials per (row, group, split): [sum p, A_k | T_k]; the last program of a
+    (row, group) to arrive folds them in split order and resets the counter."""
+    pdl_wait(PDL)
+    split, kg, grp, b, pos, p_row, v_start, v_end = _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp)
+    lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
     NT: tl.constexpr = BLOCK // (RPT * VEC)
     cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
     sp = tl.zeros([NT], tl.float32)
-    lse_k = ()
+    q_rows = ()
+    lse_q = ()
     acc = ()
     tva = ()
     for k in tl.static_range(K):
-        lse_k = lse_k + (tl.sum(tl.where(ks == k, lse_q, 0.0), axis=0),)
+        q_rows = q_rows + (q_ptr + b * stride_qb + pos * stride_qp + (kg * K + k) * stride_qk,)
+        lse_q = lse_q + (tl.load(qlse_ptr + b * stride_mb + pos * stride_mp + (kg * K + k) * stride_mk) * LOG2E,)
         acc = acc + (tl.zeros([NT], tl.float32),)
+        tva = tva + (tl.zeros([NT], tl.float32),)
+    for v0 in range(v_start, v_end, BLOCK):
+        offs = v0 + cols
+        vmask = offs < v_end
+        xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+        pv = exp2(xp * scale - lse_p, FAST)                          # 0 where x_p = -inf
+        sp += tl.sum(tl.sum(pv, axis=2), axis=0)
+        n_acc = ()
+        n_tva = ()
+        for k in tl.static_range(K):
+            xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+            qv = exp2(xq * scale - lse_q[k], FAST)
+            n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=0),)
+            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=0),)
+        acc = n_acc
+        tva = n_tva
+    W: tl.constexpr = 1 + 2 * K
+    part = part_ptr + (grp * NS + split) * W
+    tl.store(part, tl.sum(sp, axis=0))
+    for k in tl.static_range(K):
+        tl.store(part + 1 + k, tl.sum(acc[k], axis=0))
+        tl.store(part + 1 + K + k, tl.sum(tva[k], axis=0))
+
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
+    if arrived == NS - 1:
+        ss = tl.arange(0, NSP)
+        smask = ss < NS
+        prow = part_ptr + (grp * NS + ss) * W
+        s_p = tl.sum(tl.load(prow, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+        for k in tl.static_range(K):
+            a = tl.sum(tl.load(prow + 1 + k, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+            out = (b * KT + kg * K + k) * P + pos
+            t = tl.sum(tl.load(prow + 1 + K + k, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+            tl.store(kl_ptr + out, (a * scale + (lse_q[k] - lse_p) * s_p) * LN2)
+            tl.store(tv_ptr + out, 0.5 * t)
+        tl.store(cnt_ptr + grp, 0)  # every split has arrived: ready for the next launch
+
+
+@triton.jit
+def _tv_partial(p_row, q_row, stride_qk, lse_p, lse_ptr, v_start, v_end, part, scale,
+                K: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, FAST: tl.constexpr,
+                EVICT: tl.constexpr):
+    """TV sums over columns [v_start, v_end) of a target row and K view rows (q_row,
+    q_row + stride_qk, ..) from their normalisers (lse_p; view k's at lse_ptr + k; log2
+    units of x * scale): p_v = 2^(y_p - lse_p), q_v = 2^(y_k - lse_k) (y = x * scale), every
+    term |p_v - q_v| final when read; stores sum_v |p_v - q_v| of view k at part + k. The
+    tiles of `_kl_partial`; EVICT: the loads' eviction policy."""
+    NT: tl.constexpr = BLOCK // (RPT * VEC)
+    cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
+    lse_k = ()
+    tva = ()
+    for k in tl.static_range(K):
+        lse_k = lse_k + (tl.load(lse_ptr + k),)
         tva = tva + (tl.zeros([NT], tl.float32),)
     for v0 in range(v_start, v_end, BLOCK):
         offs = v0 + cols
         vmask = offs < v_end
         xp = tl.load(p_row + offs, mask=vmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
         pv = exp2(xp * scale - lse_p, FAST)                          # 0 where x_p = -inf
-        if KL:
-            sp += tl.sum(tl.sum(pv, axis=2), axis=0)
-        n_acc = ()
         n_tva = ()
         for k in tl.static_range(K):
             xq = tl.load(q_row + k * stride_qk + offs, mask=vmask, other=float("-inf"),
                          eviction_policy=EVICT).to(tl.float32)
-            if KL:
-                n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=0),)
-            qv = exp2(xq * scale - lse_k[k], FAST)
-            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=0),)
-        if KL:
-            acc = n_acc
+            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - exp2(xq * scale - lse_k[k], FAST)), axis=2), axis=0),)
         tva = n_tva
-    if KL:
-        tl.store(part, tl.sum(sp, axis=0))
     for k in tl.static_range(K):
-        if KL:
-            tl.store(part + 1 + k, tl.sum(acc[k], axis=0))
-        tl.store(part + 1 + K + k, tl.sum(tva[k], axis=0))
-
-
-@triton.jit
-def _wd_given_kernel(
-    p_ptr, q_ptr, plse_ptr, qlse_ptr, part_ptr, cnt_ptr, kl_ptr, tv_ptr,
-    P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
-    stride_lb, stride_lp, stride_mb, stride_mk, stride_mp, scale,
-    K: tl.constexpr, KP: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-    RPT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-):
-    """KL and TV with the normalisers given: one pass over the logits (`_given_partial`),
-    grid (B*P, NS, KT // K), the program layout of `_wd_kl_kernel` (the natural-log inputs
-    times log2(e) are the log2 normalisers). Partials per (row, group, split): [sum p, A_k |
-    T_k]; the last program of a (row, group) to arrive folds them in split order and resets
-    the counter."""
-    pdl_wait(PDL)
-    split = tl.program_id(1)
-    kg = tl.program_id(2)
-    grp = tl.program_id(0).to(tl.int64) * tl.num_programs(2) + kg
-    b, pos, p_row, q_row, v_start, v_end = _one_pass_place(
-        p_ptr, q_ptr, tl.program_id(0).to(tl.int64), split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk,
-        stride_qp, K)
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
-    lse_q = tl.load(qlse_ptr + b * stride_mb + pos * stride_mp + (kg * K + ks) * stride_mk, mask=kmask,
-                    other=0.0) * LOG2E
-    W: tl.constexpr = 1 + 2 * K
-    _given_partial(p_row, q_row, stride_qk, lse_p, lse_q, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
-                   K, KP, BLOCK, VEC, RPT, True, FAST, "")
-    tl.debug_barrier()  # every thread's partial stores precede the release below
-    arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
-    if arrived == NS - 1:
-        ss = tl.arange(0, NSP)
-        prow = (part_ptr + (grp * NS + ss) * W)[:, None] + ks[None, :]
-        pmask = (ss < NS)[:, None] & kmask[None, :]
-        s_p = tl.sum(tl.load(part_ptr + (grp * NS + ss) * W, mask=ss < NS, other=0.0, cache_modifier=".cg"), axis=0)
-        a = tl.sum(tl.load(prow + 1, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
-        t = tl.sum(tl.load(prow + 1 + K, mask=pmask, other=0.0, cache_modifier=".cg"), axis=0)
-        out = (b * KT + kg * K + ks) * P + pos
-        tl.store(kl_ptr + out, (a * scale + (lse_q - lse_p) * s_p) * LN2, mask=kmask)
-        tl.store(tv_ptr + out, 0.5 * t, mask=kmask)
-        tl.store(cnt_ptr + grp, 0)  # every split has arrived: ready for the next launch
+        tl.store(part + k, tl.sum(tva[k], axis=0))
 
 
 @triton.jit
@@ -537,7 +560,7 @@ def _wd_tv_fused_kernel(
     split t % NS of group t // NS: the KL pass (`_kl_partial`, which yields the normalisers'
     partials too; loads `EVICT`), then it counts itself in at the group's counter. With WAIT
     it spins until the group's NS programs have arrived, folds the normalisers
-    (`_kl_fold`) and runs the TV pass over its own split (`_given_partial` without KL,
+    (`_kl_fold`) and runs the TV pass over its own split (`_tv_partial`,
     loads `EVICT2`); the group's splits hold consecutive tickets, so they are running or
     done whenever NS programs fit on the device at once (the launcher's condition) and the
     wait ends. Without WAIT (the CPU interpreter, which runs programs one after another)
@@ -557,7 +580,7 @@ def _wd_tv_fused_kernel(
         p_ptr, q_ptr, grp // (KT // K), split, grp % (KT // K), P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk,
         stride_qp, K)
     W: tl.constexpr = 2 + 3 * K
-    W2: tl.constexpr = 1 + 2 * K
+    W2: tl.constexpr = 2 * K   # a split's TV row: the views' log2 normalisers, then their sums
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
                 K, BLOCK, VEC, RPT, STAGES, FAST, EVICT)
     tl.debug_barrier()  # every thread's partials are stored before the release
@@ -578,13 +601,16 @@ def _wd_tv_fused_kernel(
         lse_p, lse_q, _ = _kl_fold(part_ptr + (grp * NS + ss) * W, ss < NS, scale, K, KP, FAST)
         for c in range(c_lo, c_hi):
             c_start = c * CH
-            _given_partial(p_row, q_row, stride_qk, lse_p, lse_q, c_start, tl.minimum(c_start + CH, V),
-                           part2_ptr + (grp * NS + c) * W2, scale, K, KP, BLOCK, VEC, RPT, False, FAST, EVICT2)
+            row2 = part2_ptr + (grp * NS + c) * W2
+            tl.store(row2 + ks, lse_q, mask=kmask)   # read back as scalars (uniform values)
+            tl.debug_barrier()
+            _tv_partial(p_row, q_row, stride_qk, lse_p, row2, c_start, tl.minimum(c_start + CH, V), row2 + K, scale,
+                        K, BLOCK, VEC, RPT, FAST, EVICT2)
     tl.debug_barrier()  # every thread's TV partials are stored before the release
     done = tl.atomic_add(cnt_ptr + 1 + NG + grp, 1, sem="acq_rel", scope="gpu")
     if done == NS - 1:  # the group's last program: every split's TV is stored
         _, _, kl = _kl_fold(part_ptr + (grp * NS + ss) * W, ss < NS, scale, K, KP, FAST)
-        t_k = tl.sum(tl.load((part2_ptr + (grp * NS + ss) * W2 + 1 + K)[:, None] + ks[None, :],
+        t_k = tl.sum(tl.load((part2_ptr + (grp * NS + ss) * W2 + K)[:, None] + ks[None, :],
                              mask=(ss < NS)[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
         out = (b * KT + (grp % (KT // K)) * K + ks) * P + pos
         tl.store(kl_ptr + out, kl, mask=kmask)
@@ -799,8 +825,8 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
         p_lse.stride(0), p_lse.stride(1), q_lse.stride(0), q_lse.stride(1), q_lse.stride(2),
         LOG2E.value / float(temperature),
-        K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt,
-        FAST=dev.type == "cuda", PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
+        K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, FAST=dev.type == "cuda",
+        PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )
 
 
@@ -849,7 +875,7 @@ def _tv_fused(p_logits, q_logits, kl, tv, temperature):
     ns = triton.cdiv(V, chunk)
     ng = R * groups
     part = torch.empty(ng * ns * (2 + 3 * kb), dtype=torch.float32, device=dev)
-    part2 = torch.empty(ng * ns * (1 + 2 * kb), dtype=torch.float32, device=dev)
+    part2 = torch.empty(ng * ns * 2 * kb, dtype=torch.float32, device=dev)
     fast = dev.type == "cuda"
     _wd_tv_fused_kernel[(ng * ns,)](
         p_logits, q_logits, part, part2, counters(dev, 1 + 2 * ng), kl, tv,

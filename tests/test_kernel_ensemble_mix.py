@@ -906,8 +906,10 @@ def test_fused_taken_only_past_l2(kernel_device, monkeypatch):
 def test_gpu_fused_full_size(greedy, B, K, monkeypatch):
     """On the GPU past L2 (bf16 [B * K, 32064]): programs that wait for their row (WAIT) and
     the row's last program writing every chunk store the same bits; two launches with the
-    same chunks the same tokens and, up to rounding, mixture; greedy tokens are the
-    reference's; repeated and graph-replayed calls agree and leave the counters zero."""
+    same chunks the same mixture up to rounding and the same tokens (greedy: all of them;
+    sampling: all but draws within rounding of a boundary, whose pass-1 steps differ, at
+    most 1% of rows, each token's probability its row's); greedy tokens are the reference's;
+    repeated and graph-replayed calls agree and leave the counters zero."""
     V = 32064
     logits, w = _inputs(B, K, V, torch.bfloat16, "cuda", pad=0)
     seed = torch.tensor([1], device="cuda")
@@ -925,8 +927,13 @@ def test_gpu_fused_full_size(greedy, B, K, monkeypatch):
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             assert torch.equal(a, b)
-    assert torch.equal(two[0], fused[0])
-    for i in (1, 2, 3):
+    same = two[0] == fused[0]
+    assert bool(same.all()) if greedy else int((~same).sum()) <= B // 100
+    for out in (fused, two):   # each token's probability is its row's at that token
+        torch.testing.assert_close(out[2].gather(1, out[0][:, None]).squeeze(1), out[1], atol=1e-7, rtol=1e-5)
+        assert (out[1] > 0).all()
+    torch.testing.assert_close(two[1][same], fused[1][same], atol=1e-6, rtol=1e-5)
+    for i in (2, 3):
         torch.testing.assert_close(two[i], fused[i], atol=1e-6, rtol=1e-5)
     monkeypatch.setattr(_k, "_FUSED", True)
     monkeypatch.setattr(_k, "_FUSED_WAIT", True)
