@@ -623,7 +623,8 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     """Triton launcher; see `tabed_engine.ops.window_divergence.window_divergence`.
     KL alone (tv=False, no grid) is one launch and one pass over the logits, and so is TV
     without a grid when the normalisers are given (p_lse, q_lse); otherwise TV or a grid
-    needs both normalisers first: two launches, two passes."""
+    needs both normalisers first: two passes, in two launches, or for TV without a grid
+    where the logits exceed half of L2 in one (`_wd_tv_fused_kernel`)."""
     if p_logits.dim() != 3 or q_logits.dim() != 4:
         raise ValueError(f"p_logits must be [B, P, V] and q_logits [B, K, P, V], got "
                          f"{tuple(p_logits.shape)} and {tuple(q_logits.shape)}")
@@ -838,7 +839,8 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
 # program runs it over all of them, as under the interpreter). H200, cold bf16 inputs, P = 6,
 # graph replays, one process (two launches -> one): B = 64, K = 4 (123 MB) 102.8 -> 75.4 us,
 # B = 128, K = 2 (148 MB) 100.5 -> 76.2, B = 256, K = 1 (197 MB) 112.1 -> 91.4; B = 16, K = 4
-# (31 MB) 27.9 -> 26.7, B = 32, K = 2 (37 MB) 27.8 -> 27.7, B = 64, K = 1 (49 MB) 34.7 -> 30.4.
+# (31 MB) 27.9 -> 26.7, B = 32, K = 2 (37 MB) 27.8 -> 27.7, B = 64, K = 1 (49 MB) 34.7 -> 30.4
+# (a first version of the TV pass; this one measures 75.9, 92.4 and 30.8 in the benchmarks).
 # 64 KB tasks within 3% either way (16 KB: up to 27% slower), no eviction hints within 3%,
 # 8 warps 0-45% slower, programs looping over tickets (2-8 per SM) 10-130% slower, a register
 # cap of 64-96 -3% to +35%, TV as 1 - sum min(p, q) (no exp2 of the target) 0.4-4.5% faster

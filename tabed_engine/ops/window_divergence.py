@@ -58,7 +58,8 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     tv : bool
         Also compute TV. Without TV and grid the GPU kernel makes one pass over the logits
         (KL needs no normaliser up front); TV needs both normalisers first: two passes,
-        unless they are given.
+        unless they are given (where the logits exceed half of L2, both passes in one
+        launch, the second reading each split from L2).
     p_lse, q_lse : Tensor [B, P] and [B, K, P] fp32, optional (both or neither)
         logsumexp(logits / temperature) of each target and view row, where the caller has
         them (`ensemble_mix` returns the views', `chain_verify` the target's): without a
