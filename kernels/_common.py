@@ -107,6 +107,28 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def group_items(cnt_ptr, arrived, n, own, WAIT: tl.constexpr):
+    """The second-step items [lo, hi) a program of a one-launch two-step kernel runs, once
+    it has counted itself in at its group's arrival counter (`arrived`: the counter before
+    its increment; the group has n programs, the program's own item is `own`).
+
+    WAIT: spin (acquire loads of the counter) until the group's n programs have arrived, then
+    run its own item. Deadlock-free when the group's programs hold consecutive tickets (an
+    atomic counter taken at program start) and n programs fit on the device at once: every
+    program of the group is then running or done. Without WAIT (the CPU interpreter, which
+    runs programs one after another) the group's last to arrive runs all n items."""
+    lo = tl.where(arrived == n - 1, 0, n)
+    hi = n
+    if WAIT:
+        m = arrived + 1
+        while m < n:
+            m = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        lo = own
+        hi = own + 1
+    return lo, hi
+
+
 COUNTERS = {}   # device -> int32 arrival counters, all zero between launches
 
 

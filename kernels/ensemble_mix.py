@@ -56,8 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking, counters,
-                      exp2, group_best_cols, group_cols, group_lse_step, l2_cache_bytes, log2, lse_reduce,
+from ._common import (_MAX_SPLITS, BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking,
+                      counters, exp2, group_best_cols, group_cols, group_items, group_lse_step, l2_cache_bytes, log2,
+                      lse_reduce,
                       n_vsplit as _n_vsplit, pdl, pdl_wait, target_programs,
                       uniforms, tile_warps)
 
@@ -493,15 +494,7 @@ def _mix_fused_kernel(
                        cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                        K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
                        BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2)
-    if WAIT:
-        n = arrived + 1
-        while n < S:
-            n = tl.atomic_add(cnt_ptr + 1 + b, 0, sem="acquire", scope="gpu")
-        c_lo = sp
-        c_hi = sp + 1
-    else:
-        c_lo = tl.where(arrived == S - 1, 0, S)
-        c_hi = S
+    c_lo, c_hi = group_items(cnt_ptr + 1 + b, arrived, S, sp, WAIT)   # its own chunk, or all (no WAIT)
     for c in range(c_lo, c_hi):
         _mix_chunk(b, c, S + N2, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
                    part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
@@ -805,7 +798,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     fused = _FUSED and write_mix and nbytes > l2_cache_bytes(dev) * _FUSED_L2
     if fused:
         cols = max(16, min(_FUSED_CHUNK, _FUSED_TASK_BYTES // (K * logits.element_size())))
-        S, chunk = chunking(V, min(128, triton.cdiv(V, cols)), period)
+        S, chunk = chunking(V, min(_MAX_SPLITS, triton.cdiv(V, cols)), period)
     elif not rowwise:
         S, chunk = chunking(V, _n_vsplit(B, V, dev, per_sm), period)
     KP1 = 1 if rowwise else KP                 # pass 1's views per program

@@ -41,11 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, counters, exp2, group_best_cols, group_cols, group_lse_step,
-                      l2_cache_bytes, log2, lse_reduce, pdl, pdl_wait, target_programs, tile_warps)
+from ._common import (_MAX_SPLITS, BIG_IDX, LN2, LOG2E, NEG_BIG, counters, exp2, group_best_cols, group_cols,
+                      group_items, group_lse_step, l2_cache_bytes, log2, lse_reduce, pdl, pdl_wait, target_programs,
+                      tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_SPLITS = 128        # V splits per row: bounds the [splits, ...] tiles of the reductions
 # The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
 # that fp32 softmax keeps (q >= 2^-149); the shift is exact in log2 and cancels in argmax.
 _MIX_SHIFT = tl.constexpr(24.0)
@@ -300,21 +300,6 @@ def _wd_div_kernel(
 
 
 @triton.jit
-def _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp):
-    """A one-pass program's place, grid (B*P, NS, view groups): (split, view group, (row,
-    group) index, request b, position, target row pointer, the split's columns [v_start,
-    v_end))."""
-    row64 = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    kg = tl.program_id(2)
-    b = row64 // P
-    pos = row64 % P
-    v_start = split * CH
-    return (split, kg, row64 * tl.num_programs(2) + kg, b, pos, p_ptr + b * stride_pb + pos * stride_pp,
-            v_start, tl.minimum(v_start + CH, V))
-
-
-@triton.jit
 def _one_pass_place(p_ptr, q_ptr, row64, split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp,
                     K: tl.constexpr):
     """A one-pass program's place: (request b, position, target row pointer, pointer to the
@@ -325,6 +310,18 @@ def _one_pass_place(p_ptr, q_ptr, row64, split, kg, P, V, CH, stride_pb, stride_
     v_start = split * CH
     return (b, pos, p_ptr + b * stride_pb + pos * stride_pp, q_ptr + b * stride_qb + pos * stride_qp
             + (kg * K) * stride_qk, v_start, tl.minimum(v_start + CH, V))
+
+
+@triton.jit
+def _one_pass_program(p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K: tl.constexpr):
+    """`_one_pass_place` of a program of grid (B*P, NS, view groups), with its split, view
+    group and (row, group) index first."""
+    split = tl.program_id(1)
+    kg = tl.program_id(2)
+    row64 = tl.program_id(0).to(tl.int64)
+    b, pos, p_row, q_row, v_start, v_end = _one_pass_place(
+        p_ptr, q_ptr, row64, split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
+    return split, kg, row64 * tl.num_programs(2) + kg, b, pos, p_row, q_row, v_start, v_end
 
 
 @triton.jit
@@ -426,12 +423,8 @@ def _wd_kl_kernel(
     views). Partials per (row, group, split); the last program of a (row, group) to arrive
     folds them in split order (`_kl_fold`) and resets the counter."""
     pdl_wait(PDL)
-    split = tl.program_id(1)
-    kg = tl.program_id(2)
-    grp = tl.program_id(0).to(tl.int64) * tl.num_programs(2) + kg
-    b, pos, p_row, q_row, v_start, v_end = _one_pass_place(
-        p_ptr, q_ptr, tl.program_id(0).to(tl.int64), split, kg, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk,
-        stride_qp, K)
+    split, kg, grp, b, pos, p_row, q_row, v_start, v_end = _one_pass_program(
+        p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
     W: tl.constexpr = 2 + 3 * K
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
                 K, BLOCK, VEC, RPT, STAGES, FAST, "")
@@ -461,7 +454,8 @@ def _wd_given_kernel(
     no rescaling. Partials per (row, group, split): [sum p, A_k | T_k]; the last program of a
     (row, group) to arrive folds them in split order and resets the counter."""
     pdl_wait(PDL)
-    split, kg, grp, b, pos, p_row, v_start, v_end = _one_pass_program(p_ptr, P, V, CH, stride_pb, stride_pp)
+    split, kg, grp, b, pos, p_row, _, v_start, v_end = _one_pass_program(
+        p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
     lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
     NT: tl.constexpr = BLOCK // (RPT * VEC)
     cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
@@ -585,15 +579,7 @@ def _wd_tv_fused_kernel(
                 K, BLOCK, VEC, RPT, STAGES, FAST, EVICT)
     tl.debug_barrier()  # every thread's partials are stored before the release
     arrived = tl.atomic_add(cnt_ptr + 1 + grp, 1, sem="acq_rel", scope="gpu")
-    if WAIT:
-        n = arrived + 1
-        while n < NS:
-            n = tl.atomic_add(cnt_ptr + 1 + grp, 0, sem="acquire", scope="gpu")
-        c_lo = split
-        c_hi = split + 1
-    else:
-        c_lo = tl.where(arrived == NS - 1, 0, NS)
-        c_hi = NS
+    c_lo, c_hi = group_items(cnt_ptr + 1 + grp, arrived, NS, split, WAIT)   # its own split, or all (no WAIT)
     ss = tl.arange(0, NSP)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -870,10 +856,9 @@ def _tv_fused(p_logits, q_logits, kl, tv, temperature):
     R = B * P
     kb, groups, _, _, block, vec, rpt = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
     es = max(p_logits.element_size(), q_logits.element_size())
-    want = max(_TV_FUSED_TASK_BYTES // ((kb + 1) * es), triton.cdiv(V, _MAX_SPLITS))
-    chunk = block * max(1, want // block)
-    if triton.cdiv(V, chunk) > _MAX_SPLITS:
-        chunk = block * triton.cdiv(triton.cdiv(V, _MAX_SPLITS), block)
+    # whole steps, about _TV_FUSED_TASK_BYTES of logits, at most _MAX_SPLITS splits per row
+    chunk = block * max(1, _TV_FUSED_TASK_BYTES // ((kb + 1) * es * block),
+                        triton.cdiv(triton.cdiv(V, _MAX_SPLITS), block))
     ns = triton.cdiv(V, chunk)
     ng = R * groups
     part = torch.empty(ng * ns * (2 + 3 * kb), dtype=torch.float32, device=dev)
