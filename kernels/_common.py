@@ -108,14 +108,25 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
+def ticket(cnt_ptr, n):
+    """Program's ticket of a one-launch two-step kernel of n programs: an atomic counter taken
+    at program start, so tickets follow the order programs start in (every smaller ticket
+    belongs to a program already running or done). The last ticket resets the counter."""
+    t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+    if t == n - 1:  # every program has its ticket
+        tl.store(cnt_ptr, 0)
+    return t
+
+
+@triton.jit
 def group_items(cnt_ptr, arrived, n, own, WAIT: tl.constexpr):
     """The second-step items [lo, hi) a program of a one-launch two-step kernel runs, once
     it has counted itself in at its group's arrival counter (`arrived`: the counter before
     its increment; the group has n programs, the program's own item is `own`).
 
     WAIT: spin (acquire loads of the counter) until the group's n programs have arrived, then
-    run its own item. Deadlock-free when the group's programs hold consecutive tickets (an
-    atomic counter taken at program start) and n programs fit on the device at once: every
+    run its own item. Deadlock-free when the group's programs hold consecutive tickets
+    (`ticket`) and n programs fit on the device at once: every
     program of the group is then running or done. Without WAIT (the CPU interpreter, which
     runs programs one after another) the group's last to arrive runs all n items."""
     lo = tl.where(arrived == n - 1, 0, n)

@@ -58,9 +58,7 @@ import triton.language as tl
 
 from ._common import (_MAX_SPLITS, BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking,
                       counters, exp2, group_best_cols, group_cols, group_items, group_lse_step, l2_cache_bytes, log2,
-                      lse_reduce,
-                      n_vsplit as _n_vsplit, pdl, pdl_wait, target_programs,
-                      uniforms, tile_warps)
+                      lse_reduce, n_vsplit as _n_vsplit, pdl, pdl_wait, target_programs, ticket, uniforms, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Columns per view and pass-1 step (_TILE // KP) and programs per SM. H200, cold
@@ -475,9 +473,7 @@ def _mix_fused_kernel(
     done, [1 + 2B + b] greedy's chunk-best fold (`_mix_chunk`); the last ticket and each
     row's last program reset theirs, so every launch leaves them zero."""
     pdl_wait(PDL)
-    t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
-    if t == B * S - 1:  # every program has its ticket
-        tl.store(cnt_ptr, 0)
+    t = ticket(cnt_ptr, B * S)
     b = (t // S).to(tl.int64)
     sp = t % S
     _mix_partial(b, sp, logits_ptr, part_ptr, part_idx_ptr, part_ptr, part_idx_ptr, slot_ptr,

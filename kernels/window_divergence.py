@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ._common import (_MAX_SPLITS, BIG_IDX, LN2, LOG2E, NEG_BIG, counters, exp2, group_best_cols, group_cols,
                       group_items, group_lse_step, l2_cache_bytes, log2, lse_reduce, pdl, pdl_wait, target_programs,
-                      tile_warps)
+                      ticket, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
@@ -565,9 +565,7 @@ def _wd_tv_fused_kernel(
     programs done; the last ticket and each group's last program reset theirs, so every
     launch leaves them zero."""
     pdl_wait(PDL)
-    t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
-    if t == NG * NS - 1:  # every program has its ticket
-        tl.store(cnt_ptr, 0)
+    t = ticket(cnt_ptr, NG * NS)
     grp = (t // NS).to(tl.int64)
     split = t % NS
     b, pos, p_row, q_row, v_start, v_end = _one_pass_place(
