@@ -327,7 +327,7 @@ def _one_pass_program(p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, s
 @triton.jit
 def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
                 K: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, STAGES: tl.constexpr,
-                FAST: tl.constexpr, EVICT: tl.constexpr):
+                FAST: tl.constexpr, EVICT: tl.constexpr, RS: tl.constexpr):
     """The KL pass over columns [v_start, v_end) of a target row and K view rows (q_row,
     q_row + stride_qk, ..): stores the partials [m, S, A_k | m_k, s_k] at `part`.
 
@@ -339,7 +339,8 @@ def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
     form a group that one thread loads and reduces alone, so every running value lives per
     thread slot ([BLOCK // (RPT * VEC)]): the slot's max, one exp2 per element against the
     new max, one per slot and step to rescale the sums (as in `ensemble_mix` pass 1).
-    EVICT: the loads' eviction policy."""
+    EVICT: the loads' eviction policy; RS: 0, or the partials' tile fold stacked in RS rows
+    (`_kl_fold_stacked`)."""
     NT: tl.constexpr = BLOCK // (RPT * VEC)
     cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
     mp = tl.full([NT], NEG_BIG, tl.float32)
@@ -376,16 +377,43 @@ def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
         mq = n_mq
         sq = n_sq
         acc = n_acc
-    # fold the tile: factors exp2((m - top) * scale) per element
-    top = tl.max(mp, axis=0)
-    f = exp2((mp - top) * scale, FAST)
-    tl.store(part, top)
-    tl.store(part + 1, tl.sum(sp * f, axis=0))
+    if RS > 0:
+        _kl_fold_stacked(mp, sp, mq, sq, acc, part, scale, K, RS, FAST)
+    else:
+        # fold the tile: factors exp2((m - top) * scale) per element
+        top = tl.max(mp, axis=0)
+        f = exp2((mp - top) * scale, FAST)
+        tl.store(part, top)
+        tl.store(part + 1, tl.sum(sp * f, axis=0))
+        for k in tl.static_range(K):
+            tl.store(part + 2 + k, tl.sum(acc[k] * f, axis=0))
+            top_k, tot_k = lse_reduce(mq[k], sq[k], scale, 0, FAST)
+            tl.store(part + 2 + K + k, top_k)
+            tl.store(part + 2 + 2 * K + k, tot_k)
+
+
+@triton.jit
+def _kl_fold_stacked(mp, sp, mq, sq, acc, part, scale, K: tl.constexpr, RS: tl.constexpr, FAST: tl.constexpr):
+    """`_kl_partial`'s tile fold with the per-slot values ([NT]) stacked as rows of one
+    [RS, NT] tile (RS >= 2K + 1): one cross-thread max for the target's and the views' maxima
+    and one sum for the 2K + 1 sums, instead of one reduction (two barriers) per partial.
+    Rows: 0 the target (max / S), 1 + k view k's A_k, 1 + K + k view k (max / sum-exp)."""
+    r = tl.arange(0, RS)
+    rows = r[:, None]
+    m = tl.where(rows == 0, mp[None, :], NEG_BIG)
     for k in tl.static_range(K):
-        tl.store(part + 2 + k, tl.sum(acc[k] * f, axis=0))
-        top_k, tot_k = lse_reduce(mq[k], sq[k], scale, 0, FAST)
-        tl.store(part + 2 + K + k, top_k)
-        tl.store(part + 2 + 2 * K + k, tot_k)
+        m = tl.where(rows == 1 + K + k, mq[k][None, :], m)
+    tops = tl.max(m, axis=1)                                     # [RS] the rows' maxima
+    f = exp2((m - tops[:, None]) * scale, FAST)                  # per slot: its row's factor
+    f_p = tl.sum(tl.where(rows == 0, f, 0.0), axis=0)            # the target's factors [NT]
+    t = tl.where(rows == 0, (sp * f_p)[None, :], 0.0)
+    for k in tl.static_range(K):
+        t = tl.where(rows == 1 + k, (acc[k] * f_p)[None, :], t)
+        t = tl.where(rows == 1 + K + k, sq[k][None, :] * f, t)
+    sums = tl.sum(t, axis=1)
+    # part: [m, S, A_k | m_k, s_k]
+    tl.store(part + tl.where(r == 0, 1, tl.where(r <= K, 1 + r, K + 1 + r)), sums, mask=r <= 2 * K)
+    tl.store(part + tl.where(r == 0, 0, r + 1), tops, mask=(r == 0) | ((r > K) & (r <= 2 * K)))
 
 
 @triton.jit
@@ -427,7 +455,7 @@ def _wd_kl_kernel(
         p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
     W: tl.constexpr = 2 + 3 * K
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
-                K, BLOCK, VEC, RPT, STAGES, FAST, "")
+                K, BLOCK, VEC, RPT, STAGES, FAST, "", 0)
     tl.debug_barrier()  # every thread's partial stores precede the release below
     arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
     if arrived == NS - 1:
@@ -509,13 +537,14 @@ def _wd_given_kernel(
 
 @triton.jit
 def _tv_partial(p_row, q_row, stride_qk, lse_p, lse_ptr, v_start, v_end, part, scale,
-                K: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, FAST: tl.constexpr,
-                EVICT: tl.constexpr):
+                K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr,
+                FAST: tl.constexpr, EVICT: tl.constexpr):
     """TV sums over columns [v_start, v_end) of a target row and K view rows (q_row,
     q_row + stride_qk, ..) from their normalisers (lse_p; view k's at lse_ptr + k; log2
     units of x * scale): p_v = 2^(y_p - lse_p), q_v = 2^(y_k - lse_k) (y = x * scale), every
-    term |p_v - q_v| final when read; stores sum_v |p_v - q_v| of view k at part + k. The
-    tiles of `_kl_partial`; EVICT: the loads' eviction policy."""
+    term |p_v - q_v| final when read; stores sum_v |p_v - q_v| of view k at part + k (the K
+    sums as rows of one [KP, NT] tile: one cross-thread reduction). The tiles of `_kl_partial`;
+    EVICT: the loads' eviction policy."""
     NT: tl.constexpr = BLOCK // (RPT * VEC)
     cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
     lse_k = ()
@@ -534,8 +563,11 @@ def _tv_partial(p_row, q_row, stride_qk, lse_p, lse_ptr, v_start, v_end, part, s
                          eviction_policy=EVICT).to(tl.float32)
             n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - exp2(xq * scale - lse_k[k], FAST)), axis=2), axis=0),)
         tva = n_tva
+    r = tl.arange(0, KP)
+    t = tl.zeros([KP, NT], tl.float32)
     for k in tl.static_range(K):
-        tl.store(part + k, tl.sum(tva[k], axis=0))
+        t = tl.where(r[:, None] == k, tva[k][None, :], t)
+    tl.store(part + r, tl.sum(t, axis=1), mask=r < K)
 
 
 @triton.jit
@@ -544,7 +576,7 @@ def _wd_tv_fused_kernel(
     NG, P, V, CH, NS, KT, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, scale,
     K: tl.constexpr, KP: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     RPT: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, EVICT: tl.constexpr, EVICT2: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr,
+    RS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """KL and TV without given normalisers in one launch, past L2: the program that read a
     split for the normalisers reads it again for TV right after (from L2).
@@ -574,7 +606,7 @@ def _wd_tv_fused_kernel(
     W: tl.constexpr = 2 + 3 * K
     W2: tl.constexpr = 2 * K   # a split's TV row: the views' log2 normalisers, then their sums
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
-                K, BLOCK, VEC, RPT, STAGES, FAST, EVICT)
+                K, BLOCK, VEC, RPT, STAGES, FAST, EVICT, RS)
     tl.debug_barrier()  # every thread's partials are stored before the release
     arrived = tl.atomic_add(cnt_ptr + 1 + grp, 1, sem="acq_rel", scope="gpu")
     c_lo, c_hi = group_items(cnt_ptr + 1 + grp, arrived, NS, split, WAIT)   # its own split, or all (no WAIT)
@@ -589,7 +621,7 @@ def _wd_tv_fused_kernel(
             tl.store(row2 + ks, lse_q, mask=kmask)   # read back as scalars (uniform values)
             tl.debug_barrier()
             _tv_partial(p_row, q_row, stride_qk, lse_p, row2, c_start, tl.minimum(c_start + CH, V), row2 + K, scale,
-                        K, BLOCK, VEC, RPT, FAST, EVICT2)
+                        K, KP, BLOCK, VEC, RPT, FAST, EVICT2)
     tl.debug_barrier()  # every thread's TV partials are stored before the release
     done = tl.atomic_add(cnt_ptr + 1 + NG + grp, 1, sem="acq_rel", scope="gpu")
     if done == NS - 1:  # the group's last program: every split's TV is stored
@@ -829,10 +861,22 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
 # 8 warps 0-45% slower, programs looping over tickets (2-8 per SM) 10-130% slower, a register
 # cap of 64-96 -3% to +35%, TV as 1 - sum min(p, q) (no exp2 of the target) 0.4-4.5% faster
 # (not kept: an identical view's TV is then ~1e-6 instead of 0).
+# _TV_FUSED_STACKED: each program folds its partials as rows of one tile (`_kl_fold_stacked`,
+# the TV pass likewise), 2 cross-thread reductions instead of 2K + 2 with two barriers each
+# (sm_90 SASS at K = 4: 61 -> 22 barriers). The program's fixed costs (its ticket, the
+# folds, two atomics at gpu scope) are paid per task while the one-pass KL kernel pays them
+# once per ~11 steps: at K = 4 the launch without the TV pass took 58.6 us against the KL
+# kernel's 38.1 (no wait: 58.3; no ticket: 71.7 with the TV pass against 76.2). A/B, H200,
+# graph replays, one process (32 KB unstacked -> stacked -> stacked 48 KB tasks): B = 64,
+# K = 4 76.2 -> 71.3 -> 65.6 us, B = 256, K = 1 92.5 -> 90.7 -> 90.6, B = 128, K = 2 77.1 ->
+# 74.8 -> 72.9 (64 KB: 65.4, 92.6, 78.0). Tried and not kept: the split's logits kept in
+# registers across the wait (no second read; 1-3 steps per task: 109-146 us at K = 4), the TV
+# pass's loads all issued before its exp2s (83.5), release-only arrivals (within 0.5%).
 _TV_FUSED = True
 _TV_FUSED_L2 = 0.5
 _TV_FUSED_WAIT = True
-_TV_FUSED_TASK_BYTES = 32768
+_TV_FUSED_TASK_BYTES = 49152
+_TV_FUSED_STACKED = True
 _TV_FUSED_EVICT = "evict_last"
 _TV_FUSED_EVICT2 = "evict_first"
 
@@ -869,5 +913,6 @@ def _tv_fused(p_logits, q_logits, kl, tv, temperature):
         K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt,
         STAGES=_KL_STAGES, WAIT=_TV_FUSED_WAIT and fast and ns <= _target_programs(dev, 1),
         EVICT=_TV_FUSED_EVICT, EVICT2=_TV_FUSED_EVICT2, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl,
+        RS=triton.next_power_of_2(2 * kb + 1) if _TV_FUSED_STACKED else 0,
         num_warps=_KL_WARPS,
     )
