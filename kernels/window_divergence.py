@@ -856,8 +856,8 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
 # graph replays, one process (two launches -> one): B = 64, K = 4 (123 MB) 102.8 -> 75.4 us,
 # B = 128, K = 2 (148 MB) 100.5 -> 76.2, B = 256, K = 1 (197 MB) 112.1 -> 91.4; B = 16, K = 4
 # (31 MB) 27.9 -> 26.7, B = 32, K = 2 (37 MB) 27.8 -> 27.7, B = 64, K = 1 (49 MB) 34.7 -> 30.4
-# (a first version of the TV pass; this one measures 75.9, 92.4 and 30.8 in the benchmarks).
-# 64 KB tasks within 3% either way (16 KB: up to 27% slower), no eviction hints within 3%,
+# (a first version of the TV pass with 32 KB tasks, before the stacked folds below).
+# Then: 64 KB tasks within 3% either way (16 KB: up to 27% slower), no eviction hints within 3%,
 # 8 warps 0-45% slower, programs looping over tickets (2-8 per SM) 10-130% slower, a register
 # cap of 64-96 -3% to +35%, TV as 1 - sum min(p, q) (no exp2 of the target) 0.4-4.5% faster
 # (not kept: an identical view's TV is then ~1e-6 instead of 0).
