@@ -348,17 +348,19 @@ def test_one_pass_steps_past_l2(past_l2, kernel_device, monkeypatch):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("task_bytes", [4096, 1 << 20])
-@pytest.mark.parametrize("split_views", [False, True])
-def test_tv_one_launch(kernel_device, monkeypatch, dtype, task_bytes, split_views):
+@pytest.mark.parametrize("dtype, task_bytes, split_views, stacked", [
+    *itertools.product([torch.float32, torch.bfloat16], [4096, 1 << 20], [False, True], [True]),
+    (torch.float32, 4096, False, False), (torch.bfloat16, 4096, True, False)])
+def test_tv_one_launch(kernel_device, monkeypatch, dtype, task_bytes, split_views, stacked):
     # TV without normalisers in one launch (`_wd_tv_fused_kernel`: the KL pass, the wait for
     # the (row, view group), the TV pass over the same split): outputs NaN-poisoned, large
     # logit ranges, a masked column range, an identical view giving 0, several splits per
-    # row (small tasks) or one, views all in one program or one per program; against the
-    # reference and the two launches, repeat calls bitwise equal, counters left at zero.
+    # row (small tasks) or one, views all in one program or one per program, each program's
+    # partials folded as one stacked tile or one by one; against the reference and the two
+    # launches, repeat calls bitwise equal, counters left at zero.
     from tabed_engine.kernels import _common
     monkeypatch.setattr(_k, "_TV_FUSED_TASK_BYTES", task_bytes)
+    monkeypatch.setattr(_k, "_TV_FUSED_STACKED", stacked)
     monkeypatch.setattr(_k, "_KL_SPLIT_ROWS", 1 << 30 if split_views else 0)
     B, K, P, V, T = 2, 3, 3, 4099, 0.8
     p_logits, q_logits = _inputs(B, K, P, V, torch.float32, kernel_device, noise=0.8, seed=11)
