@@ -27,10 +27,12 @@ launch too (`_wd_tv_fused_kernel`): each program runs the KL pass over its split
 yields the normalisers' partials), waits for the other splits of its (row, view group),
 and reads its split again for TV while it is still in L2.
 The stats launch and the KL pass keep running max / sum-exp per thread over 16-byte
-groups that thread alone loads (as `ensemble_mix` pass 1, see `_common`), the divergence
-launch element-wise running partial KL and TV; all reduce across the tile once per
-program; exponentials are exp2 with temperature and log2(e) folded into one scale, and
-the divergences are summed in log2 units and scaled by ln 2 once.
+groups that thread alone loads (as `ensemble_mix` pass 1, see `_common`; the KL-only and
+given-normaliser kernels lay their tiles out slot-major, `slot_cols`, so that a slot's
+groups stay in one thread), the divergence launch element-wise running partial KL and TV;
+all reduce across the tile once per program; exponentials are exp2 with temperature and
+log2(e) folded into one scale, and the divergences are summed in log2 units and scaled by
+ln 2 once.
 
 Everything accumulates in fp32; argmax ties resolve to the lowest index (torch.argmax);
 split counts depend on shapes and the SM count only (no host sync: the launcher runs in
@@ -42,8 +44,8 @@ import triton
 import triton.language as tl
 
 from ._common import (_MAX_SPLITS, BIG_IDX, LN2, LOG2E, NEG_BIG, counters, exp2, group_best_cols, group_cols,
-                      group_items, group_lse_step, l2_cache_bytes, log2, lse_reduce, pdl, pdl_wait, target_programs,
-                      ticket, tile_warps)
+                      group_items, group_lse_step, l2_cache_bytes, log2, lse_reduce, pdl, pdl_wait, slot_cols,
+                      target_programs, ticket, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
@@ -325,9 +327,41 @@ def _one_pass_program(p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, s
 
 
 @triton.jit
+def _step_cols(RPT: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr, SLOT_MAJOR: tl.constexpr):
+    """A one-pass step's columns: [NT, RPT, VEC] (`slot_cols`) or [RPT, NT, VEC] (`group_cols`)."""
+    if SLOT_MAJOR:
+        cols = slot_cols(RPT, NT, VEC)
+    else:
+        cols = group_cols(RPT, NT, VEC)
+    return cols
+
+
+@triton.jit
+def _slot_max(x, SLOT_MAJOR: tl.constexpr):
+    """Each slot's max over its groups of a `_step_cols` tile: [NT]."""
+    return tl.max(tl.max(x, axis=2), axis=1 if SLOT_MAJOR else 0)
+
+
+@triton.jit
+def _slot_sum(x, SLOT_MAJOR: tl.constexpr):
+    """Each slot's sum over its groups of a `_step_cols` tile: [NT]."""
+    return tl.sum(tl.sum(x, axis=2), axis=1 if SLOT_MAJOR else 0)
+
+
+@triton.jit
+def _per_slot(v, SLOT_MAJOR: tl.constexpr):
+    """A per-slot value [NT] broadcast against a `_step_cols` tile."""
+    if SLOT_MAJOR:
+        r = v[:, None, None]
+    else:
+        r = v[None, :, None]
+    return r
+
+
+@triton.jit
 def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
                 K: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, STAGES: tl.constexpr,
-                FAST: tl.constexpr, EVICT: tl.constexpr, RS: tl.constexpr):
+                FAST: tl.constexpr, EVICT: tl.constexpr, RS: tl.constexpr, SLOT_MAJOR: tl.constexpr):
     """The KL pass over columns [v_start, v_end) of a target row and K view rows (q_row,
     q_row + stride_qk, ..): stores the partials [m, S, A_k | m_k, s_k] at `part`.
 
@@ -340,9 +374,9 @@ def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
     thread slot ([BLOCK // (RPT * VEC)]): the slot's max, one exp2 per element against the
     new max, one per slot and step to rescale the sums (as in `ensemble_mix` pass 1).
     EVICT: the loads' eviction policy; RS: 0, or the partials' tile fold stacked in RS rows
-    (`_kl_fold_stacked`)."""
+    (`_kl_fold_stacked`); SLOT_MAJOR: the tiles' layout (`_step_cols`)."""
     NT: tl.constexpr = BLOCK // (RPT * VEC)
-    cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
+    cols = _step_cols(RPT, NT, VEC, SLOT_MAJOR)          # the columns of a step
     mp = tl.full([NT], NEG_BIG, tl.float32)
     sp = tl.zeros([NT], tl.float32)
     mq = ()
@@ -356,10 +390,10 @@ def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
         offs = v0 + cols
         vmask = offs < v_end
         xp = tl.load(p_row + offs, mask=vmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-        mp_new = tl.maximum(mp, tl.max(tl.max(xp, axis=2), axis=0))
+        mp_new = tl.maximum(mp, _slot_max(xp, SLOT_MAJOR))
         rescale = exp2((mp - mp_new) * scale, FAST)                  # old sums move to the new max
-        ep = exp2(xp * scale - tl.maximum(mp_new * scale, NEG_BIG)[None, :, None], FAST)  # 0 where p_v = 0
-        sp = sp * rescale + tl.sum(tl.sum(ep, axis=2), axis=0)
+        ep = exp2(xp * scale - _per_slot(tl.maximum(mp_new * scale, NEG_BIG), SLOT_MAJOR), FAST)  # 0 where p_v = 0
+        sp = sp * rescale + _slot_sum(ep, SLOT_MAJOR)
         mp = mp_new
         n_mq = ()
         n_sq = ()
@@ -368,12 +402,11 @@ def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
             xq = tl.load(q_row + k * stride_qk + offs, mask=vmask, other=float("-inf"),
                          eviction_policy=EVICT).to(tl.float32)
             # `group_lse_step` on 3D tiles: through it (as xq[None]) the loop took 2x as long
-            m_k = tl.maximum(mq[k], tl.max(tl.max(xq, axis=2), axis=0))
-            eq = exp2(xq * scale - tl.maximum(m_k * scale, NEG_BIG)[None, :, None], FAST)
-            n_sq = n_sq + (sq[k] * exp2((mq[k] - m_k) * scale, FAST) + tl.sum(tl.sum(eq, axis=2), axis=0),)
+            m_k = tl.maximum(mq[k], _slot_max(xq, SLOT_MAJOR))
+            eq = exp2(xq * scale - _per_slot(tl.maximum(m_k * scale, NEG_BIG), SLOT_MAJOR), FAST)
+            n_sq = n_sq + (sq[k] * exp2((mq[k] - m_k) * scale, FAST) + _slot_sum(eq, SLOT_MAJOR),)
             n_mq = n_mq + (m_k,)
-            n_acc = n_acc + (acc[k] * rescale
-                             + tl.sum(tl.sum(tl.where(ep > 0, ep * (xp - xq), 0.0), axis=2), axis=0),)
+            n_acc = n_acc + (acc[k] * rescale + _slot_sum(tl.where(ep > 0, ep * (xp - xq), 0.0), SLOT_MAJOR),)
         mq = n_mq
         sq = n_sq
         acc = n_acc
@@ -455,7 +488,7 @@ def _wd_kl_kernel(
         p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
     W: tl.constexpr = 2 + 3 * K
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
-                K, BLOCK, VEC, RPT, STAGES, FAST, "", 0)
+                K, BLOCK, VEC, RPT, STAGES, FAST, "", 0, True)
     tl.debug_barrier()  # every thread's partial stores precede the release below
     arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
     if arrived == NS - 1:
@@ -486,7 +519,7 @@ def _wd_given_kernel(
         p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
     lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
     NT: tl.constexpr = BLOCK // (RPT * VEC)
-    cols = group_cols(RPT, NT, VEC)                      # [RPT, NT, VEC] columns of a step
+    cols = slot_cols(RPT, NT, VEC)                       # [NT, RPT, VEC] columns of a step
     sp = tl.zeros([NT], tl.float32)
     q_rows = ()
     lse_q = ()
@@ -502,14 +535,14 @@ def _wd_given_kernel(
         vmask = offs < v_end
         xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
         pv = exp2(xp * scale - lse_p, FAST)                          # 0 where x_p = -inf
-        sp += tl.sum(tl.sum(pv, axis=2), axis=0)
+        sp += tl.sum(tl.sum(pv, axis=2), axis=1)
         n_acc = ()
         n_tva = ()
         for k in tl.static_range(K):
             xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
             qv = exp2(xq * scale - lse_q[k], FAST)
-            n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=0),)
-            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=0),)
+            n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=1),)
+            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=1),)
         acc = n_acc
         tva = n_tva
     W: tl.constexpr = 1 + 2 * K
@@ -606,7 +639,7 @@ def _wd_tv_fused_kernel(
     W: tl.constexpr = 2 + 3 * K
     W2: tl.constexpr = 2 * K   # a split's TV row: the views' log2 normalisers, then their sums
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
-                K, BLOCK, VEC, RPT, STAGES, FAST, EVICT, RS)
+                K, BLOCK, VEC, RPT, STAGES, FAST, EVICT, RS, False)
     tl.debug_barrier()  # every thread's partials are stored before the release
     arrived = tl.atomic_add(cnt_ptr + 1 + grp, 1, sem="acq_rel", scope="gpu")
     c_lo, c_hi = group_items(cnt_ptr + 1 + grp, arrived, NS, split, WAIT)   # its own split, or all (no WAIT)
