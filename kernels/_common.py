@@ -263,64 +263,24 @@ def slot_cols(RPT: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def step_cols(RPT: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr, SLOT_MAJOR: tl.constexpr):
-    """A step's columns: [NT, RPT, VEC] (`slot_cols`) or [RPT, NT, VEC] (`group_cols`)."""
-    if SLOT_MAJOR:
-        cols = slot_cols(RPT, NT, VEC)
-    else:
-        cols = group_cols(RPT, NT, VEC)
-    return cols
-
-
-@triton.jit
-def step_tile(R: tl.constexpr, RPT: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr, value,
-              SLOT_MAJOR: tl.constexpr):
-    """A float32 tile of `value` shaped as R rows of `step_cols` tiles."""
-    if SLOT_MAJOR:
-        t = tl.full([R, NT, RPT, VEC], value, tl.float32)
-    else:
-        t = tl.full([R, RPT, NT, VEC], value, tl.float32)
-    return t
-
-
-@triton.jit
-def per_slot(v, SLOT_MAJOR: tl.constexpr):
-    """Per-slot values [R, NT] broadcast against R rows of `step_cols` tiles."""
-    if SLOT_MAJOR:
-        r = v[:, :, None, None]
-    else:
-        r = v[:, None, :, None]
-    return r
-
-
-@triton.jit
-def slot_max(x, SLOT_MAJOR: tl.constexpr):
-    """Each slot's max over its groups of R rows of `step_cols` tiles: [R, NT]."""
-    return tl.max(tl.max(x, axis=3), axis=2 if SLOT_MAJOR else 1)
-
-
-@triton.jit
-def group_lse_step(x, m, s, scale, FAST: tl.constexpr, SLOT_MAJOR: tl.constexpr):
-    """Fold a [R, RPT, NT, VEC] tile x ([R, NT, RPT, VEC] when SLOT_MAJOR) into per-slot
-    running (m, s) ([R, NT]; m starts at NEG_BIG, s at 0; s = sum of exp2((x - m) * scale)).
-    Returns (m, s, take, g): take where a slot's group max g beats its old max (strict:
-    earlier steps keep ties)."""
-    g = slot_max(x, SLOT_MAJOR)
+def group_lse_step(x, m, s, scale, FAST: tl.constexpr):
+    """Fold a [R, RPT, NT, VEC] tile x into per-slot running (m, s) ([R, NT]; m starts at
+    NEG_BIG, s at 0; s = sum of exp2((x - m) * scale)). Returns (m, s, take, g): take where
+    a slot's group max g beats its old max (strict: earlier steps keep ties)."""
+    g = tl.max(tl.max(x, axis=3), axis=1)
     take = g > m
     m_new = tl.maximum(m, g)
     c = tl.maximum(m_new * scale, NEG_BIG)  # finite: x * scale - c is never NaN
-    e = exp2(x * scale - per_slot(c, SLOT_MAJOR), FAST)
-    return (m_new, s * exp2((m - m_new) * scale, FAST) + tl.sum(tl.sum(e, axis=3), axis=2 if SLOT_MAJOR else 1),
-            take, g)
+    e = exp2(x * scale - c[:, None, :, None], FAST)
+    return m_new, s * exp2((m - m_new) * scale, FAST) + tl.sum(tl.sum(e, axis=3), axis=1), take, g
 
 
 @triton.jit
-def group_best_cols(bx, m, b_v0, cols, SLOT_MAJOR: tl.constexpr):
+def group_best_cols(bx, m, b_v0, cols):
     """Per slot ([R, NT]) the column of its max m: the first column equal to m in the kept
-    best step's values bx (R rows of `step_cols` tiles, read at step b_v0; cols from
-    `step_cols`)."""
-    bcol = cols[None] + per_slot(b_v0, SLOT_MAJOR)
-    return tl.min(tl.min(tl.where(bx == per_slot(m, SLOT_MAJOR), bcol, BIG_IDX), axis=3), axis=2 if SLOT_MAJOR else 1)
+    best step's values bx ([R, RPT, NT, VEC], read at step b_v0; cols from `group_cols`)."""
+    bcol = cols[None] + b_v0[:, None, :, None]
+    return tl.min(tl.min(tl.where(bx == m[:, None, :, None], bcol, BIG_IDX), axis=3), axis=1)
 
 
 @triton.jit

@@ -57,9 +57,8 @@ import triton
 import triton.language as tl
 
 from ._common import (_MAX_SPLITS, BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, chunk_block, chunking,
-                      counters, exp2, group_best_cols, group_items, group_lse_step, l2_cache_bytes, log2, lse_reduce,
-                      n_vsplit as _n_vsplit, pdl, pdl_wait, per_slot, slot_max, step_cols, step_tile, target_programs,
-                      ticket, uniforms, tile_warps)
+                      counters, exp2, group_best_cols, group_cols, group_items, group_lse_step, l2_cache_bytes, log2,
+                      lse_reduce, n_vsplit as _n_vsplit, pdl, pdl_wait, target_programs, ticket, uniforms, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Columns per view and pass-1 step (_TILE // KP) and programs per SM. H200, cold
@@ -112,15 +111,6 @@ _PER_THREAD = 16
 # B = 512, K = 1 within 0.1. The mixture row's stores marked "evict_first" as well: mixed
 # (B = 512 38.3, B = 256 30.9), not kept.
 _P1_EVICT = "evict_last"
-# Pass 1's tiles slot-major ([KP, NT, RPT, VEC], `_common.slot_cols`): with RPT > 1 (2048-column
-# steps at 4 warps) triton 3.6 put a thread slot's groups of [KP, RPT, NT, VEC] tiles on two
-# lanes, a shuffle in every reduction over a slot. H200, cold bf16, graph replays, one process
-# (old -> slot-major): greedy B = 512, K = 1 (33 MB) 12.65 -> 12.20 us, B = 2048, K = 1 (131 MB)
-# 41.32 -> 40.03, B = 128, K = 4 17.02 -> 16.46, sample B = 128, K = 4 14.84 -> 14.52, B = 512,
-# K = 4 42.45 -> 41.88; the engine's B = 1 and B = 16 shapes within 0.2 us. Not in the one
-# launch with the mixture row (`_mix_fused_kernel`): sample B = 2048, K = 1 116.15 -> 118.16,
-# the others within 0.5%.
-_SLOT_MAJOR = True
 # Pass 1 with K > 1 and no mixture row: one view row per program, grid (B * K, S), S from B * K
 # rows at _PROGRAMS_PER_SM (the layout of K = 1) instead of K views per program at 2048 / KP
 # columns per view and step; the views are independent until pass 2. H200, cold bf16 inputs,
@@ -180,14 +170,14 @@ def _mix_partial_kernel(
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, MULTI: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-    ROWWISE: tl.constexpr, KV: tl.constexpr, SLOT_MAJOR: tl.constexpr,
+    ROWWISE: tl.constexpr, KV: tl.constexpr,
 ):
     """Pass 1 as its own launch: program (row, chunk) = (program_id(0), program_id(1)), see
     `_mix_partial`."""
     pdl_wait(PDL)
     _mix_partial(tl.program_id(0), tl.program_id(1), logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
                  slot_ptr, K, V, S, CHUNK, stride_logits, scale, KP, BLOCK, VEC, RPT, PICK, CERT, MULTI, DRAW,
-                 P, SW, STAGES, EVICT, FAST, ROWWISE, KV, SLOT_MAJOR)
+                 P, SW, STAGES, EVICT, FAST, ROWWISE, KV)
 
 
 @triton.jit
@@ -197,14 +187,12 @@ def _mix_partial(
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, MULTI: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, ROWWISE: tl.constexpr, KV: tl.constexpr,
-    SLOT_MAJOR: tl.constexpr,
 ):
     """Pass 1 of chunk sp of program row pid: per (row, chunk) max and sum-exp; with PICK
     (greedy, one view) the chunk's argmax; with CERT (greedy, K > 1) each view's argmax in
     the chunk and its second-largest logit.
 
-    Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups ([KP, NT, RPT, VEC] with
-    SLOT_MAJOR, which keeps a slot's RPT groups in one thread: `_common.slot_cols`; with
+    Each step reads a [KP, RPT, NT, VEC] tile of thread-owned groups (see `_common`; with
     ROWWISE, KP == 1 and program row r is view r % K of request r // K; partial rows hold
     KV views either way):
     running max and sum-exp per view and slot. The argmax keeps each slot's best step (its
@@ -241,10 +229,10 @@ def _mix_partial(
         kv = ks
         kmask = ks < K
         rows_ptr = (logits_ptr + (b * K + ks).to(tl.int64) * stride_logits)[:, None, None, None]
-    gcols = step_cols(RPT, NT, VEC, SLOT_MAJOR)                   # the columns of a step
+    gcols = group_cols(RPT, NT, VEC)                               # [RPT, NT, VEC] columns of a step
     m = tl.full([KP, NT], NEG_BIG, tl.float32)                     # running max of each slot
     s = tl.zeros([KP, NT], tl.float32)                             # sum of exp2((x - m) * scale)
-    bx = step_tile(KP, RPT, NT, VEC, NEG_BIG, SLOT_MAJOR)          # PICK/CERT: the best step's values
+    bx = tl.full([KP, RPT, NT, VEC], NEG_BIG, tl.float32)          # PICK/CERT: the best step's values
     b_v0 = tl.zeros([KP, NT], tl.int32) + start                    # PICK/CERT: that step
     m2 = tl.full([KP, NT], NEG_BIG, tl.float32)                    # CERT: max of the slot's other steps
     lmask = kmask[:, None, None, None]
@@ -253,28 +241,28 @@ def _mix_partial(
         x = tl.load(rows_ptr + offs[None], mask=lmask & (offs < end)[None], other=float("-inf"),
                     eviction_policy=EVICT).to(tl.float32)
         m_old = m
-        m, s, take, g_max = group_lse_step(x, m, s, scale, FAST, SLOT_MAJOR)
+        m, s, take, g_max = group_lse_step(x, m, s, scale, FAST)
         if CERT:
             m2 = tl.where(take, m_old, tl.maximum(m2, g_max))
         if PICK or CERT:
             if not MULTI:
-                bx = tl.where(per_slot(take, SLOT_MAJOR), x, bx)
+                bx = tl.where(take[:, None, :, None], x, bx)
             b_v0 = tl.where(take, v0, b_v0)
     if PICK or CERT:
         if MULTI:  # the best step's values, read again (L2)
-            boffs = per_slot(b_v0, SLOT_MAJOR) + gcols[None]
+            boffs = b_v0[:, None, :, None] + gcols[None]
             bx = tl.maximum(tl.load(rows_ptr + boffs, mask=lmask & (boffs < end), other=NEG_BIG).to(tl.float32),
                             NEG_BIG)  # -inf as NEG_BIG, the start value: a slot of -inf finds its first column
         # each slot's max: its first column in the best step (lowest index on ties)
-        col = group_best_cols(bx, m, b_v0, gcols, SLOT_MAJOR)      # [KP, NT]
+        col = group_best_cols(bx, m, b_v0, gcols)                  # [KP, NT]
         # per view: the chunk's max, its lowest column
         c_top = tl.max(m, axis=1)
         c_idx = tl.min(tl.where(m == c_top[:, None], col, BIG_IDX), axis=1)
     if CERT:
         # and its second-largest value (equal to the max when the max occurs twice): the best
         # step's other values, the slot's other steps, the other slots' maxima
-        rest = tl.where(gcols[None] + per_slot(b_v0, SLOT_MAJOR) == per_slot(col, SLOT_MAJOR), NEG_BIG, bx)
-        second = tl.maximum(m2, slot_max(rest, SLOT_MAJOR))
+        rest = tl.where(gcols[None] + b_v0[:, None, :, None] == col[:, None, :, None], NEG_BIG, bx)
+        second = tl.maximum(m2, tl.max(tl.max(rest, axis=3), axis=1))
         c_2nd = tl.max(tl.where(col == c_idx[:, None], second, m), axis=1)
         tl.store(cert_ptr + (b * S + sp) * KV + kv, c_2nd)
         tl.store(cert_idx_ptr + (b * S + sp) * KV + kv, c_idx)
@@ -464,7 +452,7 @@ def _mix_fused_kernel(
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
     VEC: tl.constexpr, RPT: tl.constexpr, GREEDY: tl.constexpr, PICKED: tl.constexpr, TOK_K: tl.constexpr,
     P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr, DSTAGES: tl.constexpr,
-    STAGES: tl.constexpr, EVICT: tl.constexpr, EVICT2: tl.constexpr, WAIT: tl.constexpr, SLOT_MAJOR: tl.constexpr,
+    STAGES: tl.constexpr, EVICT: tl.constexpr, EVICT2: tl.constexpr, WAIT: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """The mixture row's two passes in one launch: the program that read a chunk in pass 1
@@ -490,7 +478,7 @@ def _mix_fused_kernel(
     sp = t % S
     _mix_partial(b, sp, logits_ptr, part_ptr, part_idx_ptr, part_ptr, part_idx_ptr, slot_ptr,
                  K, V, S, CHUNK, stride_logits, scale, KP, BLOCK1, VEC, RPT, PICKED, False, False,
-                 not GREEDY, P, SW, STAGES, EVICT, FAST, False, KP, SLOT_MAJOR)
+                 not GREEDY, P, SW, STAGES, EVICT, FAST, False, KP)
     tl.debug_barrier()  # every thread's partials are stored before the release
     arrived = tl.atomic_add(cnt_ptr + 1 + b, 1, sem="acq_rel", scope="gpu")
     # pass 2's programs per row as `_mix_chunk` numbers them: S chunks, and sampling's draw (S)
@@ -857,7 +845,6 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
             K=K, KP=KP, SP=SP, BLOCK1=BLOCK, BLOCK2=BLOCK2, VEC=vec, RPT=rpt, GREEDY=greedy, PICKED=picked,
             TOK_K=tok_k, P=period, SW=_DRAW_WIDTH, SB=sb, NB=nb, DSTAGES=_DRAW_STAGES, STAGES=_STAGES,
             EVICT=_P1_EVICT, EVICT2=_FUSED_EVICT2, WAIT=_FUSED_WAIT and fast and S <= target_programs(dev, 1),
-            SLOT_MAJOR=False,   # measured: one launch with the mixture row as fast or faster this way
             FAST=fast,
             num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
         )
@@ -868,7 +855,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
         KP=KP1, ROWWISE=rowwise, KV=KP, BLOCK=BLOCK, VEC=vec, RPT=rpt, PICK=picked, CERT=cert, MULTI=live,
         DRAW=not greedy, P=period,
         SW=_DRAW_WIDTH, STAGES=_STAGES, EVICT=_P1_EVICT if write_mix or not picked else "",  # "": default
-        FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl, SLOT_MAJOR=_SLOT_MAJOR,
+        FAST=fast, num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
     )
     _mix_chunk_kernel[(B, n_prog)](
         logits, weights, seed_arg, offset_arg, part, part_idx, cert_buf, cert_idx, slot,

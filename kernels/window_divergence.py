@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ._common import (_MAX_SPLITS, BIG_IDX, LN2, LOG2E, NEG_BIG, counters, exp2, group_best_cols, group_cols,
                       group_items, group_lse_step, l2_cache_bytes, log2, lse_reduce, pdl, pdl_wait, slot_cols,
-                      step_cols, target_programs, ticket, tile_warps)
+                      target_programs, ticket, tile_warps)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
@@ -157,11 +157,11 @@ def _wd_stats_kernel(
         vmask = offs < v_end
         xp = tl.load(p_rows + offs, mask=vmask, other=float("-inf")).to(tl.float32)
         xq = tl.load(q_rows + offs, mask=kmask[:, None, None, None] & vmask, other=float("-inf")).to(tl.float32)
-        mp, sp, take, _ = group_lse_step(xp, mp, sp, scale, FAST, False)
+        mp, sp, take, _ = group_lse_step(xp, mp, sp, scale, FAST)
         bx = tl.where(take[:, None, :, None], xp, bx)
         b_v0 = tl.where(take, v0, b_v0)
-        mq, sq, _, _ = group_lse_step(xq, mq, sq, scale, FAST, False)
-    p_col = group_best_cols(bx, mp, b_v0, cols, False)         # [1, NT]
+        mq, sq, _, _ = group_lse_step(xq, mq, sq, scale, FAST)
+    p_col = group_best_cols(bx, mp, b_v0, cols)                # [1, NT]
     p_idx = tl.min(tl.where(mp == tl.max(mp, axis=1)[:, None], p_col, BIG_IDX), axis=1)
     mp, sp = lse_reduce(mp, sp, scale, 1, FAST)
     mq, sq = lse_reduce(mq, sq, scale, 1, FAST)
@@ -327,20 +327,30 @@ def _one_pass_program(p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, s
 
 
 @triton.jit
+def _step_cols(RPT: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr, SLOT_MAJOR: tl.constexpr):
+    """A one-pass step's columns: [NT, RPT, VEC] (`slot_cols`) or [RPT, NT, VEC] (`group_cols`)."""
+    if SLOT_MAJOR:
+        cols = slot_cols(RPT, NT, VEC)
+    else:
+        cols = group_cols(RPT, NT, VEC)
+    return cols
+
+
+@triton.jit
 def _slot_max(x, SLOT_MAJOR: tl.constexpr):
-    """Each slot's max over its groups of a `step_cols` tile: [NT]."""
+    """Each slot's max over its groups of a `_step_cols` tile: [NT]."""
     return tl.max(tl.max(x, axis=2), axis=1 if SLOT_MAJOR else 0)
 
 
 @triton.jit
 def _slot_sum(x, SLOT_MAJOR: tl.constexpr):
-    """Each slot's sum over its groups of a `step_cols` tile: [NT]."""
+    """Each slot's sum over its groups of a `_step_cols` tile: [NT]."""
     return tl.sum(tl.sum(x, axis=2), axis=1 if SLOT_MAJOR else 0)
 
 
 @triton.jit
 def _per_slot(v, SLOT_MAJOR: tl.constexpr):
-    """A per-slot value [NT] broadcast against a `step_cols` tile."""
+    """A per-slot value [NT] broadcast against a `_step_cols` tile."""
     if SLOT_MAJOR:
         r = v[:, None, None]
     else:
@@ -364,9 +374,9 @@ def _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part, scale,
     thread slot ([BLOCK // (RPT * VEC)]): the slot's max, one exp2 per element against the
     new max, one per slot and step to rescale the sums (as in `ensemble_mix` pass 1).
     EVICT: the loads' eviction policy; RS: 0, or the partials' tile fold stacked in RS rows
-    (`_kl_fold_stacked`); SLOT_MAJOR: the tiles' layout (`step_cols`)."""
+    (`_kl_fold_stacked`); SLOT_MAJOR: the tiles' layout (`_step_cols`)."""
     NT: tl.constexpr = BLOCK // (RPT * VEC)
-    cols = step_cols(RPT, NT, VEC, SLOT_MAJOR)          # the columns of a step
+    cols = _step_cols(RPT, NT, VEC, SLOT_MAJOR)          # the columns of a step
     mp = tl.full([NT], NEG_BIG, tl.float32)
     sp = tl.zeros([NT], tl.float32)
     mq = ()
