@@ -488,7 +488,7 @@ def _wd_kl_kernel(
         p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
     W: tl.constexpr = 2 + 3 * K
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
-                K, BLOCK, VEC, RPT, STAGES, FAST, "", 0, True)
+                K, BLOCK, VEC, RPT, STAGES, FAST, "", 0, True)   # slot-major tiles (see _KL_WIDE_PAST_L2)
     tl.debug_barrier()  # every thread's partial stores precede the release below
     arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
     if arrived == NS - 1:
@@ -639,7 +639,7 @@ def _wd_tv_fused_kernel(
     W: tl.constexpr = 2 + 3 * K
     W2: tl.constexpr = 2 * K   # a split's TV row: the views' log2 normalisers, then their sums
     _kl_partial(p_row, q_row, stride_qk, v_start, v_end, part_ptr + (grp * NS + split) * W, scale,
-                K, BLOCK, VEC, RPT, STAGES, FAST, EVICT, RS, False)
+                K, BLOCK, VEC, RPT, STAGES, FAST, EVICT, RS, False)   # group-major: measured faster here
     tl.debug_barrier()  # every thread's partials are stored before the release
     arrived = tl.atomic_add(cnt_ptr + 1 + grp, 1, sem="acq_rel", scope="gpu")
     c_lo, c_hi = group_items(cnt_ptr + 1 + grp, arrived, NS, split, WAIT)   # its own split, or all (no WAIT)
@@ -819,6 +819,13 @@ _KL_SPLIT_TILE = 2048
 # of copy), B = 48, K = 4 38.5 -> 30.5; K = 1, 2 have 1024+ columns already (same times); at
 # 31 MB (B = 16, K = 4) it is not taken: 17.7 either way.
 _KL_WIDE_PAST_L2 = True
+# The KL-only and given-normaliser kernels index each step slot-major ([NT, RPT, VEC],
+# `_common.slot_cols`): at K = 1 (RPT = 2) the group-major tile had a slot's two groups on two
+# lanes. H200, cold bf16 inputs, P = 6, graph replays, one process (group- -> slot-major): KL
+# only B = 512 114.2 -> 102.5 us, B = 256 68.4 -> 59.5, B = 64 17.2 -> 16.2, B = 1, P = 5 4.10 ->
+# 3.40; TV from given normalisers 109.8 -> 107.3, 65.0 -> 63.5, 16.0 -> 15.6, 3.78 -> 3.71.
+# The one-launch TV's KL pass stays group-major (slot-major: B = 256 / 64 / 512, K = 1 -1.6% /
+# +4.0% / -1.4%).
 
 
 def _one_pass_layout(p_logits, q_logits, wide_past_l2):
