@@ -144,13 +144,18 @@ def _exercise():
     window_divergence.window_divergence(p, q, grid=torch.rand(60, 2, generator=g))
     q4 = torch.randn(1, 4, 3, V, generator=g).to(bf)
     window_divergence.window_divergence(p, q4, grid=torch.rand(286, 4, generator=g))
-    # TV without normalisers in one launch (`_wd_tv_fused_kernel`, taken past L2), K = 1, 2, 4
+    # past L2, K = 1, 2, 4: TV without normalisers in one launch (`_wd_tv_fused_kernel`), and the
+    # one-pass kernels' wide steps (K = 1: two 16-byte groups per thread slot, slot-major tiles)
     l2 = window_divergence.l2_cache_bytes
     window_divergence.l2_cache_bytes = lambda device: 0
     try:
         for qk in (q[:, :1], q, q4):
-            window_divergence.window_divergence(torch.randn(1, 3, 9008, generator=g).to(bf),
-                                                torch.randn(1, qk.shape[1], 3, 9008, generator=g).to(bf))
+            pw = torch.randn(1, 3, 9008, generator=g).to(bf)
+            qw = torch.randn(1, qk.shape[1], 3, 9008, generator=g).to(bf)
+            window_divergence.window_divergence(pw, qw)
+            window_divergence.window_divergence(pw, qw, tv=False)
+            window_divergence.window_divergence(pw, qw, p_lse=torch.logsumexp(pw.float(), -1),
+                                                q_lse=torch.logsumexp(qw.float(), -1))
     finally:
         window_divergence.l2_cache_bytes = l2
 
