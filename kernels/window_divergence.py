@@ -39,6 +39,8 @@ split counts depend on shapes and the SM count only (no host sync: the launcher 
 graph capture); the partial sums are reduced in a fixed order, so results are
 deterministic.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -828,9 +830,25 @@ _KL_WIDE_PAST_L2 = True
 # +4.0% / -1.4%).
 
 
+class _OnePassLayout(NamedTuple):
+    """Launch layout of the one-pass kernels (`_one_pass_layout`)."""
+    kb: int       # views per program
+    groups: int   # view groups per row: the grid's third dimension
+    chunk: int    # columns per split
+    ns: int       # splits per row
+    block: int    # columns per step
+    vec: int      # columns per 16-byte group
+    rpt: int      # groups per thread slot and step
+    P: int
+    V: int
+    K: int
+    R: int        # rows, B * P
+    es: int       # the larger element size of the two inputs
+
+
 def _one_pass_layout(p_logits, q_logits, wide_past_l2):
-    """Launch layout of the one-pass kernels (`_wd_kl_kernel`, `_wd_given_kernel`): (views
-    per program, view groups per row, chunk, chunks per row, columns per step, VEC, RPT).
+    """Launch layout of the one-pass kernels (`_wd_kl_kernel`, `_wd_given_kernel`, and the
+    steps of `_wd_tv_fused_kernel`), with the shapes the launchers pass on.
     wide_past_l2: with logits larger than L2, at least one 16-byte group per thread and step."""
     B, P, V = p_logits.shape
     K = q_logits.shape[1]
@@ -839,50 +857,45 @@ def _one_pass_layout(p_logits, q_logits, wide_past_l2):
     past_l2 = R * (K + 1) * V * es > l2_cache_bytes(p_logits.device)
     min_step = (16 // es) * 32 * _KL_WARPS if wide_past_l2 and past_l2 else 16
     split_views = K > 1 and R <= _KL_SPLIT_ROWS
-    kb = 1 if split_views else K  # views per program
-    groups = K // kb              # view groups per row: the grid's third dimension
+    kb = 1 if split_views else K
+    groups = K // kb
     tile = _KL_SPLIT_TILE if split_views else _KL_TILE
     step = _KL_BLOCK or max(min_step, 1 << ((tile // (kb + 1)).bit_length() - 1))
     chunk, ns = _split(V, max(step, _KL_MIN_CHUNK), R * groups, _target_programs(p_logits.device))
     block = max(16, min(step, triton.next_power_of_2(chunk)))
-    vec = 16 // max(p_logits.element_size(), q_logits.element_size())  # groups of <= 16 bytes in both
+    vec = 16 // es  # groups of <= 16 bytes in both inputs
     rpt = max(1, block // (vec * 32 * _KL_WARPS))
-    return kb, groups, chunk, ns, block, vec, rpt
+    return _OnePassLayout(kb, groups, chunk, ns, block, vec, rpt, P, V, K, R, es)
 
 
 def _kl_only(p_logits, q_logits, kl, temperature):
-    B, P, V = p_logits.shape
-    K = q_logits.shape[1]
+    """KL alone: one launch, one pass."""
+    L = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
     dev = p_logits.device
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
-    R = B * P
-    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
-    part = torch.empty(R * ns * groups * (2 + 3 * kb), dtype=torch.float32, device=dev)
-    _wd_kl_kernel[(R, ns, groups)](
-        p_logits, q_logits, part, counters(dev, R * groups), kl,
-        P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
+    part = torch.empty(L.R * L.ns * L.groups * (2 + 3 * L.kb), dtype=torch.float32, device=dev)
+    _wd_kl_kernel[(L.R, L.ns, L.groups)](
+        p_logits, q_logits, part, counters(dev, L.R * L.groups), kl,
+        L.P, L.V, L.chunk, L.ns, L.K, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
-        K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt,
-        STAGES=_KL_STAGES, FAST=dev.type == "cuda", PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
+        K=L.kb, KP=triton.next_power_of_2(L.kb), NSP=triton.next_power_of_2(L.ns), BLOCK=L.block, VEC=L.vec,
+        RPT=L.rpt, STAGES=_KL_STAGES, FAST=dev.type == "cuda", PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )
 
 
 def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
     """KL and TV from the given normalisers: one launch, one pass."""
-    B, P, V = p_logits.shape
-    K = q_logits.shape[1]
+    L = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
     dev = p_logits.device
     use_pdl = pdl(dev)
-    R = B * P
-    kb, groups, chunk, ns, block, vec, rpt = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
-    part = torch.empty(R * ns * groups * (1 + 2 * kb), dtype=torch.float32, device=dev)
-    _wd_given_kernel[(R, ns, groups)](
-        p_logits, q_logits, p_lse, q_lse, part, counters(dev, R * groups), kl, tv,
-        P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
+    part = torch.empty(L.R * L.ns * L.groups * (1 + 2 * L.kb), dtype=torch.float32, device=dev)
+    _wd_given_kernel[(L.R, L.ns, L.groups)](
+        p_logits, q_logits, p_lse, q_lse, part, counters(dev, L.R * L.groups), kl, tv,
+        L.P, L.V, L.chunk, L.ns, L.K, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2),
         p_lse.stride(0), p_lse.stride(1), q_lse.stride(0), q_lse.stride(1), q_lse.stride(2),
         LOG2E.value / float(temperature),
-        K=kb, NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt, FAST=dev.type == "cuda",
+        K=L.kb, NSP=triton.next_power_of_2(L.ns), BLOCK=L.block, VEC=L.vec, RPT=L.rpt, FAST=dev.type == "cuda",
         PDL=use_pdl, launch_pdl=use_pdl, num_warps=_KL_WARPS,
     )
 
@@ -931,26 +944,23 @@ def _tv_fused_taken(p_logits, q_logits):
 
 def _tv_fused(p_logits, q_logits, kl, tv, temperature):
     """KL and TV without given normalisers in one launch (`_wd_tv_fused_kernel`)."""
-    B, P, V = p_logits.shape
-    K = q_logits.shape[1]
+    L = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
     dev = p_logits.device
     use_pdl = pdl(dev)
-    R = B * P
-    kb, groups, _, _, block, vec, rpt = _one_pass_layout(p_logits, q_logits, _KL_WIDE_PAST_L2)
-    es = max(p_logits.element_size(), q_logits.element_size())
+    kb, block = L.kb, L.block
     # whole steps, about _TV_FUSED_TASK_BYTES of logits, at most _MAX_SPLITS splits per row
-    chunk = block * max(1, _TV_FUSED_TASK_BYTES // ((kb + 1) * es * block),
-                        triton.cdiv(triton.cdiv(V, _MAX_SPLITS), block))
-    ns = triton.cdiv(V, chunk)
-    ng = R * groups
+    chunk = block * max(1, _TV_FUSED_TASK_BYTES // ((kb + 1) * L.es * block),
+                        triton.cdiv(triton.cdiv(L.V, _MAX_SPLITS), block))
+    ns = triton.cdiv(L.V, chunk)
+    ng = L.R * L.groups
     part = torch.empty(ng * ns * (2 + 3 * kb), dtype=torch.float32, device=dev)
     part2 = torch.empty(ng * ns * 2 * kb, dtype=torch.float32, device=dev)
     fast = dev.type == "cuda"
     _wd_tv_fused_kernel[(ng * ns,)](
         p_logits, q_logits, part, part2, counters(dev, 1 + 2 * ng), kl, tv,
-        ng, P, V, chunk, ns, K, p_logits.stride(0), p_logits.stride(1),
+        ng, L.P, L.V, chunk, ns, L.K, p_logits.stride(0), p_logits.stride(1),
         q_logits.stride(0), q_logits.stride(1), q_logits.stride(2), LOG2E.value / float(temperature),
-        K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=vec, RPT=rpt,
+        K=kb, KP=triton.next_power_of_2(kb), NSP=triton.next_power_of_2(ns), BLOCK=block, VEC=L.vec, RPT=L.rpt,
         STAGES=_KL_STAGES, WAIT=_TV_FUSED_WAIT and fast and ns <= _target_programs(dev, 1),
         EVICT=_TV_FUSED_EVICT, EVICT2=_TV_FUSED_EVICT2, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl,
         RS=triton.next_power_of_2(2 * kb + 1) if _TV_FUSED_STACKED else 0,
