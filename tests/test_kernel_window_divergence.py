@@ -6,6 +6,7 @@ import torch
 
 from tabed_engine.kernels import window_divergence as _k
 from tabed_engine.ops.window_divergence import window_divergence, window_divergence_reference
+from graphs import replayed
 
 DTYPES = [  # (dtype, atol, rtol): same low-precision inputs on both sides, fp32 math
     (torch.float32, 2e-5, 1e-4),
@@ -487,11 +488,6 @@ def test_gpu_tv_one_launch_full_size(B, K, monkeypatch):
     for want in (ref, two):
         torch.testing.assert_close(fused[0], want[0], atol=5e-5, rtol=1e-4)
         torch.testing.assert_close(fused[1], want[1], atol=5e-5, rtol=1e-4)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    captured = replayed(run)
     assert torch.equal(fused[0], captured[0]) and torch.equal(fused[1], captured[1])
     assert int(_common.COUNTERS[p_logits.device].abs().sum()) == 0
