@@ -150,7 +150,12 @@ _ROWWISE_BIG_TILE = 1024
 # 111.9 -> 96.3, 148.0 -> 114.6, 36.0 -> 26.8 (48/55/63/43% -> 57/64/81/58%). Taken where
 # logits and mixture row exceed L2 times _FUSED_L2 (60 MB on the H200): at 49 MB (B = 128,
 # K = 4) greedy 31.4 -> 23.7 us, sampling 23.8 -> 23.7; at 99 MB (B = 512, K = 1) 45.9 ->
-# 32.3 and 38.7 -> 33.5.
+# 32.3 and 38.7 -> 33.5. Tried since (B = 512, K = 4, greedy 197 MB, us): the chunk bests and
+# arrivals in one 64-bit word per row by compare-and-swap, no fence after the mixture stores
+# (H200 82.1 -> 86.4; B = 1, K = 4 without the row 5.7 -> 11.6); pass 2's running best without
+# its third value (64 -> 56 registers; H100 105.4 -> 111.8); 2 / 3 pipelining stages (H200
+# 81.9 -> 89.3 / 89.5); 20-40 KB tasks (H100 105.4 at 32 KB: 114.3 / 105.5 / 110.5 / 117.5 at
+# 20 / 24 / 28 / 40 KB). Profile: benchmarks/results/two_pass_profile.md.
 _FUSED_L2 = 0.5
 _FUSED = True
 _FUSED_WAIT = True

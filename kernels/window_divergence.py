@@ -924,7 +924,9 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
 # K = 4 76.2 -> 71.3 -> 65.6 us, B = 256, K = 1 92.5 -> 90.7 -> 90.6, B = 128, K = 2 77.1 ->
 # 74.8 -> 72.9 (64 KB: 65.4, 92.6, 78.0). Tried and not kept: the split's logits kept in
 # registers across the wait (no second read; 1-3 steps per task: 109-146 us at K = 4), the TV
-# pass's loads all issued before its exp2s (83.5), release-only arrivals (within 0.5%).
+# pass's loads all issued before its exp2s (83.5), release-only arrivals (within 0.5%), 2 / 3
+# pipelining stages in the KL pass (B = 64, K = 4 64.8 -> 66.1 / 66.8; B = 256, K = 1 88.9 ->
+# 92.9 / 94.8). Profile (issue-bound on the H200): benchmarks/results/two_pass_profile.md.
 _TV_FUSED = True
 _TV_FUSED_L2 = 0.5
 _TV_FUSED_WAIT = True
