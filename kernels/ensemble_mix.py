@@ -155,7 +155,9 @@ _ROWWISE_BIG_TILE = 1024
 # (H200 82.1 -> 86.4; B = 1, K = 4 without the row 5.7 -> 11.6); pass 2's running best without
 # its third value (64 -> 56 registers; H100 105.4 -> 111.8); 2 / 3 pipelining stages (H200
 # 81.9 -> 89.3 / 89.5); 20-40 KB tasks (H100 105.4 at 32 KB: 114.3 / 105.5 / 110.5 / 117.5 at
-# 20 / 24 / 28 / 40 KB). Profile: benchmarks/results/two_pass_profile.md.
+# 20 / 24 / 28 / 40 KB); pass 2's logits loaded in the row's 16-byte store layout, which
+# spares triton 3.6's shared-memory exchange before each step's stores (H100: 105.8 -> 102.4,
+# but B = 2048, K = 1 148.3 -> 154.3). Profile: benchmarks/results/two_pass_profile.md.
 _FUSED_L2 = 0.5
 _FUSED = True
 _FUSED_WAIT = True
