@@ -521,7 +521,7 @@ def _wd_given_kernel(
         p_ptr, q_ptr, P, V, CH, stride_pb, stride_pp, stride_qb, stride_qk, stride_qp, K)
     lse_p = tl.load(plse_ptr + b * stride_lb + pos * stride_lp) * LOG2E
     NT: tl.constexpr = BLOCK // (RPT * VEC)
-    cols = slot_cols(RPT, NT, VEC)                       # [NT, RPT, VEC] columns of a step
+    cols = _step_cols(RPT, NT, VEC, True)                # slot-major: [NT, RPT, VEC] columns of a step
     sp = tl.zeros([NT], tl.float32)
     q_rows = ()
     lse_q = ()
@@ -537,14 +537,14 @@ def _wd_given_kernel(
         vmask = offs < v_end
         xp = tl.load(p_row + offs, mask=vmask, other=float("-inf")).to(tl.float32)
         pv = exp2(xp * scale - lse_p, FAST)                          # 0 where x_p = -inf
-        sp += tl.sum(tl.sum(pv, axis=2), axis=1)
+        sp += _slot_sum(pv, True)
         n_acc = ()
         n_tva = ()
         for k in tl.static_range(K):
             xq = tl.load(q_rows[k] + offs, mask=vmask, other=float("-inf")).to(tl.float32)
             qv = exp2(xq * scale - lse_q[k], FAST)
-            n_acc = n_acc + (acc[k] + tl.sum(tl.sum(tl.where(pv > 0, pv * (xp - xq), 0.0), axis=2), axis=1),)
-            n_tva = n_tva + (tva[k] + tl.sum(tl.sum(tl.abs(pv - qv), axis=2), axis=1),)
+            n_acc = n_acc + (acc[k] + _slot_sum(tl.where(pv > 0, pv * (xp - xq), 0.0), True),)
+            n_tva = n_tva + (tva[k] + _slot_sum(tl.abs(pv - qv), True),)
         acc = n_acc
         tva = n_tva
     W: tl.constexpr = 1 + 2 * K
