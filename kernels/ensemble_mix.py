@@ -155,9 +155,17 @@ _ROWWISE_BIG_TILE = 1024
 # (H200 82.1 -> 86.4; B = 1, K = 4 without the row 5.7 -> 11.6); pass 2's running best without
 # its third value (64 -> 56 registers; H100 105.4 -> 111.8); 2 / 3 pipelining stages (H200
 # 81.9 -> 89.3 / 89.5); 20-40 KB tasks (H100 105.4 at 32 KB: 114.3 / 105.5 / 110.5 / 117.5 at
-# 20 / 24 / 28 / 40 KB); pass 2's logits loaded in the row's 16-byte store layout, which
-# spares triton 3.6's shared-memory exchange before each step's stores (H100: 105.8 -> 102.4,
-# but B = 2048, K = 1 148.3 -> 154.3). Profile: benchmarks/results/two_pass_profile.md.
+# 20 / 24 / 28 / 40 KB); one program per row (no ticket, no wait; 8-32 warps, 2048-8192
+# columns per view and step: H200 83.8 -> 92.2-119.2; B = 1024, K = 2 98.3 -> 112.7-142.0;
+# sampling B = 512, K = 4 78.1 -> 99.5-125.1). Greedy with K > 1 reads pass 2's logits in
+# the row's 16-byte store layout, which spares triton 3.6's shared-memory exchange before
+# each step's stores, and keeps its running best without a value (`_mix_chunk`'s
+# STORE_TILES). H200, in-process A/B (HEAD -> both): B = 512, K = 4 84.6 -> 81.5 us, B = 1024,
+# K = 2 98.0 -> 96.3, B = 256, K = 4 45.7 -> 45.0, B = 128, K = 4 25.8 -> 25.0, tokens equal;
+# each alone (B = 512, K = 4 / B = 1024, K = 2): the layout 80.8 / 102.9, the best without
+# its value 87.9 / 101.3 (one more program per SM). Not with one view (the layout: B = 2048,
+# K = 1 117.7 -> 128.4) nor for sampling (B = 512, K = 4 77.1 -> 76.5, within noise).
+# Profile: benchmarks/results/two_pass_profile.md.
 _FUSED_L2 = 0.5
 _FUSED = True
 _FUSED_WAIT = True
@@ -314,7 +322,7 @@ def _mix_chunk_kernel(
                slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
                V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                K, KP, SP, BLOCK, GREEDY, WRITE_MIX, PICKED, CERT, REPORT, TOK_K, P, SW, SB, NB, DSTAGES,
-               BLOCK1, RPT, VEC, SMAX, LIVE, FAST, "", "")
+               BLOCK1, RPT, VEC, SMAX, LIVE, FAST, "", "", False)
 
 
 @triton.jit
@@ -327,6 +335,7 @@ def _mix_chunk(
     REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
     NB: tl.constexpr, DSTAGES: tl.constexpr, BLOCK1: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
     SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, CACHE: tl.constexpr, EVICT2: tl.constexpr,
+    STORE_TILES: tl.constexpr,
 ):
     """Pass 2 of request b (int64), program sp of the row's n_prog: fold the S partials into
     the normalisers, then q over this program's chunk.
@@ -350,7 +359,11 @@ def _mix_chunk(
 
     CACHE: the cache modifier of the loads of pass 1's partials (".cg" where pass 1 ran in
     the same launch, `_mix_fused_kernel`); EVICT2: the eviction policy of the chunk pass's
-    logits loads and mixture stores."""
+    logits loads and mixture stores. STORE_TILES (greedy, K > 1, the mixture row in one
+    launch): the chunk pass's columns as [BLOCK // 4, 4] tiles, the layout of the row's
+    16-byte stores (a [BLOCK] tile of 16-byte logits loads takes a shared-memory exchange and
+    two barriers before each step's stores), and the running best without its value (q is
+    the score)."""
     ks = tl.arange(0, KP)
     kmask = ks < K
     ss = tl.arange(0, SP)
@@ -422,10 +435,13 @@ def _mix_chunk(
                 best, idx, q_best = _live_chunk_best(logits_ptr, b, start, end, ms, w, lse2, q_cert, ks, kmask,
                                                      stride_logits, scale, K, BLOCK1, RPT, VEC, SMAX, LIVE, FAST)
             else:
-                cols = tl.arange(0, BLOCK)
-                best = tl.full([BLOCK], float("-inf"), tl.float32)
-                best_v0 = tl.zeros([BLOCK], tl.int32) + start
-                best_q = tl.zeros([BLOCK], tl.float32)
+                if STORE_TILES:
+                    cols = tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+                else:
+                    cols = tl.arange(0, BLOCK)
+                best = tl.full(cols.shape, float("-inf"), tl.float32)
+                best_v0 = tl.zeros(cols.shape, tl.int32) + start
+                best_q = tl.zeros(cols.shape, tl.float32)
                 for v0 in range(start, end, BLOCK):
                     offs = v0 + cols
                     vmask = offs < end
@@ -434,9 +450,19 @@ def _mix_chunk(
                         tl.store(mixture_ptr + b * stride_mix + offs, q, mask=vmask, eviction_policy=EVICT2)
                     if GREEDY and not PICKED:
                         score = tl.where(vmask, q, float("-inf"))
-                        best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
+                        if STORE_TILES:
+                            take = score > best
+                            best = tl.where(take, score, best)
+                            best_v0 = tl.where(take, v0, best_v0)
+                        else:
+                            best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
                 if GREEDY and not PICKED:
-                    best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
+                    if STORE_TILES:  # columns in row-major order: the [BLOCK] tile's
+                        best = tl.reshape(best, [BLOCK])
+                        best, idx, _ = best_combine(best, tl.reshape(best_v0, [BLOCK]), best, tl.arange(0, BLOCK), 0)
+                        q_best = best
+                    else:
+                        best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
             if GREEDY and not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
                 row = part_ptr + (b * S + sp) * W
                 tl.store(row + 2 * KP, best)
@@ -496,14 +522,14 @@ def _mix_fused_kernel(
                        part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                        cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                        K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
-                       BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2)
+                       BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2, GREEDY and not PICKED)
     c_lo, c_hi = group_items(cnt_ptr + 1 + b, arrived, S, sp, WAIT)   # its own chunk, or all (no WAIT)
     for c in range(c_lo, c_hi):
         _mix_chunk(b, c, S + N2, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
                    part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                    cnt_ptr + 1 + 2 * B, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                    K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
-                   BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2)
+                   BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2, GREEDY and not PICKED)
     done = tl.atomic_add(cnt_ptr + 1 + B + b, 1, sem="relaxed", scope="gpu")
     if done == S - 1:  # the row's last program: every one has passed its wait
         tl.store(cnt_ptr + 1 + b, 0)

@@ -859,6 +859,25 @@ def test_fused_equals_two_launches(greedy, K, V, n_split, kernel_device, monkeyp
     assert torch.equal(outs[0][4], outs[0][0].repeat_interleave(K))
 
 
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("ties", [(63, 127), (1500, 1501), (700, 1500), (1000, 2500), (2047, 2048, 2049)])
+def test_fused_greedy_ties_take_the_lowest_index(K, ties, kernel_device, monkeypatch):
+    """Greedy with the mixture row in one launch, two chunks per row and pass 2 in 64-column
+    steps ([16, 4] store tiles): exact ties of the mixture's max in one thread slot across
+    steps, in one 4-column group, across slots and across chunks resolve to the lowest index
+    (torch.argmax), with the tied columns' probability."""
+    _fused(monkeypatch, True, 2048)
+    monkeypatch.setattr(_k, "_FUSED_GREEDY_COLUMNS", 64)
+    logits, w = _inputs(3, K, 3001, torch.float32, kernel_device)
+    for c in ties:
+        logits[:, c] = 20.0      # every view: equal mixture values, above every other column
+    token, prob, mixture, _ = _k.ensemble_mix(logits, w, greedy=True, return_mixture=True)
+    assert (token == min(ties)).all()
+    assert torch.equal(token, mixture.argmax(-1))
+    assert torch.equal(prob, mixture[:, min(ties)])
+    assert _counters_zero(kernel_device)
+
+
 def test_fused_sampling_follows_mixture(kernel_device, monkeypatch):
     """Sampling with the mixture row in one launch, 4 chunks per row (period 16, slots of
     8): the draws follow the mixture (chi-square over 400 requests), not either view; the
