@@ -442,7 +442,8 @@ def _mix_chunk(
                     cols = tl.arange(0, BLOCK)
                 best = tl.full(cols.shape, float("-inf"), tl.float32)
                 best_v0 = tl.zeros(cols.shape, tl.int32) + start
-                best_q = tl.zeros(cols.shape, tl.float32)
+                if not STORE_TILES:
+                    best_q = tl.zeros(cols.shape, tl.float32)
                 for v0 in range(start, end, BLOCK):
                     offs = v0 + cols
                     vmask = offs < end
@@ -461,7 +462,7 @@ def _mix_chunk(
                     if STORE_TILES:  # columns in row-major order: the [BLOCK] tile's
                         best = tl.reshape(best, [BLOCK])
                         best, idx, _ = best_combine(best, tl.reshape(best_v0, [BLOCK]), best, tl.arange(0, BLOCK), 0)
-                        q_best = best
+                        q_best = best   # the score is the value
                     else:
                         best, idx, q_best = best_combine(best, best_v0, best_q, cols, 0)
             if GREEDY and not PICKED:  # the best slots are free: pass 1 wrote them only with PICK
