@@ -176,6 +176,7 @@ _FUSED_CHUNK_TILE = 4096
 _FUSED_CHUNK_TILE_K2 = 8192
 _FUSED_GREEDY_COLUMNS = 1024
 _FUSED_EVICT2 = "evict_first"
+_FUSED_PAIRS = True
 
 
 @triton.jit
@@ -192,7 +193,7 @@ def _mix_partial_kernel(
     pdl_wait(PDL)
     _mix_partial(tl.program_id(0), tl.program_id(1), logits_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
                  slot_ptr, K, V, S, CHUNK, stride_logits, scale, KP, BLOCK, VEC, RPT, PICK, CERT, MULTI, DRAW,
-                 P, SW, STAGES, EVICT, FAST, ROWWISE, KV)
+                 P, SW, STAGES, EVICT, FAST, ROWWISE, KV, False)
 
 
 @triton.jit
@@ -202,6 +203,7 @@ def _mix_partial(
     KP: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RPT: tl.constexpr, PICK: tl.constexpr,
     CERT: tl.constexpr, MULTI: tl.constexpr, DRAW: tl.constexpr, P: tl.constexpr, SW: tl.constexpr,
     STAGES: tl.constexpr, EVICT: tl.constexpr, FAST: tl.constexpr, ROWWISE: tl.constexpr, KV: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """Pass 1 of chunk sp of program row pid: per (row, chunk) max and sum-exp; with PICK
     (greedy, one view) the chunk's argmax; with CERT (greedy, K > 1) each view's argmax in
@@ -223,6 +225,11 @@ def _mix_partial(
     cert_idx rows (b, s) of KP: second-largest logit / argmax index per view; with MULTI,
     slot rows (b, s, k) of NT: each thread slot's max (logit units), the bounds of
     `_live_chunk_best`.
+
+    PAIRS (bf16 rows at even offsets from a 4-byte address): the chunk's whole steps first,
+    without column masks, each 16-byte group loaded as four 32-bit words of two columns
+    (x = word << 16 for the even one, word & 0xffff0000 for the odd one: one integer
+    instruction per element where unpacking took 1.5), then the masked last step.
 
     DRAW (sampling): also the chunk's sum-exp per view and draw slot against the view's
     chunk max (P // SW slots: slot T holds the columns c with (c mod P) // SW == T; the
@@ -251,18 +258,22 @@ def _mix_partial(
     b_v0 = tl.zeros([KP, NT], tl.int32) + start                    # PICK/CERT: that step
     m2 = tl.full([KP, NT], NEG_BIG, tl.float32)                    # CERT: max of the slot's other steps
     lmask = kmask[:, None, None, None]
-    for v0 in tl.range(start, end, BLOCK, num_stages=STAGES):
+    v_part = start  # where the column-masked steps begin: at once, or after the whole steps of PAIRS
+    if PAIRS:  # whole steps first: bf16 logits loaded as 32-bit words of two, no column masks
+        v_part = start + (end - start) // BLOCK * BLOCK
+        wcols = group_cols(RPT, NT, VEC // 2)                      # [RPT, NT, VEC // 2] words of a step
+        wrows = rows_ptr.to(tl.pointer_type(tl.int32))
+        for v0 in tl.range(start, v_part, BLOCK, num_stages=STAGES):
+            u = tl.load(wrows + (v0 // 2 + wcols)[None], mask=lmask, other=-8323200,   # 0xff80ff80: -inf twice
+                        eviction_policy=EVICT)
+            x = tl.reshape(tl.join((u << 16).to(tl.float32, bitcast=True),
+                                   (u & -65536).to(tl.float32, bitcast=True)), [KP, RPT, NT, VEC])
+            m, s, m2, bx, b_v0 = _partial_step(x, v0, m, s, m2, bx, b_v0, scale, PICK, CERT, MULTI, FAST)
+    for v0 in tl.range(v_part, end, BLOCK, num_stages=STAGES):
         offs = v0 + gcols
         x = tl.load(rows_ptr + offs[None], mask=lmask & (offs < end)[None], other=float("-inf"),
                     eviction_policy=EVICT).to(tl.float32)
-        m_old = m
-        m, s, take, g_max = group_lse_step(x, m, s, scale, FAST)
-        if CERT:
-            m2 = tl.where(take, m_old, tl.maximum(m2, g_max))
-        if PICK or CERT:
-            if not MULTI:
-                bx = tl.where(take[:, None, :, None], x, bx)
-            b_v0 = tl.where(take, v0, b_v0)
+        m, s, m2, bx, b_v0 = _partial_step(x, v0, m, s, m2, bx, b_v0, scale, PICK, CERT, MULTI, FAST)
     if PICK or CERT:
         if MULTI:  # the best step's values, read again (L2)
             boffs = b_v0[:, None, :, None] + gcols[None]
@@ -302,6 +313,22 @@ def _mix_partial(
 
 
 @triton.jit
+def _partial_step(x, v0, m, s, m2, bx, b_v0, scale, PICK: tl.constexpr, CERT: tl.constexpr, MULTI: tl.constexpr,
+                  FAST: tl.constexpr):
+    """One step of `_mix_partial`'s loop over the [KP, RPT, NT, VEC] tile x read at v0: the
+    running max and sum-exp, and the argmax / certificate state it keeps."""
+    m_old = m
+    m, s, take, g_max = group_lse_step(x, m, s, scale, FAST)
+    if CERT:
+        m2 = tl.where(take, m_old, tl.maximum(m2, g_max))
+    if PICK or CERT:
+        if not MULTI:
+            bx = tl.where(take[:, None, :, None], x, bx)
+        b_v0 = tl.where(take, v0, b_v0)
+    return m, s, m2, bx, b_v0
+
+
+@triton.jit
 def _mix_chunk_kernel(
     logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr, cert_ptr, cert_idx_ptr,
     slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
@@ -322,7 +349,7 @@ def _mix_chunk_kernel(
                slot_ptr, certified_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr, cnt_ptr,
                V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                K, KP, SP, BLOCK, GREEDY, WRITE_MIX, PICKED, CERT, REPORT, TOK_K, P, SW, SB, NB, DSTAGES,
-               BLOCK1, RPT, VEC, SMAX, LIVE, FAST, "", "", False, True)
+               BLOCK1, RPT, VEC, SMAX, LIVE, FAST, "", "", False, True, False)
 
 
 @triton.jit
@@ -335,7 +362,7 @@ def _mix_chunk(
     REPORT: tl.constexpr, TOK_K: tl.constexpr, P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr,
     NB: tl.constexpr, DSTAGES: tl.constexpr, BLOCK1: tl.constexpr, RPT: tl.constexpr, VEC: tl.constexpr,
     SMAX: tl.constexpr, LIVE: tl.constexpr, FAST: tl.constexpr, CACHE: tl.constexpr, EVICT2: tl.constexpr,
-    STORE_TILES: tl.constexpr, FOLD: tl.constexpr,
+    STORE_TILES: tl.constexpr, FOLD: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """Pass 2 of request b (int64), program sp of the row's n_prog: fold the S partials into
     the normalisers, then q over this program's chunk.
@@ -364,7 +391,9 @@ def _mix_chunk(
     launch): the chunk pass's columns as [BLOCK // 4, 4] tiles, the layout of the row's
     16-byte stores (a [BLOCK] tile of 16-byte logits loads takes a shared-memory exchange and
     two barriers before each step's stores), and the running best without its value (q is
-    the score)."""
+    the score); its whole steps run without masks, the last partial one after them. PAIRS
+    (bf16, the launcher's alignment): that layout and those whole steps with the logits read
+    as 32-bit words of two (`_tile_q_pairs`)."""
     ks = tl.arange(0, KP)
     kmask = ks < K
     ss = tl.arange(0, SP)
@@ -436,7 +465,7 @@ def _mix_chunk(
                 best, idx, q_best = _live_chunk_best(logits_ptr, b, start, end, ms, w, lse2, q_cert, ks, kmask,
                                                      stride_logits, scale, K, BLOCK1, RPT, VEC, SMAX, LIVE, FAST)
             else:
-                if STORE_TILES:
+                if STORE_TILES or PAIRS:
                     cols = tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
                 else:
                     cols = tl.arange(0, BLOCK)
@@ -444,7 +473,23 @@ def _mix_chunk(
                 best_v0 = tl.zeros(cols.shape, tl.int32) + start
                 if not STORE_TILES:
                     best_q = tl.zeros(cols.shape, tl.float32)
-                for v0 in range(start, end, BLOCK):
+                v_part = start  # where the masked steps begin: at once, or after the whole steps
+                if STORE_TILES or PAIRS:  # whole steps: no masks (with PAIRS, bf16 logits in 32-bit words of two)
+                    v_part = start + (end - start) // BLOCK * BLOCK
+                    for v0 in range(start, v_part, BLOCK):
+                        offs = v0 + cols
+                        if PAIRS:
+                            q = _tile_q_pairs(logits_ptr, b, v0, w, lse2, ks, stride_logits, scale, K, BLOCK, FAST,
+                                              EVICT2)
+                        else:
+                            q = _tile_q(logits_ptr, b, offs, None, w, lse2, ks, stride_logits, scale, K, FAST, EVICT2)
+                        if WRITE_MIX:
+                            tl.store(mixture_ptr + b * stride_mix + offs, q, eviction_policy=EVICT2)
+                        if GREEDY and not PICKED:  # (STORE_TILES: the layout's running best)
+                            take = q > best
+                            best = tl.where(take, q, best)
+                            best_v0 = tl.where(take, v0, best_v0)
+                for v0 in range(v_part, end, BLOCK):
                     offs = v0 + cols
                     vmask = offs < end
                     q = _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K, FAST, EVICT2)
@@ -486,7 +531,7 @@ def _mix_fused_kernel(
     K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
     VEC: tl.constexpr, RPT: tl.constexpr, GREEDY: tl.constexpr, PICKED: tl.constexpr, TOK_K: tl.constexpr,
     P: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr, DSTAGES: tl.constexpr,
-    STAGES: tl.constexpr, EVICT: tl.constexpr, EVICT2: tl.constexpr, WAIT: tl.constexpr,
+    STAGES: tl.constexpr, EVICT: tl.constexpr, EVICT2: tl.constexpr, WAIT: tl.constexpr, PAIRS: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """The mixture row's two passes in one launch: the program that read a chunk in pass 1
@@ -515,7 +560,7 @@ def _mix_fused_kernel(
     sp = t % S
     _mix_partial(b, sp, logits_ptr, part_ptr, part_idx_ptr, part_ptr, part_idx_ptr, slot_ptr,
                  K, V, S, CHUNK, stride_logits, scale, KP, BLOCK1, VEC, RPT, PICKED, False, False,
-                 not GREEDY, P, SW, STAGES, EVICT, FAST, False, KP)
+                 not GREEDY, P, SW, STAGES, EVICT, FAST, False, KP, PAIRS)
     tl.debug_barrier()  # every thread's partials are stored before the release
     arrived = tl.atomic_add(cnt_ptr + 1 + b, 1, sem="acq_rel", scope="gpu")
     # pass 2's programs per row as `_mix_chunk` numbers them: S chunks, and sampling's draw (S)
@@ -526,14 +571,14 @@ def _mix_fused_kernel(
                        part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                        cnt_ptr, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                        K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
-                       BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2, GREEDY and not PICKED, False)
+                       BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2, GREEDY and not PICKED, False, PAIRS)
     c_lo, c_hi = group_items(cnt_ptr + 1 + b, arrived, S, sp, WAIT)   # its own chunk, or all (no WAIT)
     for c in range(c_lo, c_hi):
         _mix_chunk(b, c, S + N2, logits_ptr, weights_ptr, seed_ptr, offset_ptr, part_ptr, part_idx_ptr,
                    part_ptr, part_idx_ptr, slot_ptr, token_ptr, token_ptr, token_prob_ptr, mixture_ptr, lse_ptr,
                    cnt_ptr, V, S, CHUNK, stride_logits, stride_wb, stride_wk, stride_mix, scale,
                    K, KP, SP, BLOCK2, GREEDY, True, PICKED, False, False, TOK_K, P, SW, SB, NB, DSTAGES,
-                   BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2, GREEDY and not PICKED, False)
+                   BLOCK1, RPT, VEC, 1, 0, FAST, ".cg", EVICT2, GREEDY and not PICKED, False, PAIRS)
     if GREEDY and not PICKED:  # the chunk bests: folded by the row's last program done
         tl.debug_barrier()  # every thread's chunk best is stored before the release
         done = tl.atomic_add(cnt_ptr + 1 + B + b, 1, sem="acq_rel", scope="gpu")
@@ -751,17 +796,46 @@ def _first_last(h0, qh0, l0, ql0, h1, qh1, l1, ql1):
 @triton.jit
 def _tile_q(logits_ptr, b, offs, vmask, w, lse2, ks, stride_logits, scale, K: tl.constexpr, FAST: tl.constexpr,
             EVICT: tl.constexpr):
-    """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` (any shape) of row b.
-    The views one tile at a time (K is a constexpr): the sum over views stays inside each
-    thread; a [KP, ...] tile spreads the views over warps and its sum costs a shared-memory
-    exchange and barriers every step."""
+    """Mixture q = sum_k w_k 2^(x_k * scale - lse2_k) at columns `offs` (any shape) of row b
+    (vmask None: every column is in the row). The views one tile at a time (K is a
+    constexpr): the sum over views stays inside each thread; a [KP, ...] tile spreads the
+    views over warps and its sum costs a shared-memory exchange and barriers every step."""
     q = tl.zeros(offs.shape, tl.float32)
     for k in tl.static_range(K):
-        x = tl.load(logits_ptr + (b * K + k) * stride_logits + offs, mask=vmask, other=float("-inf"),
-                    eviction_policy=EVICT).to(tl.float32)
-        q += tl.sum(tl.where(ks == k, w, 0.0), axis=0) * exp2(x * scale - tl.sum(tl.where(ks == k, lse2, 0.0), axis=0),
-                                                               FAST)
+        ptr = logits_ptr + (b * K + k) * stride_logits + offs
+        if vmask is None:
+            x = tl.load(ptr, eviction_policy=EVICT).to(tl.float32)
+        else:
+            x = tl.load(ptr, mask=vmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+        q += _view_scalar(w, ks, k) * exp2(x * scale - _view_scalar(lse2, ks, k), FAST)
     return q
+
+
+@triton.jit
+def _view_scalar(v, ks, k: tl.constexpr):
+    """Element k of a per-view vector v ([KP])."""
+    return tl.sum(tl.where(ks == k, v, 0.0), axis=0)
+
+
+@triton.jit
+def _tile_q_pairs(logits_ptr, b, v0, w, lse2, ks, stride_logits, scale, K: tl.constexpr, BLOCK: tl.constexpr,
+                  FAST: tl.constexpr, EVICT: tl.constexpr):
+    """`_tile_q` over the whole step [v0, v0 + BLOCK) of bf16 logits in the [BLOCK // 4, 4]
+    layout of the row's 16-byte stores, each view's columns loaded as 32-bit words of two
+    (the launcher's PAIRS: even row stride, 4-byte aligned base, v0 even): the even column
+    is the low half, x = word << 16, the odd one x = word & 0xffff0000, one integer
+    instruction per element where unpacking bf16 pairs took 1.5."""
+    words = v0 // 2 + tl.arange(0, BLOCK // 4)[:, None] * 2 + tl.arange(0, 2)[None, :]   # [BLOCK // 4, 2]
+    q_lo = tl.zeros([BLOCK // 4, 2], tl.float32)
+    q_hi = tl.zeros([BLOCK // 4, 2], tl.float32)
+    for k in tl.static_range(K):
+        row = (logits_ptr + (b * K + k) * stride_logits).to(tl.pointer_type(tl.int32))
+        u = tl.load(row + words, eviction_policy=EVICT)
+        w_k = _view_scalar(w, ks, k)
+        l_k = _view_scalar(lse2, ks, k)
+        q_lo += w_k * exp2((u << 16).to(tl.float32, bitcast=True) * scale - l_k, FAST)
+        q_hi += w_k * exp2((u & -65536).to(tl.float32, bitcast=True) * scale - l_k, FAST)
+    return tl.reshape(tl.join(q_lo, q_hi), [BLOCK // 4, 4])
 
 
 def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature=1.0,
@@ -892,6 +966,9 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     sb = min(SP, max(1, _DRAW_TILE // (KP * n_slots)))
     nb = min(triton.next_power_of_2(triton.cdiv(V, period)), max(1, 1024 // _DRAW_WIDTH))
     if fused:
+        # whole steps read as 32-bit words of two bf16 (rows at even offsets from a 4-byte address)
+        pairs = (_FUSED_PAIRS and K > 1 and logits.dtype == torch.bfloat16 and logits.stride(0) % 2 == 0
+                 and logits.data_ptr() % 4 == 0)
         _mix_fused_kernel[(B * S,)](
             logits, weights, seed_arg, offset_arg, part, part_idx, slot, token, token_prob, mixture, lse,
             counters(dev, 1 + 2 * B),
@@ -899,6 +976,7 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
             K=K, KP=KP, SP=SP, BLOCK1=BLOCK, BLOCK2=BLOCK2, VEC=vec, RPT=rpt, GREEDY=greedy, PICKED=picked,
             TOK_K=tok_k, P=period, SW=_DRAW_WIDTH, SB=sb, NB=nb, DSTAGES=_DRAW_STAGES, STAGES=_STAGES,
             EVICT=_P1_EVICT, EVICT2=_FUSED_EVICT2, WAIT=_FUSED_WAIT and fast and S <= target_programs(dev, 1),
+            PAIRS=pairs,
             FAST=fast,
             num_warps=p1_warps, PDL=use_pdl, launch_pdl=use_pdl,
         )

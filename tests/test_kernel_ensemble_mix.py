@@ -830,6 +830,32 @@ def test_fused_mixture_matches_reference(B, K, V, temperature, dtype, atol, rtol
 
 
 @pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("K, V, pad", [(2, 2500, 2), (2, 3001, 37), (3, 2500, 6), (4, 3001, 1), (4, 4096, 0)])
+def test_fused_word_pairs_change_no_bit(greedy, K, V, pad, kernel_device, monkeypatch):
+    """The one launch with bf16 logits read as 32-bit words of two in its whole steps (even
+    row stride; V odd or even, so the rows end in a masked step or not) against element
+    loads: the same token, probability and normalisers, the mixture row equal up to the
+    rounding of its arithmetic (sampling's pass 2 also changes layout: the compiler may fuse
+    differently). Chunks of 2048 columns: pass 1 in 1024-2048-column steps, pass 2 in
+    64-column steps (greedy) or 2048 (sampling)."""
+    _fused(monkeypatch, True, 2048)
+    monkeypatch.setattr(_k, "_FUSED_GREEDY_COLUMNS", 64)
+    logits, w = _inputs(3, K, V, torch.bfloat16, kernel_device, pad=pad, seed=K)
+    assert logits.stride(0) % 2 == 0 and logits.data_ptr() % 4 == 0
+    seed = torch.tensor([5], device=kernel_device)
+    offset = torch.tensor([0], device=kernel_device)
+    outs = []
+    for pairs in (False, True):
+        monkeypatch.setattr(_k, "_FUSED_PAIRS", pairs)
+        outs.append(_k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, return_mixture=True))
+    for i in (0, 1, 3):
+        assert torch.equal(outs[0][i], outs[1][i])
+    torch.testing.assert_close(outs[1][2], outs[0][2], atol=0, rtol=5e-7)
+    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
+    torch.testing.assert_close(outs[1][2], ref[2], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize("K, V, n_split", [(1, 1000, 3), (2, 1000, 1), (3, 2500, 4), (4, 3001, 2)])
 def test_fused_equals_two_launches(greedy, K, V, n_split, kernel_device, monkeypatch):
     """One launch and two launches with the same chunks: the same token (sampling: the same
@@ -859,16 +885,18 @@ def test_fused_equals_two_launches(greedy, K, V, n_split, kernel_device, monkeyp
     assert torch.equal(outs[0][4], outs[0][0].repeat_interleave(K))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [2, 4])
 @pytest.mark.parametrize("ties", [(63, 127), (1500, 1501), (700, 1500), (1000, 2500), (2047, 2048, 2049)])
-def test_fused_greedy_ties_take_the_lowest_index(K, ties, kernel_device, monkeypatch):
+def test_fused_greedy_ties_take_the_lowest_index(K, ties, dtype, kernel_device, monkeypatch):
     """Greedy with the mixture row in one launch, two chunks per row and pass 2 in 64-column
     steps ([16, 4] store tiles): exact ties of the mixture's max in one thread slot across
     steps, in one 4-column group, across slots and across chunks resolve to the lowest index
-    (torch.argmax), with the tied columns' probability."""
+    (torch.argmax), with the tied columns' probability (bf16: through the word-pair loads of
+    the whole steps, and the masked last step of each row)."""
     _fused(monkeypatch, True, 2048)
     monkeypatch.setattr(_k, "_FUSED_GREEDY_COLUMNS", 64)
-    logits, w = _inputs(3, K, 3001, torch.float32, kernel_device)
+    logits, w = _inputs(3, K, 3001, dtype, kernel_device)
     for c in ties:
         logits[:, c] = 20.0      # every view: equal mixture values, above every other column
     token, prob, mixture, _ = _k.ensemble_mix(logits, w, greedy=True, return_mixture=True)
