@@ -20,7 +20,9 @@ exchange small partials:
 
 With the mixture row and logits and row larger than half of L2, the two passes run in one
 launch instead (`_mix_fused_kernel`: each program reads its chunk for pass 1, waits for its
-row's other chunks, and reads it again for pass 2 while it is still in L2).
+row's other chunks, and reads it again for pass 2 while it is still in L2); with K > 1 its
+passes take each chunk's whole steps without column masks and, for bf16 rows at even
+offsets, as 32-bit words of two columns (`_FUSED_PAIRS`).
 
 Passes over the logits: one greedy with a single view; for K > 1 and for sampling, one
 plus what needs q (every chunk with the mixture row; greedy without it, only what can
