@@ -278,8 +278,8 @@ def _mix_partial(
         for v0 in tl.range(start, v_part, BLOCK, num_stages=STAGES):
             u = tl.load(wrows + (v0 // 2 + wcols)[None], mask=lmask, other=-8323200,   # 0xff80ff80: -inf twice
                         eviction_policy=EVICT)
-            x = tl.reshape(tl.join((u << 16).to(tl.float32, bitcast=True),
-                                   (u & -65536).to(tl.float32, bitcast=True)), [KP, RPT, NT, VEC])
+            lo, hi = _bf16_halves(u)
+            x = tl.reshape(tl.join(lo, hi), [KP, RPT, NT, VEC])
             m, s, m2, bx, b_v0 = _partial_step(x, v0, m, s, m2, bx, b_v0, scale, PICK, CERT, MULTI, FAST)
     for v0 in tl.range(v_part, end, BLOCK, num_stages=STAGES):
         offs = v0 + gcols
@@ -498,9 +498,7 @@ def _mix_chunk(
                         if WRITE_MIX:
                             tl.store(mixture_ptr + b * stride_mix + offs, q, eviction_policy=EVICT2)
                         if GREEDY and not PICKED:  # (STORE_TILES: the layout's running best)
-                            take = q > best
-                            best = tl.where(take, q, best)
-                            best_v0 = tl.where(take, v0, best_v0)
+                            best, best_v0 = _take_best(q, v0, best, best_v0)
                 for v0 in range(v_part, end, BLOCK):
                     offs = v0 + cols
                     vmask = offs < end
@@ -510,9 +508,7 @@ def _mix_chunk(
                     if GREEDY and not PICKED:
                         score = tl.where(vmask, q, float("-inf"))
                         if STORE_TILES:
-                            take = score > best
-                            best = tl.where(take, score, best)
-                            best_v0 = tl.where(take, v0, best_v0)
+                            best, best_v0 = _take_best(score, v0, best, best_v0)
                         else:
                             best, best_v0, best_q = best_step(score, q, v0, best, best_v0, best_q)
                 if GREEDY and not PICKED:
@@ -533,6 +529,14 @@ def _mix_chunk(
                     if arrived == S - 1:  # the row's last chunk: its S bests -> token (lowest index on ties)
                         _fold_token(prow, part_idx_ptr, token_ptr, token_prob_ptr, b, S, ss, smask, ks, KP, V, TOK_K)
                         tl.store(cnt_ptr + b, 0)  # every chunk has arrived: ready for the next launch
+
+
+@triton.jit
+def _take_best(score, v0, best, best_v0):
+    """STORE_TILES's running best per element: the score where it beats the kept one (strict:
+    earlier steps keep ties), and the step it came from."""
+    take = score > best
+    return tl.where(take, score, best), tl.where(take, v0, best_v0)
 
 
 @triton.jit
@@ -830,6 +834,13 @@ def _view_scalar(v, ks, k: tl.constexpr):
 
 
 @triton.jit
+def _bf16_halves(u):
+    """The two bf16 values of each 32-bit word of u, as float32: (the low half, the even
+    column: u << 16; the high half: u & 0xffff0000), one integer instruction each."""
+    return (u << 16).to(tl.float32, bitcast=True), (u & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _tile_q_pairs(logits_ptr, b, v0, w, lse2, ks, stride_logits, scale, K: tl.constexpr, BLOCK: tl.constexpr,
                   FAST: tl.constexpr, EVICT: tl.constexpr):
     """`_tile_q` over the whole step [v0, v0 + BLOCK) of bf16 logits in the [BLOCK // 4, 4]
@@ -845,8 +856,9 @@ def _tile_q_pairs(logits_ptr, b, v0, w, lse2, ks, stride_logits, scale, K: tl.co
         u = tl.load(row + words, eviction_policy=EVICT)
         w_k = _view_scalar(w, ks, k)
         l_k = _view_scalar(lse2, ks, k)
-        q_lo += w_k * exp2((u << 16).to(tl.float32, bitcast=True) * scale - l_k, FAST)
-        q_hi += w_k * exp2((u & -65536).to(tl.float32, bitcast=True) * scale - l_k, FAST)
+        lo, hi = _bf16_halves(u)
+        q_lo += w_k * exp2(lo * scale - l_k, FAST)
+        q_hi += w_k * exp2(hi * scale - l_k, FAST)
     return tl.reshape(tl.join(q_lo, q_hi), [BLOCK // 4, 4])
 
 

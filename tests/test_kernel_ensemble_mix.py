@@ -831,7 +831,7 @@ def test_fused_mixture_matches_reference(B, K, V, temperature, dtype, atol, rtol
 
 @pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize("K, V, pad", [(2, 2500, 2), (2, 3001, 37), (3, 2500, 6), (4, 3001, 1), (4, 4096, 0)])
-def test_fused_word_pairs_change_no_bit(greedy, K, V, pad, kernel_device, monkeypatch):
+def test_fused_word_pairs_match_element_loads(greedy, K, V, pad, kernel_device, monkeypatch):
     """The one launch with bf16 logits read as 32-bit words of two in its whole steps (even
     row stride; V odd or even, so the rows end in a masked step or not) against element
     loads: the same token, probability and normalisers, the mixture row equal up to the
