@@ -926,12 +926,16 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
 # registers across the wait (no second read; 1-3 steps per task: 109-146 us at K = 4), the TV
 # pass's loads all issued before its exp2s (83.5), release-only arrivals (within 0.5%), 2 / 3
 # pipelining stages in the KL pass (B = 64, K = 4 64.8 -> 66.1 / 66.8; B = 256, K = 1 88.9 ->
-# 92.9 / 94.8). Profile (issue-bound on the H200): benchmarks/results/two_pass_profile.md.
+# 92.9 / 94.8). Profile: benchmarks/results/two_pass_profile.md.
 # Since (H200, graph replays, one process; B = 64, K = 4 / B = 128, K = 2 / B = 256, K = 1,
 # P = 6; HEAD 67.1 / 73.0 / 91.5 us): TV as 1 - sum min(p, q) 66.5 / 70.8 / 85.5 (see above);
 # KL's sum as sum p x_p - sum p x_k 68.2 / 75.2 / 93.0; each running max fixed at its task's
 # first step (unsafe: overflow) 62.6 / 73.9 / 89.0; all three 61.3 / 73.0 / 84.5; one program
 # per (row, view group), no ticket or wait (8-32 warps) 73.4-89.7 / 73.7-104.1 / 94.4-152.3.
+# This design in CUDA C++ with 36% fewer instructions (word pairs, shuffle folds, pass 1 against
+# a fixed max with an exact redo on overflow): 66.4-67.9 / 78.5-81.0 / 104.6-106.5 against this
+# kernel's 66.4-68.0 / 72.8-74.8 / 90.2-92.9, its pass 1 alone 45.7 at K = 4: not issue-bound
+# (benchmarks/results/README.md, "TV without normalisers in CUDA C++").
 _TV_FUSED = True
 _TV_FUSED_L2 = 0.5
 _TV_FUSED_WAIT = True
