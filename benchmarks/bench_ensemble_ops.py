@@ -13,7 +13,10 @@ bandwidth figure to compare with the copy ceiling. Next to it, the read floor of
 bytes (`read_floor_us`, benchmarks/read_floor.py: a kernel that only reads and adds them,
 cold, graph replays): at ~33 MB a bare read reaches ~78% of the copy bandwidth, the rest
 being a launch's ramp and tail, so `triton_graph_cold_pct_of_read_floor` says how far an
-op is from the fastest it could be at its size.
+op is from the fastest it could be at its size. TV without given normalisers past L2 must
+read its logits twice (the second time from L2, after each position's normalisers are
+complete): its rows also carry the two-read floor (`two_read_floor_us`, the same file: that
+schedule's data movement alone) and `triton_graph_cold_pct_of_two_read_floor`.
 
     python benchmarks/bench_ensemble_ops.py [--out benchmarks/results/ensemble_ops.json]
     python benchmarks/bench_ensemble_ops.py --large --out benchmarks/results/ensemble_ops_large.json
@@ -45,7 +48,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from read_floor import read_floor_us  # noqa: E402
+from read_floor import read_floor_us, two_read_floor_us  # noqa: E402
 from tabed_engine.kernels import chain_verify as k_cv  # noqa: E402
 from tabed_engine.kernels import ensemble_mix as k_em  # noqa: E402
 from tabed_engine.kernels import window_divergence as k_wd  # noqa: E402
@@ -284,13 +287,22 @@ def main():
                     row[f"{name}_graph_us"] = graph_time_us(fn)
         if cuda and not smoke and nbytes >= (4 << 20) and isinstance(row.get("triton_graph_us"), float):
             row["triton_graph_cold_us"] = graph_time_us(rotating(launcher, a, kw, nbytes))
-            if isinstance(row["triton_graph_cold_us"], float):
-                row["triton_graph_cold_pct_of_copy"] = 100 * nbytes / (row["triton_graph_cold_us"] * 1e-6) / 1e9 / copy_gbs
+            cold = row["triton_graph_cold_us"]
+            if isinstance(cold, float):
+                row["triton_graph_cold_pct_of_copy"] = 100 * nbytes / (cold * 1e-6) / 1e9 / copy_gbs
                 if nbytes not in floors:
                     floors[nbytes] = read_floor_us(nbytes, device)
                 row["read_floor_us"] = floors[nbytes]
                 row["read_floor_pct_of_copy"] = 100 * nbytes / (floors[nbytes] * 1e-6) / 1e9 / copy_gbs
                 row["triton_graph_cold_pct_of_read_floor"] = 100 * floors[nbytes] / row["triton_graph_cold_us"]
+                group_bytes = two_read_group_bytes(op, a, kw)
+                if group_bytes:
+                    if (nbytes, group_bytes) not in floors:
+                        floors[nbytes, group_bytes] = two_read_floor_us(nbytes, group_bytes, device)
+                    two = floors[nbytes, group_bytes]
+                    row["two_read_floor_us"] = two
+                    row["two_read_floor_pct_of_copy"] = 100 * nbytes / (two * 1e-6) / 1e9 / copy_gbs
+                    row["triton_graph_cold_pct_of_two_read_floor"] = 100 * two / row["triton_graph_cold_us"]
         if op == "ensemble_mix" and kw["greedy"] and a[1].shape[1] > 1:
             certified = torch.zeros(a[1].shape[0], dtype=torch.int32, device=device)
             launcher(*a, **kw, certified_out=certified)
@@ -313,7 +325,8 @@ def main():
         "smoke": smoke, "interpreter": bool(os.environ.get("TRITON_INTERPRET")),
         "copy_bandwidth_GBs": copy_gbs, "timer": "triton.testing.do_bench median (us); *_graph_us: do_bench_cudagraph; "
                  "*_graph_cold_us: do_bench_cudagraph over rotating input copies (>= 256 MB); read_floor_us: "
-                 "benchmarks/read_floor.py, a read of the same bytes timed the same way",
+                 "benchmarks/read_floor.py, a read of the same bytes timed the same way; two_read_floor_us: "
+                 "the same file, the bytes read twice in the one-launch TV's schedule (TV without normalisers)",
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
     }
@@ -323,11 +336,25 @@ def main():
     print(f"wrote {args.out}")
 
 
+def two_read_group_bytes(op, a, kw):
+    """Bytes of the group a one-launch two-read op reduces before its terms (window_divergence's
+    TV without normalisers past L2: a position's target row and the rows of one view group),
+    or None for the other ops and modes."""
+    if op != "window_divergence" or kw.get("grid") is not None or not kw.get("tv", True) or "p_lse" in kw:
+        return None
+    p, q = a
+    if not k_wd._tv_fused_taken(p, q):
+        return None
+    kb = k_wd._one_pass_layout(p, q, k_wd._KL_WIDE_PAST_L2).kb
+    return (kb + 1) * p.shape[-1] * max(p.element_size(), q.element_size())
+
+
 def print_table(rows, copy_gbs, smoke):
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s" + ("  (smoke: no timing claims)" if smoke else ""))
     cols = ["triton_us", "eager_us", "compile_us", "triton_graph_us", "triton_graph_cold_us", "triton_pct_of_copy",
             "triton_graph_pct_of_copy", "triton_graph_cold_pct_of_copy", "read_floor_pct_of_copy",
-            "triton_graph_cold_pct_of_read_floor", "speedup_vs_eager", "speedup_vs_compile"]
+            "triton_graph_cold_pct_of_read_floor", "triton_graph_cold_pct_of_two_read_floor", "speedup_vs_eager",
+            "speedup_vs_compile"]
     widths = [max(20, len(c) + 2) for c in cols]
     print(f"{'op':<18}{'case':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
