@@ -935,7 +935,10 @@ def _given_norms(p_logits, q_logits, p_lse, q_lse, kl, tv, temperature):
 # This design in CUDA C++ with 36% fewer instructions (word pairs, shuffle folds, pass 1 against
 # a fixed max with an exact redo on overflow): 66.4-67.9 / 78.5-81.0 / 104.6-106.5 against this
 # kernel's 66.4-68.0 / 72.8-74.8 / 90.2-92.9, its pass 1 alone 45.7 at K = 4: not issue-bound
-# (benchmarks/results/README.md, "TV without normalisers in CUDA C++").
+# (benchmarks/results/README.md, "TV without normalisers in CUDA C++"). This schedule's data
+# movement alone (benchmarks/read_floor.py, the two-read floor) takes 51.1-51.4 / 59.6 / 75.1 us:
+# the kernel is at 79-83% of it. Also measured: exp2 of chosen rows as an FMA polynomial instead
+# of the MUFU op, 3-76% slower; the group's last task running the TV pass (no wait), 8-63% slower.
 _TV_FUSED = True
 _TV_FUSED_L2 = 0.5
 _TV_FUSED_WAIT = True
