@@ -33,15 +33,20 @@ from tabed_engine.kernels._common import counters, group_items, target_programs,
 
 
 @triton.jit
-def _read_probe_kernel(x_ptr, out_ptr, N, CHUNK, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * CHUNK
-    end = tl.minimum(start + CHUNK, N)
+def _slice_sum(x_ptr, start, end, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    """fp32 sum of x[start:end], read in [BLOCK] steps with eviction policy EVICT."""
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for v0 in range(start, end, BLOCK):
-        acc += tl.load(x_ptr + v0 + cols, mask=v0 + cols < end, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+        acc += tl.load(x_ptr + v0 + cols, mask=v0 + cols < end, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _read_probe_kernel(x_ptr, out_ptr, N, CHUNK, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * CHUNK
+    tl.store(out_ptr + pid, _slice_sum(x_ptr, start, tl.minimum(start + CHUNK, N), BLOCK, ""))
 
 
 def probe_chunk(numel: int, programs: int, block: int) -> int:
@@ -105,24 +110,15 @@ def _two_read_probe_kernel(x_ptr, out_ptr, cnt_ptr, NG, NS, G_LEN, CH, BLOCK: tl
     grp = t // NS
     split = t % NS
     g0 = grp.to(tl.int64) * G_LEN
-    cols = tl.arange(0, BLOCK)
     start = g0 + split * CH
-    end = tl.minimum(start + CH, g0 + G_LEN)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for v0 in range(start, end, BLOCK):
-        acc += tl.load(x_ptr + v0 + cols, mask=v0 + cols < end, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    tl.store(out_ptr + 2 * t, tl.sum(acc, axis=0))
+    tl.store(out_ptr + 2 * t, _slice_sum(x_ptr, start, tl.minimum(start + CH, g0 + G_LEN), BLOCK, "evict_last"))
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + 1 + grp, 1, sem="acq_rel", scope="gpu")
     c_lo, c_hi = group_items(cnt_ptr + 1 + grp, arrived, NS, split, WAIT)
     for c in range(c_lo, c_hi):
         s2 = g0 + c * CH
-        e2 = tl.minimum(s2 + CH, g0 + G_LEN)
-        acc2 = tl.zeros([BLOCK], tl.float32)
-        for v0 in range(s2, e2, BLOCK):
-            acc2 += tl.load(x_ptr + v0 + cols, mask=v0 + cols < e2, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-        tl.store(out_ptr + 2 * (grp * NS + c) + 1, tl.sum(acc2, axis=0))
+        tl.store(out_ptr + 2 * (grp * NS + c) + 1,
+                 _slice_sum(x_ptr, s2, tl.minimum(s2 + CH, g0 + G_LEN), BLOCK, "evict_first"))
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + 1 + NG + grp, 1, sem="acq_rel", scope="gpu")
     if done == NS - 1:  # the group's last task: ready for the next launch
