@@ -340,7 +340,7 @@ def two_read_group_bytes(op, a, kw):
     """Bytes of the group a one-launch two-read op reduces before its terms (window_divergence's
     TV without normalisers past L2: a position's target row and the rows of one view group),
     or None for the other ops and modes."""
-    if op != "window_divergence" or kw.get("grid") is not None or not kw.get("tv", True) or "p_lse" in kw:
+    if op != "window_divergence" or kw.get("grid") is not None or not kw.get("tv", True) or kw.get("p_lse") is not None:
         return None
     p, q = a
     if not k_wd._tv_fused_taken(p, q):
