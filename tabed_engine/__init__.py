@@ -3,6 +3,7 @@
     from tabed_engine import Engine, SamplingParams
 """
 from .config import SamplingParams
-from .engine import Engine, GenerationOutput, GenerationStats
+from .engine import Engine
+from .outputs import GenerationOutput, GenerationStats
 
 __all__ = ["Engine", "SamplingParams", "GenerationOutput", "GenerationStats"]

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft the first block as a mixture chain instead of verifying every view's own chain "
                         "as a branch of one tree (kld/tvd/hedge, greedy, several views)")
     g.add_argument("--caption", default=None, help="image caption for the C view")
+    g.add_argument("--escape-token", type=int, default=None, metavar="ID",
+                   help="token id that stands for each image in the T view (default: the tokenizer's "
+                        "newline token; with none, the T view drops the image tokens)")
+    g.add_argument("--timing", action="store_true",
+                   help="measure per-phase times (synchronizes the device after every phase: slower)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
@@ -68,7 +73,8 @@ def main(argv=None) -> int:
                                         dtype=getattr(torch, args.dtype) if args.dtype else None,
                                         views=tuple(v.strip() for v in args.views.split(",") if v.strip()),
                                         policy=args.policy, window=args.window, gamma=args.gamma,
-                                        view_tree=not args.no_view_tree)
+                                        view_tree=not args.no_view_tree, escape_token=args.escape_token,
+                                        timing=args.timing)
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         out = engine.generate(prompt, images=images, sampling=sp, caption=args.caption,

@@ -5,62 +5,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .config import SamplingParams
+from .ensemble import EnsembleConfig, EnsembleState
 from .loader import LoadedLVLM, load_lvlm, load_processor
 from .graphs import GraphCache
+from .outputs import GenerationOutput, GenerationStats
 from .model import KVCache
 from .prompt import Prepared, prepare
 from .sampling import pick_tokens
+from .speculative import run_speculative
+from .views import resolve_escape_token
 
 VIEW_NAMES = ("M", "T", "P", "C")
-
-
-@dataclass
-class GenerationStats:
-    """What happened during one generation (timings in seconds)."""
-
-    speculative: bool
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    target_forwards: int = 0          # decode/verify forwards after the prefill
-    accepted_lengths: list[int] = field(default_factory=list)   # drafted tokens accepted per block
-    weights: list[list[float]] = field(default_factory=list)    # ensemble weights per block
-    # the view whose own chain the first block's view tree accepted (None: no view tree; the
-    # first block then drafted the mixture with weights[0])
-    view_tree_view: Optional[str] = None
-    views: tuple[str, ...] = ()
-    time_prefill: float = 0.0
-    time_first_token: float = 0.0     # from the prefill's start to the first new token on the host
-    time_draft: float = 0.0
-    time_verify: float = 0.0
-    time_ensemble: float = 0.0
-    time_other: float = 0.0           # host bookkeeping between blocks (token lists, stats)
-    time_total: float = 0.0
-
-    @property
-    def block_efficiency(self) -> float:
-        """Tokens per target decode/verify forward (the prefill's first token excluded);
-        1.0 for autoregressive decoding."""
-        if self.target_forwards == 0:
-            return 1.0
-        return (self.new_tokens - 1) / self.target_forwards
-
-    def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["block_efficiency"] = self.block_efficiency
-        return d
-
-
-@dataclass
-class GenerationOutput:
-    token_ids: list[int]
-    text: str
-    stats: GenerationStats
 
 
 class Engine:
@@ -74,10 +34,8 @@ class Engine:
                  window: int = 0, gamma: int = 5, tree=None, max_len: Optional[int] = None,
                  escape_token: Optional[int] = None, pool_size: Optional[int] = None,
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
-                 grid_step: float = 0.1, timing: bool = True, cuda_graphs: bool = True,
+                 grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
                  view_tree: bool = True):
-        from .ensemble import EnsembleConfig
-
         self.target, self.draft, self.processor = target, draft, processor
         self.device = torch.device(device or target.lm.embed_tokens.weight.device)
         self.dtype = dtype or target.lm.embed_tokens.weight.dtype
@@ -104,7 +62,7 @@ class Engine:
         self.ensemble = EnsembleConfig(policy=policy, window=window, temperature=weight_temperature,
                                        grid_step=grid_step, num_views=len(views))
         self.captioner = captioner
-        self.escape_token = escape_token if escape_token is not None else self._newline_id()
+        self.escape_token = self._escape_token(escape_token)
         self.tokens_per_image = self._tokens_per_image()
         self.pool_size = pool_size
         if draft is not None:
@@ -138,11 +96,15 @@ class Engine:
         draft = load_lvlm(draft_dir, device, dtype) if draft_dir else None
         return cls(target, load_processor(target_dir), draft=draft, device=device, dtype=dtype, **kwargs)
 
-    def _newline_id(self) -> int:
-        ids = self.tokenizer.encode("\n", add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError("the tokenizer has no single newline token; pass escape_token=")
-        return ids[0]
+    def _escape_token(self, given: Optional[int]) -> Optional[int]:
+        """The T view's image escape: `given`, else the tokenizer's newline token, else None
+        (the T view then drops each image's tokens)."""
+        if given is None:
+            return resolve_escape_token(self.tokenizer)
+        vocab = self.target.lm.cfg.vocab_size
+        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < vocab:
+            raise ValueError(f"escape_token must be a token id in [0, {vocab}), got {given!r}")
+        return given
 
     def _tokens_per_image(self) -> int:
         vc = self.target.config.get("vision_config", {})
@@ -178,8 +140,6 @@ class Engine:
     def ensemble_state(self, batch: int, positions: int):
         """The (reset) ensemble history for `batch` requests and at least `positions` recorded
         positions; kept per capacity (a power of two) so captured graphs stay valid."""
-        from .ensemble import EnsembleState
-
         cap = 1 << max(6, (positions - 1).bit_length())
         key = (batch, cap, dataclasses.astuple(self.ensemble))
         st = self._ens_states.get(key)
@@ -249,8 +209,6 @@ class Engine:
         gen.manual_seed(sp.seed if sp.seed is not None else torch.seed() % (2 ** 63))
         with torch.inference_mode():
             if use_sd:
-                from .speculative import run_speculative
-
                 return (yield from run_speculative(self, prep, sp, gen, caption))
             return (yield from self._run_ar(prep, sp, gen))
 
@@ -300,8 +258,9 @@ class Engine:
         stats = GenerationStats(speculative=False, prompt_tokens=len(prep.ids))
         t0 = time.perf_counter()
         cache, logits, _ = self.prefill_target(prep)
-        self.sync()
-        stats.time_prefill = time.perf_counter() - t0
+        if self.timing:
+            self.sync()
+            stats.time_prefill = time.perf_counter() - t0
         step_fn = functools.partial(decode_step, self.target.lm, cache)
         length = len(prep.ids)
         cuda = self.device.type == "cuda"

@@ -61,13 +61,37 @@ def image_runs(ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]
     return runs
 
 
+def split_runs(runs: Sequence[tuple[int, int]], counts: Sequence[int]) -> list[tuple[int, int]]:
+    """One (start, length) span per image from maximal image-token runs: a run holding the
+    tokens of several adjacent images (`<image><image>`) is cut by the images' token counts
+    `counts` (in prompt order; counts may differ per image). Raises ValueError when the runs
+    do not add up to the images."""
+    spans, i = [], 0
+    for start, length in runs:
+        pos, end = start, start + length
+        while pos < end and i < len(counts):
+            spans.append((pos, counts[i]))
+            pos += counts[i]
+            i += 1
+        if pos != end:      # a run the images' counts do not tile exactly
+            i = -1
+            break
+    if i != len(counts):
+        raise ValueError(f"the prompt's image-token runs {[n for _, n in runs]} do not hold {len(counts)} "
+                         f"image(s) of {list(counts)} tokens (is the processor's patch_size right?)")
+    return spans
+
+
 def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: int,
-            tokens_per_image: int) -> Prepared:
-    """Validate and tokenize one request. Raises ValueError/TypeError on bad input."""
+            tokens_per_image: int | Sequence[int]) -> Prepared:
+    """Validate and tokenize one request. Raises ValueError/TypeError on bad input.
+
+    tokens_per_image: the image-token count of every image, or one count per image."""
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
     images = list(images or [])
     pil = [_to_pil(im) for im in images]
+    counts = [tokens_per_image] * len(pil) if isinstance(tokens_per_image, int) else list(tokens_per_image)
     if isinstance(prompt, str):
         text = prompt
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -79,19 +103,9 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
         vocab = len(processor.tokenizer)
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"token ids must be in [0, {vocab})")
-        out: list[int] = []
-        runs = image_runs(ids, image_token_id)
-        prev = 0
-        for start, length in runs:
-            if length not in (1, tokens_per_image):
-                raise ValueError(f"a run of {length} image tokens in the token ids: use one image "
-                                 f"token or {tokens_per_image} per image")
-            out += ids[prev:start] + [image_token_id] * tokens_per_image
-            prev = start + length
-        ids = out + ids[prev:]
-        _check_count(len(runs), len(pil))
+        ids = _expand_placeholders(ids, image_token_id, counts)
         pv = _pixels(processor, pil)
-        return Prepared(ids, pv, image_runs(ids, image_token_id), pil)
+        return Prepared(ids, pv, split_runs(image_runs(ids, image_token_id), counts), pil)
     else:
         raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of "
                         f"token ids; got {type(prompt).__name__}")
@@ -101,11 +115,29 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
         raise ValueError("prompt is empty")
     enc = processor(text=text, images=pil or None, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
-    runs = image_runs(ids, image_token_id)
-    if len(runs) != len(pil) or any(n != tokens_per_image for _, n in runs):
-        raise ValueError(f"processor produced image-token runs {[n for _, n in runs]}, expected "
-                         f"{len(pil)} runs of {tokens_per_image} (is the processor's patch_size right?)")
-    return Prepared(ids, enc.get("pixel_values") if pil else None, runs, pil)
+    spans = split_runs(image_runs(ids, image_token_id), counts)
+    return Prepared(ids, enc.get("pixel_values") if pil else None, spans, pil)
+
+
+def _expand_placeholders(ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
+    """Token-id prompts: each image is one image token (expanded here to its count) or its
+    full run already expanded; adjacent images may mix both forms."""
+    out: list[int] = []
+    prev, i = 0, 0
+    for start, length in image_runs(ids, image_token_id):
+        out += ids[prev:start]
+        left = length
+        while left > 0:
+            if i == len(counts):
+                raise ValueError(f"the token ids hold more image tokens than the {len(counts)} image(s) "
+                                 "given need")
+            take = counts[i] if left >= counts[i] and counts[i] > 1 else 1
+            out += [image_token_id] * counts[i]
+            left -= take
+            i += 1
+        prev = start + length
+    _check_count(i, len(counts))
+    return out + ids[prev:]
 
 
 def _check_count(n_placeholders: int, n_images: int):

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from .ensemble import confidence_weights, history_step
+from .outputs import GenerationStats
 from .ops.chain_verify import chain_verify
 from .ops.ensemble_mix import ensemble_mix
 from .sampling import pick_tokens, target_probs
@@ -24,10 +25,15 @@ from .views import build_views
 
 
 class _Timer:
+    """Per-phase wall times, only with `Engine(timing=True)` (each lap synchronizes the device,
+    which stops the host from queueing ahead: off by default)."""
+
     def __init__(self, eng, stats):
         self.eng, self.stats, self.t = eng, stats, time.perf_counter()
 
     def lap(self, field: str):
+        if not self.eng.timing:
+            return
         self.eng.sync()
         now = time.perf_counter()
         setattr(self.stats, field, getattr(self.stats, field) + now - self.t)
@@ -229,8 +235,6 @@ def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state, *, K:
 
 def run_speculative(eng, prep, sp, gen, caption):
     """Generator yielding lists of accepted tokens; returns GenerationStats."""
-    from .engine import GenerationStats
-
     stats = GenerationStats(speculative=True, prompt_tokens=len(prep.ids), views=eng.views)
     timer = _Timer(eng, stats)
     t_start = timer.t

@@ -1,7 +1,9 @@
 """Draft views of one request (TABED): the same prompt shown to the draft four ways.
 
 M  multimodal: the draft's own image features at the image tokens.
-T  text-only: each image's token run replaced by one escape token (default newline).
+T  text-only: each image's token run replaced by one escape token: the tokenizer's newline
+   token (`resolve_escape_token`), or, for a tokenizer without one, nothing (the image's
+   tokens are dropped).
 P  image-pooled: the draft's vision feature grid average-pooled (24×24 -> 12×12 default).
 C  caption: each image replaced by the text "image: <caption>".
 """
@@ -21,6 +23,25 @@ class ViewRow:
     ids: list[int]
     spans: list[tuple[int, int]]            # image-token runs in `ids`
     feats: list[torch.Tensor]               # projected features per span
+
+
+def resolve_escape_token(tokenizer) -> Optional[int]:
+    """The id of the token that stands alone for "\n" in `tokenizer`, or None.
+
+    Tried in order: a single-token encoding of "\n" (word-level and byte-level BPE
+    tokenizers: "\n" or "Ċ"); the byte-fallback piece `<0x0A>` (Llama-2 / Mistral
+    SentencePiece, whose `encode("\n")` is `["▁", "<0x0A>"]` because of the dummy prefix);
+    the last piece of `encode("\n")` when it alone decodes to a newline.
+    """
+    ids = tokenizer.encode("\n", add_special_tokens=False)
+    if len(ids) == 1:
+        return int(ids[0])
+    byte = tokenizer.convert_tokens_to_ids("<0x0A>")
+    if isinstance(byte, int) and byte != tokenizer.unk_token_id and 0 <= byte < len(tokenizer):
+        return byte
+    if ids and tokenizer.decode(ids[-1:]) == "\n":
+        return int(ids[-1])
+    return None
 
 
 def pool_features(sel: torch.Tensor, size: int, has_cls: bool) -> torch.Tensor:
@@ -74,7 +95,8 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
             ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats])
             rows.append(ViewRow(ids, spans, feats))
         elif v == "T" and sel is not None:
-            ids, _ = _replace_images(prep, [[engine.escape_token]] * prep.num_images)
+            escape = [] if engine.escape_token is None else [engine.escape_token]
+            ids, _ = _replace_images(prep, [escape] * prep.num_images)
             rows.append(ViewRow(ids, [], []))
         elif v == "C" and sel is not None:
             caps = _captions(engine, prep, caption)
