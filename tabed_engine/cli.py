@@ -1,9 +1,14 @@
-"""Command line: `tabed-engine generate --target DIR [--draft DIR] --image PATH --prompt TEXT`."""
+"""Command line: `tabed-engine generate --target DIR [--draft DIR] [--image PATH] --prompt TEXT`."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+EXAMPLE = """example (the bundled synthetic-world pair; its tokenizer knows only that world's words):
+  tabed-engine generate --target tabed_engine/assets/demo/target --draft tabed_engine/assets/demo/draft \\
+      --image tabed_engine/assets/demo/sample.png --prompt "describe the image ."
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -11,18 +16,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Speculative decoding for LLaVA-family vision-language models.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt",
-                       description="Generate a completion. With --draft, decoding is speculative "
-                                   "(lossless: the output follows the target's distribution).")
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLE,
+                       description="Generate a completion and stream it to stdout as tokens are accepted. "
+                                   "With --draft, decoding is speculative (lossless: the output follows "
+                                   "the target's distribution). Progress and a summary go to stderr; bad "
+                                   "input prints one 'error: ...' line and exits with status 2.")
     g.add_argument("--target", required=True, help="local HF LLaVA checkpoint directory of the target model")
     g.add_argument("--draft", help="local HF LLaVA checkpoint directory of the draft model "
                                    "(omit for plain autoregressive decoding)")
     g.add_argument("--image", action="append", default=[], metavar="PATH",
-                   help="image file; repeat for several images (one <image> placeholder each)")
+                   help="image file; repeat for several images")
     g.add_argument("--prompt", required=True,
-                   help="prompt text; put one <image> where each image goes (added at the front "
-                        "when images are given and the prompt has none)")
-    g.add_argument("--chat", action="store_true",
-                   help="wrap the prompt as one user message through the processor's chat template")
+                   help="the user's message. It is sent as one user turn through the checkpoint's chat "
+                        "template when it has one (see --raw). Images go where the prompt has an <image> "
+                        "placeholder (one per image), or before the text when it has none")
+    g.add_argument("--raw", action="store_true",
+                   help="send --prompt to the model as it is, without the chat template")
+    g.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
     g.add_argument("--max-new-tokens", type=int, default=128, help="maximum tokens to generate (default 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, default=0, help="sample only among the k most likely tokens (0 = off)")
@@ -36,23 +46,71 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-view-tree", action="store_true",
                    help="draft the first block as a mixture chain instead of verifying every view's own chain "
                         "as a branch of one tree (kld/tvd/hedge, greedy, several views)")
-    g.add_argument("--caption", default=None, help="image caption for the C view")
+    g.add_argument("--caption", action="append", default=None, metavar="TEXT",
+                   help="image caption for the C view (needed with --views containing C); repeat once per "
+                        "image, or give one for every image")
     g.add_argument("--escape-token", type=int, default=None, metavar="ID",
                    help="token id that stands for each image in the T view (default: the tokenizer's "
                         "newline token; with none, the T view drops the image tokens)")
     g.add_argument("--timing", action="store_true",
                    help="measure per-phase times (synchronizes the device after every phase: slower)")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--no-speculative", action="store_true", help="decode autoregressively even with --draft")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, stats) at the end instead of streaming text")
     return p
+
+
+def _error(e) -> int:
+    msg = " ".join(str(e).split())
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _has_template(processor) -> bool:
+    return bool(getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None))
+
+
+def build_prompt(processor, text: str, n_images: int, raw: bool = False, chat: bool = False) -> str:
+    """The model's input text for the CLI's --prompt: one user turn through the chat template
+    (unless `raw` or the checkpoint has none), images at their <image> placeholders or first."""
+    image = getattr(processor, "image_token", "<image>")
+    if chat and not _has_template(processor):
+        raise ValueError("--chat: this checkpoint's processor has no chat template (drop --chat)")
+    if raw or not _has_template(processor):
+        if n_images and image not in text:
+            text = f"{image}\n" * n_images + text
+        return text
+    content = []
+    if image not in text:
+        content += [{"type": "image"}] * n_images
+    for i, part in enumerate(text.split(image)):
+        if i:
+            content.append({"type": "image"})
+        if part.strip():
+            content.append({"type": "text", "text": part.strip()})
+    if not any(c["type"] == "text" for c in content):
+        raise ValueError("--prompt has no text")
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The pieces of `text` that the tokenizer maps to its unknown token."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return []
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
+    ids = enc["input_ids"]
+    if not tokenizer.is_fast:
+        return ["?"] * sum(t == unk for t in ids)
+    return [text[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"]) if t == unk]
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
     from PIL import Image
 
     from . import Engine, SamplingParams
@@ -60,33 +118,52 @@ def main(argv=None) -> int:
     try:
         images = [Image.open(p).convert("RGB") for p in args.image]
     except OSError as e:
-        print(f"error: cannot read image: {e}", file=sys.stderr)
-        return 2
-    prompt = args.prompt
-    if images and "<image>" not in prompt:
-        prompt = "<image>\n" * len(images) + prompt
-    if args.chat:
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
-        prompt = [{"role": "user", "content": content}]
+        return _error(f"cannot read image: {e}")
+    caption = None
+    if args.caption:
+        caption = args.caption[0] if len(args.caption) == 1 else args.caption
+    printed = False
     try:
-        engine = Engine.from_pretrained(args.target, args.draft, device=args.device,
-                                        dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                        views=tuple(v.strip() for v in args.views.split(",") if v.strip()),
-                                        policy=args.policy, window=args.window, gamma=args.gamma,
-                                        view_tree=not args.no_view_tree, escape_token=args.escape_token,
-                                        timing=args.timing)
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        out = engine.generate(prompt, images=images, sampling=sp, caption=args.caption,
-                              speculative=not args.no_speculative)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
+                                        log=lambda s: print(s, end="", file=sys.stderr, flush=True),
+                                        views=args.views, policy=args.policy, window=args.window,
+                                        gamma=args.gamma, view_tree=not args.no_view_tree,
+                                        escape_token=args.escape_token, timing=args.timing)
+        prompt = build_prompt(engine.processor, args.prompt, len(images), raw=args.raw, chat=args.chat)
+        unknown = unknown_words(engine.tokenizer, prompt)
+        if unknown:
+            shown = ", ".join(repr(w) for w in dict.fromkeys(unknown))
+            print(f"warning: {len(unknown)} prompt word(s) are not in the tokenizer's vocabulary and become "
+                  f"{engine.tokenizer.unk_token}: {shown}", file=sys.stderr)
+        kw = dict(images=images, sampling=sp, caption=caption, speculative=not args.no_speculative)
+        if args.json:
+            out = engine.generate(prompt, **kw)
+        else:
+            stream = engine.stream(prompt, **kw)
+            while True:
+                try:
+                    piece = next(stream)
+                except StopIteration as stop:
+                    out = stop.value
+                    break
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                printed = True
+    except (ValueError, TypeError, RuntimeError) as e:
+        if printed:
+            print(flush=True)
+        return _error(e)
+    except KeyboardInterrupt:
+        if printed:
+            print(flush=True)
+        return 130
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.as_dict()}))
     else:
         s = out.stats
-        print(out.text)
+        print(flush=True)
         print(f"[{s.new_tokens} tokens, {s.time_total:.2f}s, block efficiency {s.block_efficiency:.2f}"
               + (f", final weights {s.weights[-1]}" if s.weights else "") + "]", file=sys.stderr)
     return 0

@@ -2,7 +2,10 @@
 user-facing sampling parameters."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "vicuna")
@@ -76,9 +79,31 @@ class LMConfig:
         )
 
 
-@dataclass
+def check_int(name: str, value, low: int) -> int:
+    """`value` as an int >= low; bools and floats are refused (True is not a token count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+    return int(value)
+
+
+def check_real(name: str, value) -> float:
+    """`value` as a finite float (NaN or inf would silently decode garbage)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """How to pick tokens. temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters;
+    seed None draws a fresh seed per generation (from the OS, not from torch's global RNG).
+
+    Frozen and validated once here: the engine never re-checks a params object it was given.
+    Derive variants with `dataclasses.replace(sp, seed=1)`."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -88,14 +113,21 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        fix = partial(object.__setattr__, self)   # frozen: normalise numpy scalars to int/float
+        fix("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
+        fix("temperature", check_real("temperature", self.temperature))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        fix("top_k", check_int("top_k", self.top_k, 0))
+        fix("top_p", check_real("top_p", self.top_p))
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            fix("seed", check_int("seed", self.seed, 0))
+            if self.seed >= 2 ** 64:
+                raise ValueError(f"seed must be < 2**64, got {self.seed}")
+        if not isinstance(self.stop_at_eos, bool):
+            raise TypeError(f"stop_at_eos must be a bool, got {type(self.stop_at_eos).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import secrets
+import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
-from .config import SamplingParams
+from .config import SamplingParams, check_int, check_real
 from .ensemble import EnsembleConfig, EnsembleState
 from .loader import LoadedLVLM, load_lvlm, load_processor
 from .graphs import GraphCache
@@ -21,6 +24,82 @@ from .speculative import run_speculative
 from .views import resolve_escape_token
 
 VIEW_NAMES = ("M", "T", "P", "C")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device) -> torch.device:
+    """`device` (None, "cpu", "cuda", "cuda:N" or a torch.device) as a usable torch.device;
+    None = CUDA when a GPU is usable, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but no CUDA GPU is usable here (this torch "
+                             f"{torch.__version__} was built {'without CUDA' if torch.version.cuda is None else 'with CUDA ' + torch.version.cuda} "
+                             "or sees no GPU); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda' (the engine runs on nothing else), got {device!r}")
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """`dtype` (None, a torch.dtype or its name: "float32", "bfloat16", "float16", ...) as a
+    torch.dtype; None = bfloat16 on CUDA, float32 on the CPU."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key not in DTYPES:
+            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16' (or a torch.dtype), got {dtype!r}")
+        return DTYPES[key]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__} {dtype!r}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    return dtype
+
+
+def _check_options(gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size,
+                   captioner):
+    """The constructor arguments that need no model (checked before any checkpoint loads).
+    Returns (gamma, views, EnsembleConfig)."""
+    gamma = check_int("gamma", gamma, 1)
+    if isinstance(views, str):       # "M,T" as on the command line
+        views = [v.strip() for v in views.split(",") if v.strip()]
+    if not isinstance(views, (list, tuple)):
+        raise TypeError(f"views must be a tuple of view names from {VIEW_NAMES}, got {type(views).__name__}")
+    views = tuple(views)
+    if not views or any(v not in VIEW_NAMES for v in views) or len(set(views)) != len(views):
+        raise ValueError(f"views must be a non-empty subset of {VIEW_NAMES} without repeats, got {views}")
+    window = check_int("window", window, 0)
+    if weight_temperature is not None and check_real("weight_temperature", weight_temperature) <= 0:
+        raise ValueError(f"weight_temperature must be > 0, got {weight_temperature}")
+    check_real("grid_step", grid_step)
+    for name, value in (("max_len", max_len), ("pool_size", pool_size)):
+        if value is not None:
+            check_int(name, value, 1)
+    if captioner is not None and not callable(captioner):
+        raise TypeError(f"captioner must be a callable (PIL image -> caption string), got "
+                        f"{type(captioner).__name__}")
+    return gamma, views, EnsembleConfig(policy=policy, window=window, temperature=weight_temperature,
+                                        grid_step=grid_step, num_views=len(views))
+
+
+class _Request(NamedTuple):
+    """One validated request (what `_run` needs)."""
+
+    prep: Prepared
+    sp: SamplingParams
+    caption: Any
+    speculative: bool
 
 
 class Engine:
@@ -36,15 +115,15 @@ class Engine:
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
                  grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
                  view_tree: bool = True):
+        self.gamma, self.views, self.ensemble = _check_options(
+            gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         self.target, self.draft, self.processor = target, draft, processor
-        self.device = torch.device(device or target.lm.embed_tokens.weight.device)
-        self.dtype = dtype or target.lm.embed_tokens.weight.dtype
+        weights = target.lm.embed_tokens.weight
+        self.device = weights.device if device is None else resolve_device(device)
+        self.dtype = weights.dtype if dtype is None else resolve_dtype(dtype, self.device)
         self.tokenizer = processor.tokenizer
         tcfg = target.lm.cfg
-        self.max_len = int(max_len or min(tcfg.max_position_embeddings, 4096))
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
-        self.gamma = gamma
+        self.max_len = self._max_len(max_len)
         if tree is not None:
             # the tree kernels exist (tree_attention, verify_tree, compact_kv) but the decoding
             # loop only drafts chains: refuse rather than silently decode something else
@@ -55,16 +134,10 @@ class Engine:
         # chain drafted with weights that have no evidence yet
         self.view_tree = bool(view_tree)
         self.timing = timing
-        views = tuple(views)
-        if not views or any(v not in VIEW_NAMES for v in views) or len(set(views)) != len(views):
-            raise ValueError(f"views must be a non-empty subset of {VIEW_NAMES} without repeats, got {views}")
-        self.views = views
-        self.ensemble = EnsembleConfig(policy=policy, window=window, temperature=weight_temperature,
-                                       grid_step=grid_step, num_views=len(views))
         self.captioner = captioner
         self.escape_token = self._escape_token(escape_token)
         self.tokens_per_image = self._tokens_per_image()
-        self.pool_size = pool_size
+        self.pool_size = self._pool_size(pool_size)
         if draft is not None:
             if draft.lm.cfg.vocab_size != tcfg.vocab_size:
                 raise ValueError(f"draft vocabulary ({draft.lm.cfg.vocab_size}) differs from the "
@@ -80,21 +153,73 @@ class Engine:
         # lossless); lets benchmarks run a fixed acceptance schedule with everything else real
         self.bench_accept_schedule: Optional[Callable[[int], int]] = None
         self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
+        # the static caches, ensemble states and graphs are shared by every call: one
+        # generation at a time (a stream holds the engine from its first next() to its end)
+        self._lock = threading.Lock()      # not an RLock: a stream may be closed by another thread
+        self._holder: Optional[int] = None   # the thread running (or last resuming) the generation
+        self._prepare_lock = threading.Lock()   # the fast tokenizer is not safe to share across threads
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, target_dir: str, draft_dir: Optional[str] = None, device=None, dtype=None,
-                        **kwargs) -> "Engine":
-        """Load local HF LLaVA checkpoints (no network). device defaults to CUDA when present;
-        dtype to bfloat16 on CUDA and float32 on the CPU. Other keyword arguments: views,
-        policy, window, gamma, tree, max_len, escape_token, pool_size, captioner,
-        weight_temperature, grid_step, view_tree (see the README)."""
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        target = load_lvlm(target_dir, device, dtype)
-        draft = load_lvlm(draft_dir, device, dtype) if draft_dir else None
-        return cls(target, load_processor(target_dir), draft=draft, device=device, dtype=dtype, **kwargs)
+                        log: Optional[Callable[[str], Any]] = None, **kwargs) -> "Engine":
+        """Load local HF LLaVA checkpoints (no network). device: "cpu", "cuda" (default when
+        a GPU is usable) or "cuda:N"; dtype: a torch.dtype or "float32" / "bfloat16" /
+        "float16" (default bfloat16 on CUDA, float32 on the CPU). log: optional callable
+        receiving progress text ("loading target DIR ... ", "done in 2.1 s\n"). Other keyword
+        arguments: views, policy, window, gamma, tree, max_len, escape_token, pool_size,
+        captioner, weight_temperature, grid_step, view_tree (see the README); those that need
+        no model are checked before anything loads."""
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, None, None, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"Engine.from_pretrained: {e}") from None
+        bound.apply_defaults()
+        args = bound.arguments
+        _check_options(*(args[k] for k in ("gamma", "views", "policy", "window", "weight_temperature",
+                                           "grid_step", "max_len", "pool_size", "captioner")))
+
+        def load(what, fn, path):
+            if log is None:
+                return fn(path)
+            t0 = time.perf_counter()
+            log(f"loading {what} {path} ... ")
+            try:
+                out = fn(path)
+            except BaseException:
+                log("failed\n")
+                raise
+            log(f"done in {time.perf_counter() - t0:.1f} s\n")
+            return out
+
+        target = load("target", lambda p: load_lvlm(p, device, dtype), target_dir)
+        draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
+        processor = load_processor(target_dir)
+        return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
+
+    def _max_len(self, given: Optional[int]) -> int:
+        """The static cache length: `given` (at most every model's max_position_embeddings,
+        past which RoPE positions were never trained), else min(that, 4096)."""
+        models = [("target", self.target)] + ([("draft", self.draft)] if self.draft is not None else [])
+        which, limit = min(((w, m.lm.cfg.max_position_embeddings) for w, m in models), key=lambda x: x[1])
+        if given is None:
+            return min(limit, 4096)
+        if given > limit:
+            raise ValueError(f"max_len ({given}) exceeds the {which}'s max_position_embeddings ({limit})")
+        return given
+
+    def _pool_size(self, given: Optional[int]) -> Optional[int]:
+        """The P view's pooled grid side: at most the draft's vision grid side."""
+        if given is None or self.draft is None:
+            return given
+        vc = self.draft.config.get("vision_config", {})
+        grid = vc.get("image_size", 336) // vc.get("patch_size", 14)
+        if given > grid:
+            raise ValueError(f"pool_size must be in [1, {grid}] (the draft's vision grid is {grid}x{grid}), "
+                             f"got {given}")
+        return given
 
     def _escape_token(self, given: Optional[int]) -> Optional[int]:
         """The T view's image escape: `given`, else the tokenizer's newline token, else None
@@ -161,56 +286,124 @@ class Engine:
         return min(self.max_len, -(-needed // 128) * 128)
 
     # ------------------------------------------------------------------ public API
+    # Thread safety: calls from several threads are served one at a time (each waits for the
+    # engine), so every caller gets exactly its sequential answer. A stream holds the engine
+    # from its first next() until it ends or is closed (or garbage-collected); a generate()
+    # or another stream started meanwhile in the thread that runs the open stream would wait
+    # for itself, so it raises RuntimeError instead (finish or close the stream first).
     def generate(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
-                 caption: Optional[str] = None, speculative: bool = True) -> GenerationOutput:
+                 caption=None, speculative: bool = True) -> GenerationOutput:
         """Generate a completion.
 
         prompt: a string with one `<image>` per image, a list of chat messages (rendered by
-        the processor's chat template), or a list of token ids with the image token where each
-        image goes. images: PIL images, HWC uint8 arrays or tensors. speculative=False (or no
+        the processor's chat template), or token ids (a list of ints or an integer tensor of
+        shape [n] or [1, n]) with the image token where each image goes. One prompt per call.
+        images: one image per placeholder, each a PIL image, or a numpy array or tensor
+        (HWC or CHW, 1/3/4 channels) of uint8 values 0..255 or float values in [0, 1].
+        caption: the C view's caption (a string, or one per image). speculative=False (or no
         draft) decodes autoregressively. Returns token ids, text and `GenerationStats`.
+        Raises ValueError/TypeError on bad input (the engine stays usable) and RuntimeError
+        when called while this thread has a stream of this engine open.
         """
+        steps = self._steps(self._request(prompt, images, sampling, caption, speculative))
         tokens: list[int] = []
-        run = self._run(prompt, images, sampling, caption, speculative)
         try:
             while True:
-                tokens += next(run)
+                tokens += next(steps)
         except StopIteration as stop:
             stats = stop.value
         return GenerationOutput(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), stats)
 
     def stream(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
-               caption: Optional[str] = None, speculative: bool = True) -> Iterator[str]:
-        """Like `generate`, but yields text pieces as tokens are accepted."""
-        tokens: list[int] = []
-        shown = ""
-        for new in self._run(prompt, images, sampling, caption, speculative):
-            tokens += new
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if len(text) > len(shown) and not text.endswith("\ufffd"):
-                yield text[len(shown):]
-                shown = text
+               caption=None, speculative: bool = True) -> Generator[str, None, GenerationOutput]:
+        """Like `generate`, but yields text pieces as tokens are accepted. The input is
+        checked here, at the call; the generator's return value (`StopIteration.value`) is
+        the `GenerationOutput`. The loop body runs outside the engine's inference mode. The
+        engine is held until the stream ends: finish it or call its `close()`."""
+        return self._text(self._steps(self._request(prompt, images, sampling, caption, speculative)))
 
     # ------------------------------------------------------------------ internals
-    def _run(self, prompt, images, sampling, caption, speculative):
-        sp = sampling or SamplingParams()
+    def _text(self, steps) -> Generator[str, None, GenerationOutput]:
+        tokens: list[int] = []
+        shown = ""
+        try:
+            while True:
+                try:
+                    new = next(steps)
+                except StopIteration as stop:
+                    stats = stop.value
+                    break
+                tokens += new
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                if len(text) > len(shown) and not text.endswith("\ufffd"):
+                    yield text[len(shown):]
+                    shown = text
+        finally:
+            steps.close()          # a stream closed early releases the engine now
+        return GenerationOutput(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), stats)
+
+    def _steps(self, req: _Request) -> Generator[list[int], None, GenerationStats]:
+        """The request's token blocks, holding the engine throughout and in inference mode
+        only while the engine computes (not while the caller runs between blocks)."""
+        me = threading.get_ident()
+        if self._holder == me:
+            raise RuntimeError("this thread is already running a generation of this engine (an open "
+                               "stream(): finish it or call its close() before starting another; the "
+                               "engine runs one generation at a time)")
+        self._lock.acquire()
+        try:
+            run = self._run(req)
+            while True:
+                self._holder = threading.get_ident()   # a stream may be resumed by another thread
+                with torch.inference_mode():
+                    try:
+                        new = next(run)
+                    except StopIteration as stop:
+                        return stop.value
+                yield new
+        finally:
+            self._holder = None
+            self._lock.release()
+
+    def _request(self, prompt, images, sampling, caption, speculative) -> _Request:
+        """Validate one request and tokenize it (no device work). Raises ValueError/TypeError."""
+        sp = SamplingParams() if sampling is None else sampling
         if not isinstance(sp, SamplingParams):
-            raise TypeError("sampling must be a SamplingParams")
-        prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image)
+            raise TypeError(f"sampling must be a SamplingParams (one per call), got {type(sp).__name__}")
+        if not isinstance(speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
+        with self._prepare_lock:
+            prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image)
+        vocab = self.target.lm.cfg.vocab_size
+        if max(prep.ids) >= vocab:
+            raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")
         need = len(prep.ids) + sp.max_new_tokens + self.gamma + 2
         if need > self.max_len:
             raise ValueError(f"prompt ({len(prep.ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                             f"+ draft lookahead exceeds the cache length {self.max_len}")
+                             f"+ draft lookahead exceeds the cache length {self.max_len}: lower "
+                             "max_new_tokens or build the engine with a larger max_len")
         use_sd = speculative and self.draft is not None
-        if use_sd and "C" in self.views and caption is None and self.captioner is None \
-                and prep.num_images > 0:
-            raise ValueError("view 'C' needs caption= in generate() or a captioner given to the engine")
+        if caption is not None:
+            if not (isinstance(caption, str) or (isinstance(caption, (list, tuple))
+                                                 and all(isinstance(c, str) for c in caption))):
+                raise TypeError(f"caption must be a string or a list of strings (one per image), got "
+                                f"{type(caption).__name__}")
+            if not isinstance(caption, str) and len(caption) != prep.num_images:
+                raise ValueError(f"caption has {len(caption)} strings for {prep.num_images} image(s)")
+        elif use_sd and "C" in self.views and self.captioner is None and prep.num_images > 0:
+            raise ValueError("view 'C' needs a caption per image: pass caption= to generate() / stream() "
+                             "(CLI: --caption) or give the engine a captioner")
+        return _Request(prep, sp, caption, use_sd)
+
+    def _run(self, req: _Request):
+        """The request's decoding loop (a generator of token blocks returning the stats)."""
+        # the engine's own generator, seeded from the OS when unseeded: torch's global RNG
+        # (the user's) is neither reseeded nor advanced
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.seed if sp.seed is not None else torch.seed() % (2 ** 63))
-        with torch.inference_mode():
-            if use_sd:
-                return (yield from run_speculative(self, prep, sp, gen, caption))
-            return (yield from self._run_ar(prep, sp, gen))
+        gen.manual_seed(req.sp.seed if req.sp.seed is not None else secrets.randbits(63))
+        if req.speculative:
+            return (yield from run_speculative(self, req.prep, req.sp, gen, req.caption))
+        return (yield from self._run_ar(req.prep, req.sp, gen))
 
     def sync(self):
         if self.timing and self.device.type == "cuda":

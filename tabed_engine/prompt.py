@@ -2,6 +2,7 @@
 token ids with one run of image tokens per image, and pixel values from the processor."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -23,27 +24,68 @@ class Prepared:
         return len(self.image_spans)
 
 
-def _to_pil(img):
+def _to_pil(img, index: int = 0):
+    """One image as RGB PIL. Arrays and tensors mean the same thing whatever their library:
+    HWC or CHW with 1, 3 or 4 channels (or HW grey); integer values are 0..255 as they are,
+    float values must lie in [0, 1] (a float image in 0..255 is refused, not clamped white)."""
     from PIL import Image
 
     if isinstance(img, Image.Image):
         return img.convert("RGB")
     if isinstance(img, torch.Tensor):
-        t = img.detach().cpu()
-        if t.dim() != 3:
-            raise ValueError(f"image tensor must be 3-D (CHW or HWC), got shape {tuple(t.shape)}")
-        if t.shape[0] in (1, 3) and t.shape[-1] not in (1, 3):
-            t = t.permute(1, 2, 0)
-        if t.is_floating_point():
-            t = (t.clamp(0, 1) * 255).round()
-        img = t.to(torch.uint8).numpy()
-    if isinstance(img, np.ndarray):
-        if img.ndim != 3 or img.shape[-1] not in (1, 3) or img.dtype != np.uint8:
-            raise ValueError(f"numpy images must be HWC uint8 with 1 or 3 channels, got "
-                             f"shape {img.shape} dtype {img.dtype}")
-        return Image.fromarray(img if img.shape[-1] == 3 else img[..., 0]).convert("RGB")
-    raise TypeError(f"unsupported image type {type(img).__name__}; use a PIL image, an HWC uint8 "
-                    "numpy array or a tensor")
+        img = img.detach().cpu()
+        if img.dtype == torch.bfloat16 or img.dtype == torch.float16:
+            img = img.float()
+        img = img.numpy()
+    if not isinstance(img, np.ndarray):
+        raise TypeError(f"image {index}: unsupported image type {type(img).__name__}; use a PIL image, "
+                        "a numpy array or a tensor (HWC or CHW)")
+    a = img
+    if a.ndim == 3 and a.shape[-1] not in (1, 3, 4) and a.shape[0] in (1, 3, 4):
+        a = a.transpose(1, 2, 0)                                   # CHW -> HWC
+    if not (a.ndim == 2 or (a.ndim == 3 and a.shape[-1] in (1, 3, 4))) or 0 in a.shape:
+        raise ValueError(f"image {index}: an array or tensor image must be HW, HWC or CHW with 1, 3 or 4 "
+                         f"channels, got shape {tuple(img.shape)} (pass a batch as a list of images)")
+    if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+        raise TypeError(f"image {index}: pixel values must be uint8 (0..255) or float (0..1), got {a.dtype}")
+    lo, hi = a.min(), a.max()
+    if np.issubdtype(a.dtype, np.floating):
+        if not (np.isfinite(lo) and np.isfinite(hi) and 0.0 <= lo and hi <= 1.0):
+            raise ValueError(f"image {index}: float pixel values must lie in [0, 1], got [{lo:.4g}, {hi:.4g}]; "
+                             "pass uint8 values 0..255, or divide by 255")
+        a = np.rint(a.astype(np.float32) * 255.0)
+    elif lo < 0 or hi > 255:
+        raise ValueError(f"image {index}: integer pixel values must lie in 0..255, got [{lo}, {hi}]")
+    a = a.astype(np.uint8)
+    if a.ndim == 3 and a.shape[-1] == 1:
+        a = a[..., 0]
+    return Image.fromarray(a).convert("RGB")
+
+
+def _token_ids(prompt) -> list[int]:
+    """A token-id prompt as a list of ints: a sequence of ints, or a tensor/array [n] or [1, n]
+    (an HF `input_ids`). Several prompts ([2, n], a list of lists) are refused: one request."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        t = torch.as_tensor(prompt)
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() == 2:
+            raise ValueError(f"a token-id prompt must have shape [n] or [1, n], got {list(t.shape)}: "
+                             "batched generation is not supported yet; pass one prompt at a time")
+        if t.dim() != 1:
+            raise ValueError(f"a token-id prompt must have shape [n] or [1, n], got {list(t.shape)}")
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise TypeError(f"token ids must be integers, got a {t.dtype} tensor")
+        prompt = t.tolist()
+    if not prompt:
+        raise ValueError("prompt is empty")
+    if any(isinstance(t, (list, tuple, str, torch.Tensor, np.ndarray)) for t in prompt):
+        raise ValueError("the prompt is a list of prompts; batched generation is not supported yet: "
+                         "pass one prompt (a string, chat messages or token ids) at a time")
+    bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+    if bad is not None:
+        raise TypeError(f"token ids must be ints, got {type(bad).__name__} {bad!r}")
+    return [int(t) for t in prompt]
 
 
 def image_runs(ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
@@ -90,25 +132,32 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
     images = list(images or [])
-    pil = [_to_pil(im) for im in images]
+    if any(isinstance(im, (list, tuple)) for im in images):
+        raise ValueError("images must be one list of images for one prompt; batched generation (a list "
+                         "of image lists) is not supported yet")
+    pil = [_to_pil(im, i) for i, im in enumerate(images)]
     counts = [tokens_per_image] * len(pil) if isinstance(tokens_per_image, int) else list(tokens_per_image)
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        raise ValueError("prompt is empty")
     if isinstance(prompt, str):
         text = prompt
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
         if not all("role" in m and "content" in m for m in prompt):
             raise ValueError("chat messages must be dicts with 'role' and 'content'")
         text = processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-    elif isinstance(prompt, (list, tuple, torch.Tensor)) and len(prompt) > 0:
-        ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+    elif isinstance(prompt, (list, tuple, torch.Tensor, np.ndarray)):
+        ids = _token_ids(prompt)
         vocab = len(processor.tokenizer)
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) (the tokenizer's vocabulary), "
+                             f"got {bad[:5]}")
         ids = _expand_placeholders(ids, image_token_id, counts)
         pv = _pixels(processor, pil)
         return Prepared(ids, pv, split_runs(image_runs(ids, image_token_id), counts), pil)
     else:
-        raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of "
-                        f"token ids; got {type(prompt).__name__}")
+        raise TypeError("prompt must be a string, a list of chat messages, or token ids (a list of "
+                        f"ints or an integer tensor [n] / [1, n]); got {type(prompt).__name__}")
     n_placeholders = text.count(getattr(processor, "image_token", "<image>"))
     _check_count(n_placeholders, len(pil))
     if not text.strip():
