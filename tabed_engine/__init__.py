@@ -5,5 +5,6 @@
 from .config import SamplingParams
 from .engine import Engine
 from .outputs import GenerationOutput, GenerationStats
+from .tree import TreeConfig
 
-__all__ = ["Engine", "SamplingParams", "GenerationOutput", "GenerationStats"]
+__all__ = ["Engine", "SamplingParams", "TreeConfig", "GenerationOutput", "GenerationStats"]

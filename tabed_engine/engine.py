@@ -21,6 +21,7 @@ from .model import KVCache
 from .prompt import Prepared, prepare
 from .sampling import pick_tokens
 from .speculative import run_speculative
+from .tree import parse_tree
 from .views import resolve_escape_token
 
 VIEW_NAMES = ("M", "T", "P", "C")
@@ -124,11 +125,9 @@ class Engine:
         self.tokenizer = processor.tokenizer
         tcfg = target.lm.cfg
         self.max_len = self._max_len(max_len)
-        if tree is not None:
-            # the tree kernels exist (tree_attention, verify_tree, compact_kv) but the decoding
-            # loop only drafts chains: refuse rather than silently decode something else
-            raise ValueError("draft trees (tree=...) are not supported by the engine yet; use chains")
-        self.tree = None
+        # dynamic draft trees (tabed_engine.tree) instead of chains: None, True, a TreeConfig,
+        # a dict of its fields or "DEPTHxWIDTHxBRANCH"
+        self.tree = parse_tree(tree)
         # greedy first block with several views and a divergence policy: verify every view's
         # own chain as a branch of one tree (speculative.view_tree_block) instead of a mixture
         # chain drafted with weights that have no evidence yet
@@ -377,7 +376,7 @@ class Engine:
         vocab = self.target.lm.cfg.vocab_size
         if max(prep.ids) >= vocab:
             raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")
-        need = len(prep.ids) + sp.max_new_tokens + self.gamma + 2
+        need = len(prep.ids) + sp.max_new_tokens + (self.gamma if self.tree is None else self.tree.nodes) + 2
         if need > self.max_len:
             raise ValueError(f"prompt ({len(prep.ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
                              f"+ draft lookahead exceeds the cache length {self.max_len}: lower "

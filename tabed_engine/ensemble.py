@@ -99,13 +99,15 @@ class EnsembleState:
         self.valid.zero_()
         self.cursor.zero_()
 
-    def step(self, p_logits, q_logits, n_acc, cursor, temperature: float = 1.0, p_lse=None, q_lse=None):
+    def step(self, p_logits, q_logits, n_acc, cursor, temperature: float = 1.0, p_lse=None, q_lse=None,
+             all_positions: Optional[bool] = None):
         """Record one block at slots cursor.. and return (next weights [B, K], new cursor).
 
         p_logits [B, P, V] target, q_logits [B, K, P, V] views, n_acc [B] accepted drafts,
         optional p_lse [B, P] and q_lse [B, K, P] their rows' logsumexp(logits / temperature):
         positions 0..n_acc (the accepted ones plus the first rejected) are recorded; all P with
-        `hedge`. Idempotent in its inputs (rewrites the same slots), as graph warm-up requires.
+        `hedge` unless `all_positions` is False (trees: positions off the accepted path have
+        no common context). Idempotent in its inputs (rewrites the same slots), as graph warm-up requires.
         Two or three launches on the GPU: `window_divergence` (one pass for KL alone) and
         `history_update`."""
         from .ops.history_update import POLICY_DIV, POLICY_GRID, POLICY_HEDGE, history_update
@@ -119,7 +121,7 @@ class EnsembleState:
         return history_update(tv if self.cfg.policy == "tvd" else kl, gm, gkl, n_acc, cursor, self.valid,
                               self.div, self.match, self.gkl, self.grid, policy=policy, window=self.cfg.window,
                               temperature=self.cfg.temperature or 1.0, clip=HEDGE_CLIP,
-                              all_positions=self.cfg.policy == "hedge")
+                              all_positions=self.cfg.policy == "hedge" if all_positions is None else all_positions)
 
     def step_views(self, p_logits, q_logits, cursor, temperature: float = 1.0):
         """Record P positions where each view has its own target distributions and return

@@ -21,6 +21,7 @@ from .outputs import GenerationStats
 from .ops.chain_verify import chain_verify
 from .ops.ensemble_mix import ensemble_mix
 from .sampling import pick_tokens, target_probs
+from .tree import tree_draft, tree_history, tree_verify
 from .views import build_views
 
 
@@ -240,12 +241,16 @@ def run_speculative(eng, prep, sp, gen, caption):
     t_start = timer.t
     dev, gamma, K, B = eng.device, eng.gamma, len(eng.views), 1
     V = eng.draft.lm.cfg.vocab_size
+    tree = eng.tree
+    # tokens a block may write past the committed ones (target nodes; draft rows: fed nodes)
+    lookahead = gamma if tree is None else tree.nodes
+    depth = gamma if tree is None else tree.depth
 
     tcache, logits, target_sel = eng.prefill_target(prep)
     first = pick_tokens(logits, sp, gen)                                   # [B]
     rows = build_views(eng, prep, target_sel, caption)
     longest = max(len(r.ids) for r in rows)
-    if longest + sp.max_new_tokens + gamma + 2 > eng.max_len:
+    if longest + sp.max_new_tokens + lookahead + 2 > eng.max_len:
         raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
                          f"{eng.max_len}")
     dcache, view_len, first_q = prefill_draft(eng, rows)
@@ -253,9 +258,12 @@ def run_speculative(eng, prep, sp, gen, caption):
 
     greedy = sp.greedy
     temp = 1.0 if greedy else sp.temperature   # draft softmax and divergence temperature
-    state = eng.ensemble_state(B, gamma * (sp.max_new_tokens + 1))
-    hist_fn = partial(history_step, state, temperature=temp)
-    hist_key = ("hist", B, K, gamma, state.capacity, greedy, temp, id(state))
+    state = eng.ensemble_state(B, depth * (sp.max_new_tokens + 1))
+    if tree is None:
+        hist_fn = partial(history_step, state, temperature=temp)
+    else:
+        hist_fn = partial(tree_history, state, depth=tree.depth, temperature=temp)
+    hist_key = ("hist", B, K, gamma, tree, state.capacity, greedy, temp, id(state))
     w = state.uniform
     if state.adaptive:
         # the prefill already verified one position: the target's distribution of the first
@@ -265,18 +273,28 @@ def run_speculative(eng, prep, sp, gen, caption):
                                    state.cursor, temperature=temp)
         state.cursor.copy_(new_cursor)
     confidence = eng.ensemble.policy == "confidence" and K > 1
-    draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
-                       temperature=temp, confidence=confidence)
     # the history's TV takes the target's and the views' normalisers from the verification
     # and the draft loop (one pass over the logits instead of two)
-    norms = state.uses_normalisers
-    verify_fn = partial(verify_block, eng.target.lm, tcache, sp=sp, normalisers=norms)
-    verify_key = ("verify", B, gamma, greedy, sp.temperature, sp.top_k, sp.top_p, norms)
+    norms = state.uses_normalisers and tree is None
+    if tree is None:
+        draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
+                           temperature=temp, confidence=confidence)
+        verify_fn = partial(verify_block, eng.target.lm, tcache, sp=sp, normalisers=norms)
+        noise_per_block = gamma * B * V
+    else:
+        draft_fn = partial(tree_draft, eng.draft.lm, dcache, B=B, K=K, cfg=tree, greedy=greedy,
+                           temperature=temp, confidence=confidence)
+        verify_fn = partial(tree_verify, eng.target.lm, tcache, dcache, sp=sp, K=K, depth=tree.depth,
+                            node_depth=torch.tensor(tree.node_depths(), device=dev),
+                            probs_fn=partial(target_probs, sp=sp))
+        noise_per_block = tree.depth * B * tree.width * V
+    verify_key = ("verify", B, gamma, tree, greedy, sp.temperature, sp.top_k, sp.top_p, norms)
     # the block's one host read (accepted count, next token, drafted tokens), into pinned
     # memory on the GPU so the history update can be queued before the host waits
-    head = torch.empty(2 + gamma, dtype=torch.long, pin_memory=dev.type == "cuda")
+    head = torch.empty(2 + depth, dtype=torch.long, pin_memory=dev.type == "cuda")
     head_ready = torch.cuda.Event() if dev.type == "cuda" else None
-    draft_key = ("draft", B, K, gamma, greedy, temp, confidence)
+    draft_key = ("draft", B, K, gamma, tree, greedy, temp, confidence)
+    dlens = None            # the draft rows' lengths at the start of the queued block
     seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=dev)
     offset = torch.zeros(1, dtype=torch.long, device=dev)
     schedule = eng.bench_accept_schedule
@@ -295,14 +313,17 @@ def run_speculative(eng, prep, sp, gen, caption):
     # the first block's view tree (see view_tree_block): greedy, several views, a divergence
     # policy (w-grid scores mixtures, which a tree of single-view chains does not give), and
     # room in the target cache for up to K·γ tree nodes
-    use_tree = (eng.view_tree and greedy and K > 1 and schedule is None
+    use_tree = (eng.view_tree and tree is None and greedy and K > 1 and schedule is None
                 and eng.ensemble.policy in ("kld", "tvd", "hedge")
                 and n_prompt + K * gamma + 2 <= eng.max_len)
     def queue_draft(inp2, lens, g_next):
-        """The next block's γ draft steps (one graph); g_next bounds the tokens it follows."""
+        """The next block's draft (one graph): γ chain steps or one tree; g_next bounds the
+        tokens it follows."""
+        nonlocal dlens
+        dlens = lens
         res = eng.run_graph(draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
-                            kv_len=eng.kv_bucket(longest + g_next + gamma))
-        offset.add_(gamma * B * V)
+                            kv_len=eng.kv_bucket(longest + g_next + lookahead))
+        offset.add_(noise_per_block)
         timer.lap("time_draft")
         return res
 
@@ -329,18 +350,32 @@ def run_speculative(eng, prep, sp, gen, caption):
             # ---- draft: γ steps, all views as rows of one batch per step
             if pending is None:
                 pending = queue_draft(inp2, lens, G)
-            drafted, q_logits, mixture, q_lse = pending
+            if tree is not None:
+                drafted, q_logits, mixture, q_lse, tree_fedpos = pending
+            else:
+                drafted, q_logits, mixture, q_lse = pending
             pending = None
 
-            # ---- verify: target forward on [last, d_1..d_γ] and acceptance (one graph)
+            # ---- verify: target forward on [last, d_1..d_γ] (or the tree's nodes) and acceptance
+            # (one graph)
             tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
-            vin = torch.cat([torch.full((B, 1), out[-1], device=dev, dtype=torch.long), drafted], dim=1)
-            inputs = dict(vin=vin, tlens=tlens)
-            if not greedy:
-                inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
-            tlogits, n_acc, nxt, packed, t_lse = eng.run_graph(verify_key, verify_fn, inputs,
-                                                        kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
-            if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
+            if tree is not None:
+                tokens, parents, node_q, fed_logits, fedpos = drafted, q_logits, mixture, q_lse, tree_fedpos
+                inputs = dict(tokens=tokens, parents=parents, tlens=tlens, dlens=dlens, fedpos=fedpos)
+                if not greedy:
+                    inputs.update(node_q=node_q, uniforms=torch.rand(B, tree.nodes + 1, generator=gen, device=dev))
+                tlogits, path, n_acc, nxt, packed = eng.run_graph(verify_key, verify_fn, inputs,
+                                                                  kv_len=eng.kv_bucket(n_prompt + G + tree.nodes))
+                d_last = tokens.gather(1, path.gather(1, n_acc[:, None]))   # [B, 1]: d_n, or the root
+            else:
+                vin = torch.cat([torch.full((B, 1), out[-1], device=dev, dtype=torch.long), drafted], dim=1)
+                inputs = dict(vin=vin, tlens=tlens)
+                if not greedy:
+                    inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
+                tlogits, n_acc, nxt, packed, t_lse = eng.run_graph(verify_key, verify_fn, inputs,
+                                                                   kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
+                d_last = vin.gather(1, n_acc[:, None])
+            if schedule is not None and tree is None:   # benchmark only: a fixed acceptance pattern (not lossless)
                 n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
                 nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
                 packed = pack_head(n_acc, nxt, drafted)
@@ -357,9 +392,13 @@ def run_speculative(eng, prep, sp, gen, caption):
                 # after the verification is queued: on the GPU, nothing between the host's wait
                 # and the verification launch but what that launch needs
                 w_rec[block].copy_(w[0])                                     # before w is replaced
-                h_in = dict(tlogits=tlogits, q_logits=q_logits, n_acc=n_acc, cursor=state.cursor)
-                if norms:
-                    h_in.update(t_lse=t_lse, q_lse=q_lse)
+                if tree is not None:
+                    h_in = dict(tlogits=tlogits, fed_logits=fed_logits, path=path, n_acc=n_acc, fedpos=fedpos,
+                                cursor=state.cursor)
+                else:
+                    h_in = dict(tlogits=tlogits, q_logits=q_logits, n_acc=n_acc, cursor=state.cursor)
+                    if norms:
+                        h_in.update(t_lse=t_lse, q_lse=q_lse)
                 w, new_cursor = eng.run_graph(hist_key, hist_fn, h_in)
                 state.cursor.copy_(new_cursor)
             timer.lap("time_ensemble")
@@ -369,11 +408,11 @@ def run_speculative(eng, prep, sp, gen, caption):
             # rows are n + 1 tokens further
             if G + 1 < sp.max_new_tokens:
                 step = (n_acc + 1).repeat_interleave(K)
-                inp2 = torch.cat([vin.gather(1, n_acc[:, None]), nxt[:, None]], 1).repeat_interleave(K, 0)
+                inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
                 # eager (no graphs) bounds the attention span by the exact length: reading n_acc
                 # costs nothing on the CPU (and one sync per block on CUDA without graphs);
                 # graphs ignore the span
-                g_next = G + 1 + (int(n_acc[0]) if eng.graphs is None else gamma)
+                g_next = G + 1 + (int(n_acc[0]) if eng.graphs is None else lookahead)
                 pending = queue_draft(inp2, view_len + (G - 2) + step, g_next)
 
             if head_ready is not None:

@@ -1,0 +1,274 @@
+"""Dynamic draft trees over the TABED ensemble (Spec-LLaVA / EAGLE-2 style expansion).
+
+One tree block, fixed shapes for (B, K, depth, width, branch), no host sync:
+
+* Draft (`tree_draft`, one CUDA graph). Depth 0 feeds each view row its last two tokens;
+  the views' next-token distributions at the root are mixed, q = Σ_k w_k softmax(z_k / T),
+  and the root gets `width` children. At every later depth the `width` frontier nodes are
+  fed (with every node fed before them: the tree attention mask shows each node only its
+  ancestors, and re-writing a node's KV is harmless), each gets `branch` children from its
+  own mixture, and the `width` children with the highest cumulative log q become the next
+  frontier. Children are the top tokens of q (greedy) or a draw without replacement from q
+  (sampling: Gumbel-top-k, noise from a counter-based hash of a device seed and offset).
+  The tree holds every child drawn: N = 1 + width + (depth - 1) * width * branch nodes.
+* Verify (`tree_verify`, one CUDA graph): the target's forward over the N nodes under the
+  tree mask, `verify_tree` (greedy walk, or recursive rejection sampling over siblings
+  against the same mixture q the children were drawn from), `compact_kv` moving the
+  accepted path's KV next to the root in the target cache and in the draft rows.
+* History (`tree_history`): the divergences at the accepted path's nodes (and the node
+  after it where the draft fed it), the chain's "accepted positions plus the first rejected".
+
+Why no re-ranking of the candidates to a smaller budget (EAGLE-2's last step): with a fixed
+node count the target's cost is the same whichever nodes are kept, and in sampling mode
+whether a child is kept must not depend on the value drawn for it (recursive rejection
+sampling is exact only for children drawn without replacement whose number is fixed before
+they are drawn); the frontier choice depends only on nodes whose children come later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ops.compact_kv import compact_kv
+from .ops.verify_tree import verify_tree
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the draft tree: `depth` levels below the root (the most tokens one block can
+    accept before the bonus token), `width` frontier nodes expanded per level (the root has
+    `width` children), `branch` children per expanded node. N = 1 + width +
+    (depth - 1) * width * branch target nodes per block (at most 64)."""
+
+    depth: int = 5
+    width: int = 4
+    branch: int = 2
+
+    def __post_init__(self):
+        for name in ("depth", "width", "branch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TreeConfig.{name} must be a positive int, got {v!r}")
+        if self.nodes > 64:
+            raise ValueError(f"a tree of depth {self.depth}, width {self.width}, branch {self.branch} has "
+                             f"{self.nodes} nodes; at most 64 fit one verification (lower one of them)")
+
+    @property
+    def nodes(self) -> int:
+        """Target nodes per block, the root included."""
+        return 1 + self.width + (self.depth - 1) * self.width * self.branch
+
+    @property
+    def fed(self) -> int:
+        """Draft nodes fed per block: the root and every frontier node."""
+        return 1 + self.width * max(self.depth - 1, 0)
+
+    def node_depths(self) -> list[int]:
+        """Depth of every target node (root 0), in node order."""
+        wb = self.width * self.branch
+        return [0] + [1] * self.width + [d for d in range(2, self.depth + 1) for _ in range(wb)]
+
+
+def parse_tree(value) -> "TreeConfig | None":
+    """`tree=` argument: None/False (chains), True or "default" (TreeConfig()), a TreeConfig,
+    a dict of its fields, or "DEPTHxWIDTHxBRANCH" (e.g. "5x4x2")."""
+    if value is None or value is False:
+        return None
+    if value is True or value == "default":
+        return TreeConfig()
+    if isinstance(value, TreeConfig):
+        return value
+    if isinstance(value, dict):
+        return TreeConfig(**value)
+    if isinstance(value, str):
+        parts = value.lower().split("x")
+        if len(parts) == 3 and all(p.strip().isdigit() for p in parts):
+            return TreeConfig(*(int(p) for p in parts))
+        raise ValueError(f"tree must look like 'DEPTHxWIDTHxBRANCH' (e.g. '5x4x2'), got {value!r}")
+    raise TypeError(f"tree must be None, True, a TreeConfig, a dict or a 'DxWxB' string, got {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------- random numbers
+_M1, _M2, _GOLD = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64 (int64)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def hash_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Tensor:
+    """n uniforms in (0, 1), float64, from splitmix64 of (seed, offset + i): device tensors in,
+    no host sync, the same numbers on every device (graph-safe, unlike a host generator)."""
+    z = seed + (offset + torch.arange(n, device=seed.device)) * _GOLD
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+
+
+def pick_children(logq: torch.Tensor, k: int, greedy: bool, seed, offset) -> torch.Tensor:
+    """k distinct children per row of log-probabilities logq [..., V]: the top k (greedy) or
+    k draws without replacement, in draw order (Gumbel-top-k). Returns token ids [..., k]."""
+    if greedy:
+        return logq.topk(k, dim=-1).indices
+    u = hash_uniform(seed, offset, logq.numel()).view(logq.shape)
+    gumbel = -torch.log(-torch.log(u))
+    return (logq.double() + gumbel).topk(k, dim=-1).indices
+
+
+# ---------------------------------------------------------------------------- draft
+def mix_views(logits: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mixture probabilities [B, T, V] fp32 of the views' logits [B*K, T, V] with weights
+    w [B, K] (or [B, T, K]): Σ_k w_k softmax(logits_k / temperature)."""
+    BK, T, V = logits.shape
+    B = w.shape[0]
+    p = torch.softmax(logits.float() / temperature, dim=-1).view(B, BK // B, T, V)
+    wk = w[:, :, None] if w.dim() == 2 else w.transpose(1, 2)          # [B, K, T]
+    return (p * wk[..., None]).sum(1)
+
+
+def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tensor:
+    """One-hot weights [B, T, K] on each node's most confident view (`confidence` policy)."""
+    BK, T, V = logits.shape
+    x = logits.float() / temperature
+    conf = (x.max(-1).values - torch.logsumexp(x, -1)).view(B, BK // B, T).transpose(1, 2)
+    return torch.zeros_like(conf).scatter_(2, conf.argmax(-1, keepdim=True), 1.0)
+
+
+def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, cfg: TreeConfig, greedy: bool,
+               temperature: float, confidence: bool, kv_len=None):
+    """Draft one tree for B requests × K views (rows of one batch), fixed shapes, no host sync.
+
+    inp2 [B*K, 2]: each row's last two tokens, written at slots lens, lens + 1 (lens [B*K]);
+    the root is the last token, and fed node f (root f = 0) lands at slot lens + 1 + f.
+    w [B, K] ensemble weights; seed, offset [1] int64 (sampling noise).
+    Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
+    root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
+    leaves), fed_logits [B*K, F, V] the views' logits at each fed node, fedpos [B, N] the fed
+    index of every node or -1)."""
+    dev = inp2.device
+    R, W, Bc, D = B * K, cfg.width, cfg.branch, cfg.depth
+    N, F = cfg.nodes, cfg.fed
+    V = draft_lm.cfg.vocab_size
+    rows = torch.arange(B, device=dev)
+    # the sequence fed at the last depth: [prev, root, frontier_1 .. frontier_{D-1}]
+    X = torch.empty(B, 1 + F, dtype=torch.long, device=dev)
+    X_pos = torch.empty(B, 1 + F, dtype=torch.long, device=dev)
+    vis = torch.zeros(B, 1 + F, 1 + F, dtype=torch.bool, device=dev)   # fed node i sees fed node j
+    vis[:, 0, 0] = True
+    vis[:, 1, :2] = True
+    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+    parents = torch.full((B, N), -1, dtype=torch.long, device=dev)
+    score = torch.zeros(B, N, device=dev)                               # cumulative log q
+    node_q = torch.zeros(B, N, V, device=dev)
+    fedpos = torch.full((B, N), -1, dtype=torch.long, device=dev)
+    fedpos[:, 0] = 0
+    fed_logits = []
+    base = lens[:, None]                                                # [R, 1]
+
+    def forward(T):
+        x = X[:, :T].repeat_interleave(K, 0)
+        pos = base + X_pos[:, :T].repeat_interleave(K, 0)
+        return draft_lm(cache, pos, input_ids=x, lengths=lens, tree_mask=vis[:, :T, :T].repeat_interleave(K, 0),
+                        kv_len=kv_len, float_logits=False)
+
+    # depth 0: the last two tokens (a chain), the root's distribution
+    X[:, :2] = inp2.view(B, K, 2)[:, 0]
+    tokens[:, 0] = X[:, 1]
+    X_pos[:, 0], X_pos[:, 1] = 0, 1
+    new_logits = forward(2)[:, 1:2]                                     # [R, 1, V]
+    frontier = torch.zeros(B, 1, dtype=torch.long, device=dev)          # node ids of the fed frontier
+    n_nodes, n_fed = 1, 1
+    for depth in range(1, D + 1):
+        fed_logits.append(new_logits)
+        T = frontier.shape[1]
+        wk = _confidence(new_logits, B, temperature) if confidence else w
+        q = mix_views(new_logits, wk, temperature)                      # [B, T, V]
+        node_q[rows[:, None], frontier] = q
+        k = W if depth == 1 else Bc
+        kids = pick_children(torch.log(q), k, greedy, seed, offset + (depth - 1) * B * W * V)   # [B, T, k]
+        ids = torch.arange(n_nodes, n_nodes + T * k, device=dev)
+        tokens[:, ids] = kids.reshape(B, T * k)
+        parents[:, ids] = frontier.repeat_interleave(k, 1)
+        score[:, ids] = (score.gather(1, frontier)[:, :, None]
+                         + torch.log(q).gather(2, kids)).reshape(B, T * k)
+        n_nodes += T * k
+        if depth == D:
+            break
+        # the next frontier: the `width` best new nodes by cumulative log q, fed in node order
+        best = score[:, ids].topk(W, dim=-1).indices.sort(-1).values    # [B, W]
+        frontier = ids[best]
+        f_ids = torch.arange(n_fed, n_fed + W, device=dev)
+        fedpos[rows[:, None], frontier] = f_ids
+        X[:, 1 + f_ids] = tokens.gather(1, frontier)
+        X_pos[:, 1 + f_ids] = depth + 1
+        # a frontier node sees prev, its ancestors' fed slots and itself
+        par_fed = fedpos.gather(1, parents.gather(1, frontier))         # [B, W]
+        vis[:, 1 + f_ids] = vis[rows[:, None], 1 + par_fed]
+        vis[:, 1 + f_ids, 1 + f_ids] = True
+        n_fed += W
+        new_logits = forward(1 + n_fed)[:, 1 + n_fed - W:]               # [R, W, V]
+    return tokens, parents, node_q, torch.cat(fed_logits, 1), fedpos
+
+
+# ---------------------------------------------------------------------------- verify
+def tree_mask_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """Ancestor-or-self mask [B, N, N] of a tree in topological order (parents [B, N], -1 at
+    the root); `depth` bounds the path length (log-depth doubling would be overkill)."""
+    B, N = parents.shape
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
+    mask = eye.clone()
+    anc = parents.clamp_min(0)
+    cur = anc
+    valid = parents >= 0
+    for _ in range(depth):
+        mask = mask | (torch.nn.functional.one_hot(cur, N).bool() & valid[..., None])
+        valid = valid & (parents.gather(1, cur) >= 0)
+        cur = anc.gather(1, cur)
+    return mask
+
+
+def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos, node_q=None, uniforms=None, *,
+                sp, K: int, node_depth, depth: int, kv_len=None, probs_fn=None):
+    """Verify one tree (fixed shapes, one CUDA graph on the GPU): the target forward over the N
+    nodes tokens [B, N] (parents [B, N]; node_depth [N] their depths) at positions tlens +
+    depth under the ancestor mask, written at slots tlens..; the
+    `verify_tree` walk; the accepted path's KV compacted in the target rows and in the draft's
+    B*K view rows (fed nodes at slots dlens + 1 + fed index). Returns (target logits
+    [B, N, V], path [B, N], accepted [B], next token [B], packed [B, 2 + depth] for the
+    block's one host read: accepted count, next token, the path's tokens)."""
+    pos = tlens.long()[:, None] + node_depth[None]
+    mask = tree_mask_of(parents, depth)
+    tlogits = target_lm(tcache, pos, input_ids=tokens, lengths=tlens, tree_mask=mask, kv_len=kv_len)
+    if sp.greedy:
+        path, n_acc, nxt = verify_tree(tokens, parents, tlogits, greedy=True)
+    else:
+        path, n_acc, nxt = verify_tree(tokens, parents, probs_fn(tlogits), node_q, uniforms, greedy=False)
+    compact_kv(tcache.k, tcache.v, tlens, path, n_acc)
+    # the draft rows keep the path's fed nodes (all of it but possibly its last node, a leaf
+    # the next block re-feeds); their root sits at slot dlens + 1
+    dpath = torch.where(path >= 0, fedpos.gather(1, path.clamp_min(0)), -1).repeat_interleave(K, 0)
+    compact_kv(dcache.k, dcache.v, (dlens + 1).int(), dpath, (n_acc - 1).clamp_min(0).repeat_interleave(K, 0))
+    path_tok = tokens.gather(1, path[:, 1:depth + 1].clamp_min(0))
+    packed = torch.cat([n_acc[:, None], nxt[:, None], path_tok], dim=1)
+    return tlogits, path, n_acc, nxt, packed
+
+
+def tree_history(state, tlogits, fed_logits, path, n_acc, fedpos, cursor, *, depth: int, temperature: float,
+                 kv_len=None):
+    """The history's positions of one tree block: the path's nodes root, d_1 .. d_n (the
+    accepted ones and the node where the first rejected token was drafted), as far as the
+    draft fed them (the last may be a leaf). tlogits [B, N, V], fed_logits [B*K, F, V],
+    path [B, N], n_acc [B], fedpos [B, N]. Returns (next weights [B, K], new cursor)."""
+    B, N, V = tlogits.shape
+    K = fed_logits.shape[0] // B
+    nodes = path[:, :depth].clamp_min(0)                                   # [B, depth]
+    fed = fedpos.gather(1, nodes)                                          # [B, depth]
+    last_fed = fed.gather(1, n_acc.clamp(max=depth - 1)[:, None])[:, 0] >= 0
+    n_rec = torch.where(last_fed, n_acc, n_acc - 1)                        # recorded positions - 1
+    p = tlogits.gather(1, nodes[:, :, None].expand(B, depth, V))           # [B, depth, V]
+    fidx = fed.clamp_min(0).repeat_interleave(K, 0)                        # [B*K, depth]
+    q = fed_logits.gather(1, fidx[:, :, None].expand(B * K, depth, V)).view(B, K, depth, V)
+    return state.step(p, q, n_rec.clamp(max=depth - 1), cursor, temperature, all_positions=False)
