@@ -218,13 +218,14 @@ def tree_mask_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
     """Ancestor-or-self mask [B, N, N] of a tree in topological order (parents [B, N], -1 at
     the root); `depth` bounds the path length (log-depth doubling would be overkill)."""
     B, N = parents.shape
-    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
-    mask = eye.clone()
+    node = torch.arange(N, device=parents.device)
+    mask = (node[:, None] == node[None, :]).expand(B, N, N)
     anc = parents.clamp_min(0)
     cur = anc
     valid = parents >= 0
     for _ in range(depth):
-        mask = mask | (torch.nn.functional.one_hot(cur, N).bool() & valid[..., None])
+        # a comparison, not F.one_hot (which checks its input with a host sync on CUDA)
+        mask = mask | ((cur[..., None] == node) & valid[..., None])
         valid = valid & (parents.gather(1, cur) >= 0)
         cur = anc.gather(1, cur)
     return mask
