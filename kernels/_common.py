@@ -3,15 +3,8 @@ window_divergence): the V split rule, fast exp2/log2, element-wise running reduc
 and thread-owned groups.
 
 Element-wise running reductions: a kernel that streams V in [R, BLOCK] tiles keeps one
-accumulator per tile element (running max and sum-exp, or running best and the step
-that found it) and reduces across the tile once, after the loop.  Reducing every tile
-instead costs warp shuffles, shared memory and 4-11 barriers per step, which also keep
-the next tile's loads waiting.  With that and exp2 on a folded scale, the loops' SASS
-(sm_90, large-B tiles) went from 15-20 to 6-11 instructions per element (per thread):
-chain_verify greedy 15.3 -> 5.7, ensemble_mix pass 1 17.2 -> 10.7 and pass 2
-15.3 -> 7.6, window_divergence stats 20.2 -> 10.9, and no barrier is left in a loop.
-The passes that only need a max and a sum-exp per row (ensemble_mix pass 1, the
-window_divergence stats and KL passes) went further, to thread-owned groups (below).
+accumulator per tile element (running max and sum-exp, or running best and the step that
+found it) and reduces across the tile once, after the loop: no barrier in a loop.
 
 `@triton.jit` helpers are inlined into the kernels that call them (constexpr arguments
 pass through).
@@ -30,19 +23,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 NEG_BIG = tl.constexpr(-3.4028234663852886e38)
 BIG_IDX = tl.constexpr(2147483647)
 
-# V split: each request's vocabulary is cut into S chunks, one program per (request,
-# chunk), so that a launch has about _PROGRAMS_PER_SM programs per SM whatever B is:
-# at B = 1 one program streaming V is a chain of dependent loads on one SM, and at
-# B = 128 one program per request left 8 of 64 warp slots per SM busy (~20% of the copy
-# bandwidth on an H200).  A chunk is at least _MIN_CHUNK elements per row (the per-
-# program fixed cost stays small next to its work) and a row has at most _MAX_SPLITS
-# chunks (bounds the [splits] tiles of the combines).  B = 1, V = 32064: 32 chunks of
-# 1008; B = 128: 9 chunks of 3568.
+# V split: each request's vocabulary is cut into chunks, one program per (request, chunk),
+# so that a launch fills the device whatever B is (B = 1, V = 32064: 32 chunks of 1008). A
+# chunk has at least _MIN_CHUNK columns (the per-program fixed cost stays small) and a row at
+# most _MAX_SPLITS chunks (bounds the [splits] tiles of the combines).
 _MIN_CHUNK = 1024
 _MAX_SPLITS = 128
-_PROGRAMS_PER_SM = 8
-_INTERPRETER_PROGRAMS = 16  # CPU interpreter: programs run one after another
-_INTERPRETER_L2 = 1 << 20   # CPU interpreter: a cache size for launch choices that depend on it
+_INTERPRETER_SMS = 4  # CPU interpreter: programs run one after another
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,26 +37,13 @@ def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(index):
-    return torch.cuda.get_device_properties(index).L2_cache_size
-
-
-def l2_cache_bytes(device):
-    """The device's L2 cache size in bytes (host query, no sync)."""
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (host query, no sync); a small constant for the
+    CPU interpreter. The launch plans take it as an argument."""
     device = torch.device(device)
     if device.type != "cuda":
-        return _INTERPRETER_L2
-    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def target_programs(device, per_sm=_PROGRAMS_PER_SM):
-    """Programs a launch should have for the device to be filled (host query, no sync)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return _INTERPRETER_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return per_sm * _num_sms(index)
+        return _INTERPRETER_SMS
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # Programmatic dependent launch (PDL, sm_90+): a decode step is a chain of ~260 short
@@ -107,39 +81,6 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def ticket(cnt_ptr, n):
-    """Program's ticket of a one-launch two-step kernel of n programs: an atomic counter taken
-    at program start, so tickets follow the order programs start in (every smaller ticket
-    belongs to a program already running or done). The last ticket resets the counter."""
-    t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
-    if t == n - 1:  # every program has its ticket
-        tl.store(cnt_ptr, 0)
-    return t
-
-
-@triton.jit
-def group_items(cnt_ptr, arrived, n, own, WAIT: tl.constexpr):
-    """The second-step items [lo, hi) a program of a one-launch two-step kernel runs, once
-    it has counted itself in at its group's arrival counter (`arrived`: the counter before
-    its increment; the group has n programs, the program's own item is `own`).
-
-    WAIT: spin (acquire loads of the counter) until the group's n programs have arrived, then
-    run its own item. Deadlock-free when the group's programs hold consecutive tickets
-    (`ticket`) and n programs fit on the device at once: every
-    program of the group is then running or done. Without WAIT (the CPU interpreter, which
-    runs programs one after another) the group's last to arrive runs all n items."""
-    lo = tl.where(arrived == n - 1, 0, n)
-    hi = n
-    if WAIT:
-        m = arrived + 1
-        while m < n:
-            m = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-        lo = own
-        hi = own + 1
-    return lo, hi
-
-
 COUNTERS = {}   # device -> int32 arrival counters, all zero between launches
 
 
@@ -158,9 +99,9 @@ def counters(device, n):
     return buf
 
 
-def n_vsplit(B, V, device, per_sm=_PROGRAMS_PER_SM):
-    """Requested number of V chunks per request (shapes and device only: no sync)."""
-    want = triton.cdiv(target_programs(device, per_sm), max(B, 1))
+def n_vsplit(rows, V, programs):
+    """Chunks per row for a launch of about `programs` programs over `rows` rows."""
+    want = triton.cdiv(programs, max(rows, 1))
     return max(1, min(triton.cdiv(V, _MIN_CHUNK), _MAX_SPLITS, want))
 
 
@@ -177,12 +118,12 @@ def chunking(V, S, align=16):
 ONE_STEP = 1024
 
 
-def chunk_block(chunk, cap):
-    """Columns per loop step over a V chunk: the whole chunk when it has at most ONE_STEP
+def chunk_block(chunk, cap, one_step=ONE_STEP):
+    """Columns per loop step over a V chunk: the whole chunk when it has at most `one_step`
     columns (B = 1 at V = 32064: chunks of 1008, one step), else the chunk's power of two
-    capped at `cap` (the large-B tile), at least 16."""
+    capped at `cap`, at least 16."""
     n = triton.next_power_of_2(chunk)
-    return n if chunk <= ONE_STEP else max(16, min(n, cap))
+    return n if chunk <= one_step else max(16, min(n, cap))
 
 
 def tile_warps(elements, per_thread=16):
@@ -233,16 +174,10 @@ def lse_reduce(m, s, scale, axis: tl.constexpr, FAST: tl.constexpr):
 
 
 # Thread-owned groups: a streaming pass reads [R, RPT, NT, VEC] tiles per step, VEC
-# contiguous columns (16 bytes) forming a group that one thread loads and reduces alone,
-# NT slots (threads) per row, RPT groups per slot and step. Running values live per slot
-# ([R, NT]): the max of the slot's groups, one exp2 per element against the new max and one
-# per slot and step to rescale the sum. No step needs another thread's data: on sm_90
-# (triton 3.6) the loop has no barrier, at most 4 shuffles per 16 elements, and ~9 SASS
-# instructions per element (ensemble_mix pass 1: ~13 with element-wise running values,
-# which also need 2-3 registers per element). With RPT > 1 triton 3.6 puts a slot's groups of
-# an [RPT, NT, VEC] tile on neighbouring lanes (a shuffle per reduction over them);
-# `slot_cols`' [NT, RPT, VEC] tiles keep them in one thread: window_divergence's KL pass and
-# TV-from-normalisers pass at K = 1 (2048-column steps) 3-16% faster with it.
+# contiguous columns (16 bytes) forming a group that one thread loads and reduces alone, NT
+# slots (threads) per row, RPT groups per slot and step. Running values live per slot
+# ([R, NT]): no step needs another thread's data, so the loop has no barrier. `slot_cols`
+# lays a step out slot-major ([NT, RPT, VEC]) so that a slot's RPT groups stay in one thread.
 
 
 @triton.jit

@@ -142,18 +142,21 @@ def test_sampling_follows_mixture(K, kernel_device):
     assert _chisq_pvalue(token, torch.full((V,), 1.0 / V)) < 1e-6
 
 
-def _tiles_of(monkeypatch, width):
-    """Force chunks of more than one tile (`width` columns per tile and loop step): the
-    multi-step chunk loops."""
-    monkeypatch.setattr(_common, "ONE_STEP", 1)
-    monkeypatch.setattr(_k, "_TILE", width)
+def _mix(logits, w, *, greedy, plan_kw=None, **kw):
+    """The launcher with a plan built from `plan_kw` (`mix_plan`'s overrides, e.g. `splits`,
+    `tile` with `one_step=1` for chunks of several loop steps, the draw order's `period` and
+    `width`); None: the device's default plan."""
+    if plan_kw is not None:
+        B, K = w.shape
+        write_mix = kw.get("return_mixture", False) or kw.get("mixture_out") is not None
+        kw["plan"] = _k.mix_plan(B, K, logits.shape[1], itemsize=logits.element_size(), greedy=greedy,
+                                 write_mix=write_mix, sms=_common.sm_count(logits.device), **plan_kw)
+    return _k.ensemble_mix(logits, w, greedy=greedy, **kw)
 
 
-def _draw_order(monkeypatch, period, width=16):
-    """Sampling's draw order with a `period` small enough to split small V (chunks and
-    pass-1 steps are multiples of it) and draw slots of `width` columns."""
-    monkeypatch.setattr(_k, "_DRAW_PERIOD", period)
-    monkeypatch.setattr(_k, "_DRAW_WIDTH", width)
+def _tiles(width):
+    """Plan overrides for chunks of more than one loop step of `width` elements."""
+    return dict(tile=width, one_step=1)
 
 
 def _draw_order_reference(q, u, period, width):
@@ -167,15 +170,12 @@ def _draw_order_reference(q, u, period, width):
 
 
 @pytest.mark.parametrize("return_mixture, tiled", [(False, False), (True, False), (False, True), (True, True)])
-def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, tiled, kernel_device, monkeypatch):
+def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, tiled, kernel_device):
     # Draws across 4 chunks of 16 (tiled: 2 chunks of two 16-column steps) in the draw order
     # of period 16, slots of 8 (fp32: 4-column groups): a 16-column block with no mass (all
     # -inf: a chunk, or a step) and single zero-probability tokens next to chunk, step and
     # slot edges are never drawn; the rest follows q.
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 2 if tiled else 4)
-    _draw_order(monkeypatch, 16, 8)
-    if tiled:
-        _tiles_of(monkeypatch, 32)  # [KP = 2, 16] tiles
+    plan_kw = dict(splits=2 if tiled else 4, period=16, width=8, **(_tiles(32) if tiled else {}))
     N, K, V = 300, 2, 64
     g = torch.Generator().manual_seed(3)
     base = torch.randn(K, V, generator=g)
@@ -185,8 +185,8 @@ def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, t
     base[:, zero] = float("-inf")
     w = torch.tensor([[0.35, 0.65]])
     mix = ensemble_mix_reference(base, w, greedy=True, temperature=0.8, return_mixture=True)[2][0]
-    token, prob, mixture, _ = _k.ensemble_mix(
-        base.repeat(N, 1).to(kernel_device), w.repeat(N, 1).to(kernel_device), greedy=False,
+    token, prob, mixture, _ = _mix(
+        base.repeat(N, 1).to(kernel_device), w.repeat(N, 1).to(kernel_device), greedy=False, plan_kw=plan_kw,
         seed=torch.tensor([42], device=kernel_device), offset=torch.tensor([7], device=kernel_device),
         temperature=0.8, return_mixture=return_mixture)
     assert not any(t in zero for t in token.tolist())
@@ -212,21 +212,18 @@ def _row_uniform(seed, base, device):
 
 @pytest.mark.parametrize("n_split, return_mixture, tile", [(1, False, None), (3, True, None), (4, False, None),
                                                            (4, True, 16), (3, False, 8)])
-def test_draw_takes_the_documented_order(n_split, return_mixture, tile, kernel_device, monkeypatch):
+def test_draw_takes_the_documented_order(n_split, return_mixture, tile, kernel_device):
     """Each token is the inverse CDF of the row's mixture at the row's uniform in the draw
     order (slot (c mod P) // SW, then column), here P = 32 and slots of 8 over V = 200 (7
     periods, the last cut short), computed in PyTorch. tile: the slot sums folded one or
     two chunks at a time (as at large V) instead of in one tile."""
     B, K, V, P, SW = 6, 2, 200, 32, 8
-    _draw_order(monkeypatch, P, SW)
-    if tile:
-        monkeypatch.setattr(_k, "_DRAW_TILE", tile)
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
+    plan_kw = dict(splits=n_split, period=P, width=SW, **({"draw_tile": tile} if tile else {}))
     logits, w = _inputs(B, K, V, torch.float32, kernel_device, seed=5, scale=1.0)
     seed = torch.tensor([2024], device=kernel_device)
     offset = torch.tensor([555], device=kernel_device)
-    token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset, temperature=0.7,
-                                        return_mixture=return_mixture)
+    token, prob, _, _ = _mix(logits, w, greedy=False, seed=seed, offset=offset, temperature=0.7,
+                             return_mixture=return_mixture, plan_kw=plan_kw)
     mix = ensemble_mix_reference(logits.cpu(), w.cpu(), greedy=True, temperature=0.7, return_mixture=True)[2]
     want = [_draw_order_reference(mix[b], _row_uniform(seed, 555 + b * V, kernel_device), P, SW)
             for b in range(B)]
@@ -310,19 +307,38 @@ def test_gpu_sampling_many_draws_and_graph_capture():
 
 # ---- V split (few requests): forced chunk counts on small and odd vocabularies.
 
-def test_split_count_from_shapes(monkeypatch):
-    monkeypatch.setattr(_common, "target_programs", lambda device, per_sm=8: per_sm * 132)  # an H100 / H200
-    assert _k._n_vsplit(1, 32064, "cuda") == 32      # the engine's draft step: 32 chunks
-    assert _k._n_vsplit(1, 151936, "cuda") == 128    # at most 128 chunks
-    assert _k._n_vsplit(16, 151936, "cuda") == 66    # ~8 programs per SM
-    assert _k._n_vsplit(128, 32064, "cuda") == 9
-    assert _k._n_vsplit(4096, 32064, "cuda") == 1
-    assert _k._n_vsplit(1, 173, "cuda") == 1
-    # ensemble_mix's own rate: ~4 programs per SM
-    assert _k._n_vsplit(16, 151936, "cuda", _k._PROGRAMS_PER_SM) == 33
-    assert _k._n_vsplit(128, 32064, "cuda", _k._PROGRAMS_PER_SM) == 5
-    assert _k._n_vsplit(128, 32064, "cuda", _k._SAMPLE_PROGRAMS_PER_SM) == 17  # sampling: ~16 per SM
-    assert _k._n_vsplit(1, 32064, "cuda", _k._SAMPLE_PROGRAMS_PER_SM) == 32
+def _plan(B, K, V=32064, greedy=True, write_mix=False, **kw):
+    return _k.mix_plan(B, K, V, itemsize=2, greedy=greedy, write_mix=write_mix, sms=132, **kw)  # an H100 / H200
+
+
+def test_plan_from_shapes():
+    # the engine's draft step, one request: 32 chunks of 1008 columns, each read in one step
+    p = _plan(1, 4)
+    assert (p.rowwise, p.cert, p.picked, p.rows1, p.splits, p.chunk, p.block1, p.n_prog) == \
+        (True, True, False, 4, 32, 1008, 1024, 32)
+    p = _plan(1, 1)
+    assert (p.rowwise, p.cert, p.picked, p.splits, p.n_prog, p.evict1) == (False, False, True, 32, 1, "")
+    p = _plan(1, 4, greedy=False, write_mix=True)   # sampling with the mixture row: S + 1 programs, one draws
+    assert (p.rowwise, p.cert, p.splits, p.chunk, p.period, p.n_prog) == (False, False, 32, 1024, 512, 33)
+    assert p.chunk % p.period == 0 and p.block1 % p.period == 0
+    p = _plan(64, 4)                                 # 256 view rows: 3 chunks each, 2048-column steps
+    assert (p.rows1, p.splits, p.chunk, p.block1) == (256, 3, 10688, 2048)
+    p = _plan(1, 1, V=151936)                       # at most 128 chunks
+    assert (p.splits, p.chunk) == (127, 1200)
+    assert _plan(4096, 1).splits == 1
+    assert _plan(1, 1, V=173).splits == 1
+    assert not _plan(1, 4, certify=False).cert
+    assert _plan(2, 3, V=1000, splits=7).splits == 7 and _plan(2, 3, V=1000, splits=7).chunk == 144
+
+
+def test_plan_must_match_the_call(kernel_device):
+    logits, w = _inputs(2, 3, 1000, torch.float32, kernel_device)
+    with pytest.raises(ValueError):   # a plan for another vocabulary
+        _k.ensemble_mix(logits, w, greedy=True, plan=_k.mix_plan(2, 3, 999, itemsize=4, greedy=True, write_mix=False,
+                                                                  sms=4))
+    with pytest.raises(ValueError):   # a plan without the mixture row
+        _k.ensemble_mix(logits, w, greedy=True, return_mixture=True,
+                        plan=_k.mix_plan(2, 3, 1000, itemsize=4, greedy=True, write_mix=False, sms=4))
 
 
 @pytest.mark.parametrize("n_split", [2, 7, 24])
@@ -331,14 +347,12 @@ def test_split_count_from_shapes(monkeypatch):
     (3, 3, 173, 1.3, True, torch.float16), (1, 4, 1000, 1.0, False, torch.bfloat16),
     (2, 2, 1000, 0.9, True, torch.float32),
 ])
-def test_split_greedy_matches_reference(B, K, V, temperature, return_mixture, dtype, n_split,
-                                        kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+def test_split_greedy_matches_reference(B, K, V, temperature, return_mixture, dtype, n_split, kernel_device):
     logits, w = _inputs(B, K, V, dtype, kernel_device, seed=n_split)
     ref = ensemble_mix_reference(logits, w, greedy=True, temperature=temperature, return_mixture=True)
     out_mix = torch.full((B, 3, V), float("nan"), device=kernel_device)[:, 2] if return_mixture else None
-    token, token_prob, mixture, lse = _k.ensemble_mix(
-        logits, w, greedy=True, temperature=temperature, mixture_out=out_mix)
+    token, token_prob, mixture, lse = _mix(
+        logits, w, greedy=True, temperature=temperature, mixture_out=out_mix, plan_kw=dict(splits=n_split))
     assert not torch.isnan(token_prob).any()
     torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
     _check_token(token, token_prob, ref[2], 1e-6)
@@ -349,84 +363,30 @@ def test_split_greedy_matches_reference(B, K, V, temperature, return_mixture, dt
         torch.testing.assert_close(mixture, ref[2], atol=1e-6, rtol=1e-5)
 
 
-class _GridSpy:
-    """Stands in for a Triton kernel: records each launch grid, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("rowwise, big", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("greedy, agree", [(True, False), (True, True), (False, False)])
-@pytest.mark.parametrize("n_split", [1, 3])
-def test_pass1_layouts_match_reference(rowwise, big, greedy, agree, n_split, kernel_device, monkeypatch):
-    """Pass 1 with K views per program and with one view row per program (`_ROWWISE`, grid
-    (B * K, S)) write the same partials: the reference's tokens, probabilities and
-    normalisers either way, multi-step chunks included (the certificate's re-read and live
-    slots). Greedy with one chunk per row keeps K views per program (pass 2's split), unless
-    the logits exceed L2 (`big`: then at least 2 chunks per row, in their own steps)."""
-    B, K, V = 2, 3, 1000
-    monkeypatch.setattr(_k, "_ROWWISE", rowwise)
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
-    monkeypatch.setattr(_k, "l2_cache_bytes", lambda device: 0 if big else 1 << 40)
-    monkeypatch.setattr(_k, "_ROWWISE_BIG_TILE", 32)
-    _tiles_of(monkeypatch, 64)
-    _draw_order(monkeypatch, 16, 8)
-    spy = _GridSpy(_k._mix_partial_kernel)
-    monkeypatch.setattr(_k, "_mix_partial_kernel", spy)
-    logits, w = _inputs(B, K, V, torch.float32, kernel_device, seed=11 + n_split)
-    if agree:  # views that share their argmax: the certificate decides, no second pass
-        logits = (logits[:1] + 0.1 * logits).contiguous()
-    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
-    seed = torch.tensor([5], device=kernel_device)
-    offset = torch.tensor([0], device=kernel_device)
-    certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
-    token, token_prob, _, lse = _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset,
-                                                certified_out=certified if greedy else None)
-    rows = B * K if rowwise and (n_split > 1 or not greedy or big) else B
-    assert spy.grids[-1] == (rows, max(n_split, 2 if big and greedy else 1))
-    torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
-    if greedy:
-        _check_token(token, token_prob, ref[2], 1e-6)
-        assert torch.equal(token, ref[0])
-        assert ((certified == 1) | (certified == 0)).all() and (not agree or bool(certified.all()))
-    else:  # the draw order does not depend on the layout: the other layout draws the same tokens
-        torch.testing.assert_close(token_prob, ref[2].gather(1, token[:, None]).squeeze(1), atol=1e-6, rtol=1e-5)
-        monkeypatch.setattr(_k, "_ROWWISE", not rowwise)
-        assert torch.equal(_k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset)[0], token)
-
-
 @pytest.mark.parametrize("K", [1, 2])
-def test_split_ties_pick_lowest_index(K, kernel_device, monkeypatch):
+def test_split_ties_pick_lowest_index(K, kernel_device):
     # V = 173 in 7 chunks of 32: ties at a chunk boundary (31 | 32), inside a chunk, later.
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 7)
     logits = torch.full((K, 173), -5.0)
     for v in (160, 40, 32, 31):
         logits[:, v] = 3.0
     w = torch.full((1, K), 1.0 / K)
-    token, *_ = _k.ensemble_mix(logits.to(kernel_device), w.to(kernel_device), greedy=True)
+    token, *_ = _mix(logits.to(kernel_device), w.to(kernel_device), greedy=True, plan_kw=dict(splits=7))
     assert token.item() == 31
 
 
 @pytest.mark.parametrize("K, V, return_mixture", [(1, 173, False), (1, 1000, True), (3, 173, True),
                                                   (2, 1000, False)])
-def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device, monkeypatch):
+def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device):
     """The same uniform per request (counter offset + b*V) whatever the split: the same
     tokens (a draw within float rounding of a chunk boundary could differ; none here)."""
     B = 6
     logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K)
     seed = torch.tensor([77], device=kernel_device)
     offset = torch.tensor([12345], device=kernel_device)
-    _draw_order(monkeypatch, 64)  # 5 requested chunks: 3 of 64 columns at V = 173, 4 of 256 at 1000
     outs = []
-    for n_split in (1, 5):
-        monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
-        outs.append(_k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset,
-                                    temperature=0.9, return_mixture=return_mixture))
+    for n_split in (1, 5):  # 5 requested chunks of a period of 64: 3 of 64 columns at V = 173, 4 of 256 at 1000
+        outs.append(_mix(logits, w, greedy=False, seed=seed, offset=offset, temperature=0.9,
+                         return_mixture=return_mixture, plan_kw=dict(splits=n_split, period=64)))
     (t1, p1, m1, l1), (t5, p5, m5, l5) = outs
     assert torch.equal(t1, t5)
     torch.testing.assert_close(p5, p1, atol=1e-6, rtol=1e-5)
@@ -440,7 +400,7 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device,
 
 @pytest.mark.parametrize("K, V, n_split, width", [(1, 1000, 1, 64), (3, 1000, 2, 128), (2, 173, 1, 32),
                                                   (4, 1000, 3, 256)])
-def test_tiled_sampling_draws_match_untiled(K, V, n_split, width, kernel_device, monkeypatch):
+def test_tiled_sampling_draws_match_untiled(K, V, n_split, width, kernel_device):
     """Sampling without the mixture row over chunks of several pass-1 steps: the same
     uniform per request, the same tokens as one step per chunk, q(token) and the
     normalisers as the reference. Two calls in a row (no state is left behind)."""
@@ -448,21 +408,20 @@ def test_tiled_sampling_draws_match_untiled(K, V, n_split, width, kernel_device,
     logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K + 10)
     seed = torch.tensor([5], device=kernel_device)
     offset = torch.tensor([321], device=kernel_device)
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
-    _draw_order(monkeypatch, 32)
-
-    def draw():
+    def draw(**plan_kw):
         token = torch.full((B,), -1, dtype=torch.int64, device=kernel_device)
         prob = torch.full((B,), float("nan"), device=kernel_device)
-        t, p, _, lse = _k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset, temperature=0.9)
+        t, p, _, lse = _mix(logits, w, greedy=False, seed=seed, offset=offset, temperature=0.9,
+                            plan_kw=dict(splits=n_split, period=32, **plan_kw))
         token.copy_(t), prob.copy_(p)
         return token, prob, lse
 
     t_one, p_one, l_one = draw()          # chunks of at most 1000 columns: one loop step each
-    _tiles_of(monkeypatch, width)
-    assert triton.cdiv(triton.cdiv(V, n_split), width // triton.next_power_of_2(K)) > 1
+    plan = _k.mix_plan(B, K, V, itemsize=2, greedy=False, write_mix=False, sms=4, splits=n_split, period=32,
+                       **_tiles(width))
+    assert plan.chunk > plan.block1       # several steps per chunk
     for _ in range(2):
-        t, p, lse = draw()
+        t, p, lse = draw(**_tiles(width))
         assert torch.equal(t, t_one)
         torch.testing.assert_close(p, p_one, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(lse, l_one, atol=1e-5, rtol=1e-5)
@@ -485,11 +444,11 @@ def _agreeing(B, K, V, dtype, device, noise, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("B, K, V", [(1, 2, 32064), (16, 4, 151936), (128, 4, 32064), (256, 2, 32064)])
-def test_gpu_greedy_views_full_size(B, K, V, dtype, monkeypatch):
+@pytest.mark.parametrize("B, K, V", [(1, 2, 32064), (1, 4, 32064), (16, 4, 151936), (64, 4, 32064)])
+def test_gpu_greedy_views_full_size(B, K, V, dtype):
     """Greedy K > 1 without the mixture row at the engine's sizes: certified rows (agreeing
-    views) and rows decided by pass 2 over the live thread slots (independent views), both
-    against the reference and against the full chunk pass (no certificate)."""
+    views) and rows decided by pass 2 (independent views), both against the reference and
+    against the plan without the certificate."""
     for agree in (True, False):
         if agree:
             logits, w = _agreeing(B, K, V, dtype, "cuda", 0.05, seed=B + K)
@@ -506,9 +465,7 @@ def test_gpu_greedy_views_full_size(B, K, V, dtype, monkeypatch):
         assert set(certified.tolist()) <= {0, 1}
         if not agree and B >= 16:
             assert (certified == 0).any()                    # pass 2 decided some rows
-        monkeypatch.setattr(_k, "_CERTIFY", False)
-        full = _k.ensemble_mix(logits, w, greedy=True)
-        monkeypatch.setattr(_k, "_CERTIFY", True)
+        full = _mix(logits, w, greedy=True, plan_kw=dict(certify=False))
         assert torch.equal(token, full[0])
         torch.testing.assert_close(token_prob, full[1], atol=1e-7, rtol=1e-6)
 
@@ -517,15 +474,13 @@ def test_gpu_greedy_views_full_size(B, K, V, dtype, monkeypatch):
 @pytest.mark.parametrize("B, K, V, dtype", [
     (5, 2, 1000, torch.float32), (3, 4, 32064, torch.bfloat16), (4, 3, 173, torch.float16),
 ])
-def test_certified_greedy_matches_reference(B, K, V, dtype, n_split, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+def test_certified_greedy_matches_reference(B, K, V, dtype, n_split, kernel_device):
     for noise in (0.05, 0.6, 3.0):  # agreeing views (certified) .. disagreeing (second pass)
         logits, w = _agreeing(B, K, V, dtype, kernel_device, noise, seed=B * K + n_split)
         ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
         outs = {}
         for certify in (True, False):
-            monkeypatch.setattr(_k, "_CERTIFY", certify)
-            outs[certify] = _k.ensemble_mix(logits, w, greedy=True)
+            outs[certify] = _mix(logits, w, greedy=True, plan_kw=dict(splits=n_split, certify=certify))
         token, token_prob, _, lse = outs[True]
         _check_token(token, token_prob, ref[2], 1e-6)
         top2 = ref[2].topk(2, dim=1).values
@@ -537,11 +492,10 @@ def test_certified_greedy_matches_reference(B, K, V, dtype, n_split, kernel_devi
         torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
 
 
-def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 4)
+def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device):
     certified = torch.full((3,), -1, dtype=torch.int32, device=kernel_device)
     logits, w = _agreeing(3, 4, 1000, torch.float32, kernel_device, 0.05, seed=1)
-    token, *_ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    token, *_ = _mix(logits, w, greedy=True, certified_out=certified, plan_kw=dict(splits=4))
     assert certified.tolist() == [1, 1, 1]                   # agreeing views: one pass
     assert torch.equal(token, ensemble_mix_reference(logits, w, greedy=True)[0])
     # two views, each with a near-tie at the top: q(10) = 0.6 p(10) + ..., while a token that
@@ -552,7 +506,7 @@ def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, mon
         logits[2 * b + 1, [20, 21]] = torch.tensor([4.0, 3.9])
     logits = logits.to(kernel_device)
     w = torch.tensor([[0.6, 0.4]] * 3, device=kernel_device)
-    token, *_ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    token, *_ = _mix(logits, w, greedy=True, certified_out=certified, plan_kw=dict(splits=4))
     assert certified.tolist() == [0, 0, 0]                   # the chunk pass decided
     assert token.tolist() == [10, 10, 10]
     assert torch.equal(token, ensemble_mix_reference(logits, w, greedy=True)[0])
@@ -560,13 +514,11 @@ def test_certificate_skips_the_second_pass_only_when_it_holds(kernel_device, mon
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_split, width", [(1, None), (3, None), (2, 256)])
-def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, kernel_device, monkeypatch):
+def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, kernel_device):
     """The argmax of q is a column no view ranks first (both views put 3.0 there, their own
     maxima 3.5 elsewhere): not certified, and the chunk pass finds it, with one or several
     chunks and steps per chunk (width); every other column low."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
-    if width:
-        _tiles_of(monkeypatch, width)
+    plan_kw = dict(splits=n_split, **(_tiles(width) if width else {}))
     B, K, V = 4, 2, 3000
     g = torch.Generator().manual_seed(11)
     logits = -5.0 + 0.5 * torch.randn(B * K, V, generator=g)
@@ -580,7 +532,7 @@ def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, ker
     logits = logits.to(dtype).to(kernel_device)
     w = torch.full((B, K), 0.5, device=kernel_device)
     certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
-    token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    token, prob, _, _ = _mix(logits, w, greedy=True, certified_out=certified, plan_kw=plan_kw)
     assert certified.tolist() == [0] * B
     assert token.tolist() == want
     ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
@@ -590,76 +542,39 @@ def test_uncertified_pass_finds_an_argmax_no_view_has(dtype, n_split, width, ker
 
 @pytest.mark.parametrize("fill", [float("nan"), float("-inf")])
 @pytest.mark.parametrize("K, n_split, width", [(2, 1, None), (4, 3, None), (2, 2, 256)])
-def test_greedy_views_with_an_undefined_view(fill, K, n_split, width, kernel_device, monkeypatch):
+def test_greedy_views_with_an_undefined_view(fill, K, n_split, width, kernel_device):
     """A view of NaN logits, or of -inf everywhere, makes its request's mixture NaN: the
     certificate must not hold on a NaN (the chunk pass decides, one or several steps per
     chunk), and the token is the reference's (torch.argmax: the first NaN, 0), never an index
     outside the vocabulary (a NaN certificate taken as holding gives BIG_IDX, 2^31 - 1); the
     other request is unaffected."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
-    if width:
-        _tiles_of(monkeypatch, width)
+    plan_kw = dict(splits=n_split, **(_tiles(width) if width else {}))
     B, V = 2, 3000
     logits = torch.randn(B * K, V, generator=torch.Generator().manual_seed(5))
     logits[K - 1] = fill                                     # request 0's last view
     logits = logits.to(kernel_device)
     w = torch.full((B, K), 1.0 / K, device=kernel_device)
     certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
-    token, *_ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
+    token, *_ = _mix(logits, w, greedy=True, certified_out=certified, plan_kw=plan_kw)
     assert certified[0].item() == 0
     assert token.tolist() == ensemble_mix_reference(logits, w, greedy=True)[0].tolist()
     assert token[0].item() == 0
     seed, offset = (torch.tensor([t], device=kernel_device) for t in (3, 0))
-    token, *_ = _k.ensemble_mix(logits, w, greedy=False, seed=seed, offset=offset)   # sampling: in range too
+    token, *_ = _mix(logits, w, greedy=False, seed=seed, offset=offset, plan_kw=plan_kw)   # sampling: in range too
     assert ((token >= 0) & (token < V)).all()
 
 
-@pytest.mark.parametrize("live_columns", [8, 512])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_live_slot_batches(live_columns, dtype, kernel_device, monkeypatch):
-    """Pass 2 of greedy K > 1 with several pass-1 steps per chunk reads the live thread slots
-    in batches (one slot per batch at live_columns = 8): near-flat views (many live slots,
-    several batches) give the tokens of the full chunk pass; a tie of q between column 128
-    (step 1, slot 0: the first batch) and column 127 (step 0, the last slot: a later batch)
-    takes the lower (as torch.argmax)."""
-    monkeypatch.setattr(_k, "_LIVE_COLUMNS", live_columns)
-    _tiles_of(monkeypatch, 256)                     # K = 2: 128 columns per view and step
-    for n_split in (1, 3):
-        monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm, n=n_split: n)
-        logits, w = _inputs(5, 3, 1000, dtype, kernel_device, scale=0.3, seed=n_split)
-        ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
-        certified = torch.full((5,), -1, dtype=torch.int32, device=kernel_device)
-        token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
-        assert (certified == 0).sum() >= 3          # most rows take pass 2
-        _check_token(token, prob, ref[2], 1e-6)
-        monkeypatch.setattr(_k, "_CERTIFY", False)
-        full = _k.ensemble_mix(logits, w, greedy=True)
-        monkeypatch.setattr(_k, "_CERTIFY", True)
-        assert torch.equal(token, full[0])
-        torch.testing.assert_close(prob, full[1], atol=1e-7, rtol=1e-6)
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 1)
-    logits = torch.zeros(2, 1000)
-    logits[0, [127, 128]] = 2.0                    # view 0: tied maxima; view 1 flat (argmax 0)
-    logits = logits.to(dtype).to(kernel_device)
-    w = torch.full((1, 2), 0.5, device=kernel_device)
-    certified = torch.full((1,), -1, dtype=torch.int32, device=kernel_device)
-    token, prob, _, _ = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified)
-    assert certified.item() == 0 and token.item() == 127
-    assert torch.equal(token, ensemble_mix_reference(logits, w, greedy=True)[0])
-
-
 @pytest.mark.parametrize("n_split", [1, 5])
-def test_certified_tie_between_candidates_takes_the_lower_index(n_split, kernel_device, monkeypatch):
+def test_certified_tie_between_candidates_takes_the_lower_index(n_split, kernel_device):
     # Two views peaked at different tokens with equal weights: q(20) == q(50), both far
     # above any other token's bound, so the certificate holds and the lower index wins.
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
     logits = torch.full((2, 300), -4.0)
     logits[0, 50], logits[1, 20] = 6.0, 6.0
     logits[0, 20], logits[1, 50] = 1.0, 1.0
     w = torch.full((1, 2), 0.5)
     certified = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    token, prob, *_ = _k.ensemble_mix(logits.to(kernel_device), w.to(kernel_device), greedy=True,
-                                      certified_out=certified)
+    token, prob, *_ = _mix(logits.to(kernel_device), w.to(kernel_device), greedy=True, certified_out=certified,
+                           plan_kw=dict(splits=n_split))
     assert token.item() == 20 and certified.item() == 1
     ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
     torch.testing.assert_close(prob.cpu(), ref[1], atol=1e-7, rtol=1e-6)
@@ -678,14 +593,12 @@ _SLOT_CASES = {"same group, lower": 5001, "same group, higher": 5006, "same slot
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("where", list(_SLOT_CASES))
-def test_pass1_argmax_ties_across_groups_slots_and_steps(where, dtype, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 1)
-    monkeypatch.setattr(_k, "_TILE", 2048)
+def test_pass1_argmax_ties_across_groups_slots_and_steps(where, dtype, kernel_device):
     other = _SLOT_CASES[where]
     logits = torch.full((1, 20000), -5.0)
     logits[0, [5004, other]] = 3.0
-    token, prob, _, lse = _k.ensemble_mix(logits.to(dtype).to(kernel_device), torch.ones(1, 1, device=kernel_device),
-                                          greedy=True)
+    token, prob, _, lse = _mix(logits.to(dtype).to(kernel_device), torch.ones(1, 1, device=kernel_device),
+                               greedy=True, plan_kw=dict(splits=1, tile=2048))
     assert token.item() == min(5004, other)
     ref = ensemble_mix_reference(logits.to(dtype), torch.ones(1, 1), greedy=True)
     torch.testing.assert_close(prob.cpu(), ref[1], atol=1e-7, rtol=1e-5)
@@ -694,25 +607,24 @@ def test_pass1_argmax_ties_across_groups_slots_and_steps(where, dtype, kernel_de
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("where", list(_SLOT_CASES))
-def test_certificate_sees_the_second_largest_anywhere(where, dtype, kernel_device, monkeypatch):
+def test_certificate_sees_the_second_largest_anywhere(where, dtype, kernel_device):
     # Each view's argmax (4.0) and, at one shared token, its second-largest logit (3.9): that
     # token is the mixture's argmax, above both candidates. Missing the second-largest of
     # either view (wherever pass 1 met it) would certify a candidate: the wrong token.
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 1)
-    monkeypatch.setattr(_k, "_TILE", 4096)          # [2, 2048] tiles: 2048 columns per view and step
+    plan_kw = dict(splits=1, tile=2048)              # one view row per program: 2048 columns per step
     second = _SLOT_CASES[where]
     logits = torch.full((2, 20000), -3.0)
     logits[0, 5004], logits[1, 15000] = 4.0, 4.0
     logits[:, second] = 3.9
     w = torch.tensor([[0.6, 0.4]])
     certified = torch.full((1,), -1, dtype=torch.int32, device=kernel_device)
-    token, *_ = _k.ensemble_mix(logits.to(dtype).to(kernel_device), w.to(kernel_device), greedy=True,
-                                certified_out=certified)
+    token, *_ = _mix(logits.to(dtype).to(kernel_device), w.to(kernel_device), greedy=True,
+                     certified_out=certified, plan_kw=plan_kw)
     assert token.item() == second and certified.item() == 0
     assert token.item() == ensemble_mix_reference(logits.to(dtype), w, greedy=True)[0].item()
     logits[:, second] = 2.0                          # far below: now the certificate holds
-    token, *_ = _k.ensemble_mix(logits.to(dtype).to(kernel_device), w.to(kernel_device), greedy=True,
-                                certified_out=certified)
+    token, *_ = _mix(logits.to(dtype).to(kernel_device), w.to(kernel_device), greedy=True,
+                     certified_out=certified, plan_kw=plan_kw)
     assert token.item() == 5004 and certified.item() == 1
 
 
@@ -720,7 +632,7 @@ def test_certificate_sees_the_second_largest_anywhere(where, dtype, kernel_devic
 
 @pytest.mark.parametrize("case", ["greedy K=1", "greedy certified", "greedy folded", "sample+mixture",
                                   "sample tiled"])
-def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
+def test_view_tokens_out_fills_every_view_row(case, kernel_device):
     """Each path that stores the token (pass 2's pick, the certificate, the last-arriving
     fold, the draw with and without the mixture row) writes it into all K rows of its request
     when asked; the returned token is the same as without, and so are the other outputs."""
@@ -731,21 +643,18 @@ def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
         logits, w = _agreeing(B, K, V, torch.bfloat16, kernel_device, noise=0.05, seed=3)
     else:
         logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=K + 20)
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 3)
-    if case == "sample tiled":
-        _tiles_of(monkeypatch, 128)
-        _draw_order(monkeypatch, 32)
+    plan_kw = dict(splits=3, **(dict(period=32, **_tiles(128)) if case == "sample tiled" else {}))
     seed = torch.tensor([9], device=kernel_device)
     offset = torch.tensor([77], device=kernel_device)
     kw = dict(greedy=greedy, seed=seed, offset=offset, temperature=0.8, return_mixture=case == "sample+mixture")
     cert = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
-    plain = _k.ensemble_mix(logits, w, certified_out=cert, **kw)
+    plain = _mix(logits, w, certified_out=cert, plan_kw=plan_kw, **kw)
     if case == "greedy certified":
         assert bool((cert == 1).all())
     if case == "greedy folded":
         assert bool((cert == 0).any())
     rows = torch.full((B * K,), -1, dtype=torch.int64, device=kernel_device)
-    out = _k.ensemble_mix(logits, w, view_tokens_out=rows, **kw)
+    out = _mix(logits, w, view_tokens_out=rows, plan_kw=plan_kw, **kw)
     assert torch.equal(out[0], plain[0])
     assert torch.equal(rows, plain[0].repeat_interleave(K))
     for a, b in zip(out[1:], plain[1:]):
@@ -762,12 +671,10 @@ def test_view_tokens_out_fills_every_view_row(case, kernel_device, monkeypatch):
 
 
 @pytest.mark.parametrize("noise", [0.05, 3.0])
-def test_greedy_views_with_masked_columns(noise, kernel_device, monkeypatch):
+def test_greedy_views_with_masked_columns(noise, kernel_device):
     """Columns at -inf (a masked vocabulary): whole chunks and steps of one view, scattered
     columns of the others. The certified pass (agreeing views) and the chunk pass (noise
     3.0) match the reference and each other."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 3)
-    _tiles_of(monkeypatch, 256)
     B, K, V = 3, 3, 2900
     logits, w = _agreeing(B, K, V, torch.float32, "cpu", noise, seed=5)
     logits = logits.clone()
@@ -780,217 +687,11 @@ def test_greedy_views_with_masked_columns(noise, kernel_device, monkeypatch):
     outs = {}
     certified = torch.full((B,), -1, dtype=torch.int32, device=kernel_device)
     for certify in (True, False):
-        monkeypatch.setattr(_k, "_CERTIFY", certify)
-        outs[certify] = _k.ensemble_mix(logits, w, greedy=True, certified_out=certified if certify else None)
+        outs[certify] = _mix(logits, w, greedy=True, certified_out=certified if certify else None,
+                             plan_kw=dict(splits=3, certify=certify, **_tiles(256)))
     assert certified.tolist() == [1] * B if noise < 1 else 0 in certified.tolist()   # both paths ran
     _check_token(outs[True][0], outs[True][1], ref[2], 1e-6)
     assert torch.equal(outs[True][0], ref[0]) and torch.equal(outs[False][0], ref[0])
     torch.testing.assert_close(outs[True][3], ref[3], atol=1e-5, rtol=1e-5)
 
 
-# ---- The mixture row in one launch (`_mix_fused_kernel`, taken where logits and row exceed L2).
-
-def _fused(monkeypatch, on, cols=None):
-    """Take the one-launch mixture path (on) or the two launches at any size; `cols`: its
-    chunk width (the period rounds it up when sampling)."""
-    monkeypatch.setattr(_k, "l2_cache_bytes", lambda device: 0 if on else 1 << 40)
-    if cols is not None:
-        monkeypatch.setattr(_k, "_FUSED_CHUNK", cols)
-        monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 1 << 40)
-
-
-def _counters_zero(device):
-    """Every counter of the workspace is zero, not only the rows' (launches leave them all zero)."""
-    buf = _common.COUNTERS.get(torch.device(device))
-    return buf is None or int(buf.abs().sum()) == 0
-
-
-@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
-@pytest.mark.parametrize("B, K, V, temperature", [
-    (1, 1, 1000, 1.0), (3, 3, 1000, 0.7), (5, 1, 1000, 1.3), (2, 4, 1000, 1.0), (2, 2, 3001, 0.8), (7, 4, 173, 1.0),
-])
-@pytest.mark.parametrize("cols", [64, 400])
-def test_fused_mixture_matches_reference(B, K, V, temperature, dtype, atol, rtol, cols, kernel_device, monkeypatch):
-    """Greedy with the mixture row in one launch: the reference's mixture, token, its
-    probability and the normalisers, with one chunk per row or several (V not a multiple of
-    the chunk), into a NaN-poisoned strided buffer; the counters are left zero."""
-    _fused(monkeypatch, True, cols)
-    logits, w = _inputs(B, K, V, dtype, kernel_device)
-    ref = ensemble_mix_reference(logits, w, greedy=True, temperature=temperature, return_mixture=True)
-    buf = torch.full((B, V + 5), float("nan"), device=kernel_device)
-    token, prob, mixture, lse = _k.ensemble_mix(logits, w, greedy=True, temperature=temperature,
-                                                mixture_out=buf[:, :V])
-    assert mixture.data_ptr() == buf.data_ptr()
-    torch.testing.assert_close(mixture, ref[2], atol=atol, rtol=rtol)
-    assert torch.isnan(buf[:, V:]).all()        # nothing past the row
-    _check_token(token, prob, ref[2], atol)
-    assert torch.equal(token, ref[0])
-    torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
-    assert _counters_zero(kernel_device)
-
-
-@pytest.mark.parametrize("greedy", [True, False])
-@pytest.mark.parametrize("K, V, pad", [(2, 2500, 2), (2, 3001, 37), (3, 2500, 6), (4, 3001, 1), (4, 4096, 0)])
-def test_fused_word_pairs_match_element_loads(greedy, K, V, pad, kernel_device, monkeypatch):
-    """The one launch with bf16 logits read as 32-bit words of two in its whole steps (even
-    row stride; V odd or even, so the rows end in a masked step or not) against element
-    loads: the same token, probability and normalisers, the mixture row equal up to the
-    rounding of its arithmetic (sampling's pass 2 also changes layout: the compiler may fuse
-    differently). Chunks of 2048 columns: pass 1 in 1024-2048-column steps, pass 2 in
-    64-column steps (greedy) or 2048 (sampling)."""
-    _fused(monkeypatch, True, 2048)
-    monkeypatch.setattr(_k, "_FUSED_GREEDY_COLUMNS", 64)
-    logits, w = _inputs(3, K, V, torch.bfloat16, kernel_device, pad=pad, seed=K)
-    assert logits.stride(0) % 2 == 0 and logits.data_ptr() % 4 == 0
-    seed = torch.tensor([5], device=kernel_device)
-    offset = torch.tensor([0], device=kernel_device)
-    outs = []
-    for pairs in (False, True):
-        monkeypatch.setattr(_k, "_FUSED_PAIRS", pairs)
-        outs.append(_k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, return_mixture=True))
-    for i in (0, 1, 3):
-        assert torch.equal(outs[0][i], outs[1][i])
-    torch.testing.assert_close(outs[1][2], outs[0][2], atol=0, rtol=5e-7)
-    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
-    torch.testing.assert_close(outs[1][2], ref[2], atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("greedy", [True, False])
-@pytest.mark.parametrize("K, V, n_split", [(1, 1000, 3), (2, 1000, 1), (3, 2500, 4), (4, 3001, 2)])
-def test_fused_equals_two_launches(greedy, K, V, n_split, kernel_device, monkeypatch):
-    """One launch and two launches with the same chunks: the same token (sampling: the same
-    draw, as the draw order does not depend on the tiles) in every view row, the same
-    mixture row, probability and normalisers up to float rounding (the passes' tiles
-    differ); a second one-launch call (counters reused) repeats the first bit for bit."""
-    B = 6
-    _draw_order(monkeypatch, 64)
-    chunk = triton.cdiv(triton.cdiv(V, n_split), 64) * 64
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
-    logits, w = _inputs(B, K, V, torch.bfloat16, kernel_device, seed=2)
-    seed = torch.tensor([3], device=kernel_device)
-    offset = torch.tensor([40], device=kernel_device)
-    outs = []
-    for on in (False, True, True):
-        _fused(monkeypatch, on, chunk)
-        rows = torch.full((B * K,), -1, dtype=torch.int64, device=kernel_device)
-        out = _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, temperature=0.9,
-                              return_mixture=True, view_tokens_out=rows)
-        outs.append(out + (rows,))
-        assert _counters_zero(kernel_device)
-    for a, b in zip(outs[1], outs[2]):
-        assert torch.equal(a, b)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][4], outs[1][4])
-    for i in (1, 2, 3):
-        torch.testing.assert_close(outs[1][i], outs[0][i], atol=1e-6, rtol=1e-5)
-    assert torch.equal(outs[0][4], outs[0][0].repeat_interleave(K))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K", [2, 4])
-@pytest.mark.parametrize("ties", [(63, 127), (1500, 1501), (700, 1500), (1000, 2500), (2047, 2048, 2049)])
-def test_fused_greedy_ties_take_the_lowest_index(K, ties, dtype, kernel_device, monkeypatch):
-    """Greedy with the mixture row in one launch, two chunks per row and pass 2 in 64-column
-    steps ([16, 4] store tiles): exact ties of the mixture's max in one thread slot across
-    steps, in one 4-column group, across slots and across chunks resolve to the lowest index
-    (torch.argmax), with the tied columns' probability (bf16: through the word-pair loads of
-    the whole steps, and the masked last step of each row)."""
-    _fused(monkeypatch, True, 2048)
-    monkeypatch.setattr(_k, "_FUSED_GREEDY_COLUMNS", 64)
-    logits, w = _inputs(3, K, 3001, dtype, kernel_device)
-    for c in ties:
-        logits[:, c] = 20.0      # every view: equal mixture values, above every other column
-    token, prob, mixture, _ = _k.ensemble_mix(logits, w, greedy=True, return_mixture=True)
-    assert (token == min(ties)).all()
-    assert torch.equal(token, mixture.argmax(-1))
-    assert torch.equal(prob, mixture[:, min(ties)])
-    assert _counters_zero(kernel_device)
-
-
-def test_fused_sampling_follows_mixture(kernel_device, monkeypatch):
-    """Sampling with the mixture row in one launch, 4 chunks per row (period 16, slots of
-    8): the draws follow the mixture (chi-square over 400 requests), not either view; the
-    mixture rows and probabilities are the reference's."""
-    _fused(monkeypatch, True, 16)
-    _draw_order(monkeypatch, 16, 8)
-    N, V = 400, 50
-    logits, weights, mix = _mixture_case(N, 2, V, kernel_device)
-    seed = torch.tensor([9], device=kernel_device)
-    token, prob, mixture, _ = _k.ensemble_mix(logits, weights, greedy=False, seed=seed, offset=seed * 0,
-                                              temperature=0.8, return_mixture=True)
-    p = _chisq_pvalue(token, mix)
-    assert p > 1e-3, f"sampled tokens do not follow the mixture (p={p:.2e})"
-    for k in range(2):
-        assert _chisq_pvalue(token, torch.softmax(logits[k].float().cpu() / 0.8, dim=0)) < 1e-6
-    torch.testing.assert_close(mixture.cpu(), mix.expand(N, V), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(prob.cpu(), mix[token.cpu()], atol=1e-6, rtol=1e-5)
-    assert _counters_zero(kernel_device)
-
-
-def test_fused_taken_only_past_l2(kernel_device, monkeypatch):
-    """The launcher picks one launch only for the mixture row with logits and row larger
-    than L2 (times _FUSED_L2), and two launches otherwise."""
-    calls = []
-    monkeypatch.setattr(_k, "_FUSED_CHUNK", 400)
-    monkeypatch.setattr(_k, "_FUSED_TASK_BYTES", 1 << 40)
-    for name in ("_mix_fused_kernel", "_mix_partial_kernel"):
-        monkeypatch.setattr(_k, name, _GridSpy(getattr(_k, name)))
-    B, K, V = 2, 2, 1000
-    logits, w = _inputs(B, K, V, torch.float32, kernel_device)
-    nbytes = (B * K + B) * V * 4
-    seed = torch.tensor([1], device=kernel_device)
-    for greedy in (True, False):
-        for l2, mix in ((nbytes / _k._FUSED_L2 - 1, True), (nbytes / _k._FUSED_L2 - 1, False),
-                        (nbytes / _k._FUSED_L2, True)):
-            monkeypatch.setattr(_k, "l2_cache_bytes", lambda device, l2=l2: l2)
-            _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=seed, return_mixture=mix)
-            calls.append((len(_k._mix_fused_kernel.grids), len(_k._mix_partial_kernel.grids)))
-    assert calls == [(1, 0), (1, 1), (1, 2), (2, 2), (2, 3), (2, 4)]
-    # B rows x 3 chunks (greedy: 336 columns), 2 (sampling: multiples of the draw period 512)
-    assert [g[0] for g in _k._mix_fused_kernel.grids] == [B * 3, B * 2]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("greedy", [True, False])
-@pytest.mark.parametrize("B, K", [(512, 4), (2048, 1)])
-def test_gpu_fused_full_size(greedy, B, K, monkeypatch):
-    """On the GPU past L2 (bf16 [B * K, 32064]): programs that wait for their row (WAIT) and
-    the row's last program writing every chunk store the same bits; two launches with the
-    same chunks the same mixture up to rounding and the same tokens (greedy: all of them;
-    sampling: all but draws within rounding of a boundary, whose pass-1 steps differ, at
-    most 1% of rows, each token's probability its row's); greedy tokens are the reference's;
-    repeated and graph-replayed calls agree and leave the counters zero."""
-    V = 32064
-    logits, w = _inputs(B, K, V, torch.bfloat16, "cuda", pad=0)
-    seed = torch.tensor([1], device="cuda")
-    offset = torch.tensor([7], device="cuda")
-    run = lambda: _k.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=offset, return_mixture=True)
-    assert logits.numel() * 2 + B * V * 4 > _common.l2_cache_bytes(logits.device)
-    fused = run()
-    S = triton.cdiv(V, min(_k._FUSED_CHUNK, _k._FUSED_TASK_BYTES // (2 * K)))   # the launcher's chunks
-    outs = [fused, run()]
-    monkeypatch.setattr(_k, "_FUSED_WAIT", False)
-    outs.append(run())
-    monkeypatch.setattr(_k, "_FUSED", False)
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: S)
-    two = run()
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert torch.equal(a, b)
-    same = two[0] == fused[0]
-    assert bool(same.all()) if greedy else int((~same).sum()) <= B // 100
-    for out in (fused, two):   # each token's probability is its row's at that token
-        torch.testing.assert_close(out[2].gather(1, out[0][:, None]).squeeze(1), out[1], atol=1e-7, rtol=1e-5)
-        assert (out[1] > 0).all()
-    torch.testing.assert_close(two[1][same], fused[1][same], atol=1e-6, rtol=1e-5)
-    for i in (2, 3):
-        torch.testing.assert_close(two[i], fused[i], atol=1e-6, rtol=1e-5)
-    monkeypatch.setattr(_k, "_FUSED", True)
-    monkeypatch.setattr(_k, "_FUSED_WAIT", True)
-    ref = ensemble_mix_reference(logits, w, greedy=True, return_mixture=True)
-    torch.testing.assert_close(fused[2], ref[2], atol=1e-6, rtol=1e-5)
-    if greedy:
-        assert torch.equal(fused[0], ref[0])
-    captured = replayed(run)
-    for a, b in zip(outs[0], captured):
-        assert torch.equal(a, b)
-    assert _counters_zero("cuda")
