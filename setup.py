@@ -84,7 +84,7 @@ setup(
     name="tabed_engine",
     version="0.1.0",
     description="Speculative decoding engine for vision-language models (TABED ensembles, draft trees)",
-    packages=["tabed_engine", "tabed_engine.ops", "tabed_engine.kernels", "tabed_engine.world"],
+    packages=["tabed_engine", "tabed_engine.ops", "tabed_engine.kernels"],
     package_dir={"tabed_engine.kernels": "kernels"},
     # the bundled demo pair (synthetic world) and its sample image
     package_data={"tabed_engine": ["assets/demo/*", "assets/demo/*/*"]},
@@ -100,7 +100,6 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "test": ["pytest", "pytest-xdist", "scipy", "triton>=3.0"],
-        "flash": ["flash-attn"],
     },
     entry_points={"console_scripts": ["tabed-engine=tabed_engine.cli:main"]},
     **_extension_kwargs(),

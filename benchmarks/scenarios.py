@@ -3,7 +3,7 @@ with the bundled demo target/draft LLaVA pair, greedy, gamma = 5, on the CPU.
 
     python benchmarks/scenarios.py [--prompts 50] [--out benchmarks/results] [--seed 0]
 
-For every scenario, `--prompts` deterministic examples (`tabed_engine.world.examples(sc, n,
+For every scenario, `--prompts` deterministic examples (`benchmarks.world.examples(sc, n,
 seed)`) are decoded with one Engine per configuration:
 
 * single views M, T, P, C;
@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 
 from tabed_engine.config import SamplingParams  # noqa: E402
 from tabed_engine.engine import Engine  # noqa: E402
-from tabed_engine.world.scenarios import SCENARIOS, examples  # noqa: E402
+from benchmarks.world.scenarios import SCENARIOS, examples  # noqa: E402
 
 DEMO = os.path.join(ROOT, "tabed_engine", "assets", "demo")
 GAMMA = 5

@@ -7,7 +7,7 @@ import torch
 
 from tabed_engine.config import SamplingParams
 from tabed_engine.engine import Engine
-from tabed_engine.world.scenarios import examples
+from benchmarks.world.scenarios import examples
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "tabed_engine", "assets", "demo")
 

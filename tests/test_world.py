@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from tabed_engine.world import proxy
-from tabed_engine.world.scenarios import SCENARIOS, TEXT, caption, examples, make_example
-from tabed_engine.world.scenes import OOD_STYLES, random_scene, render
-from tabed_engine.world.text import build_tokenizer
-from tabed_engine.world.train import build_model, build_processor
+from benchmarks.world import proxy
+from benchmarks.world.scenarios import SCENARIOS, TEXT, caption, examples, make_example
+from benchmarks.world.scenes import OOD_STYLES, random_scene, render
+from benchmarks.world.text import build_tokenizer
+from benchmarks.world.train import build_model, build_processor
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "tabed_engine", "assets", "demo")
 

@@ -1,7 +1,7 @@
 """Train the world's target and draft LLaVA models and save them as HF checkpoints.
 
-    python -m tabed_engine.world.train --out DIR [--device cuda|cpu] [--steps N] [--draft-steps N]
-    python -m tabed_engine.world.train --out DIR --eval-only     # evaluate a saved pair
+    python -m benchmarks.world.train --out DIR [--device cuda|cpu] [--steps N] [--draft-steps N]
+    python -m benchmarks.world.train --out DIR --eval-only     # evaluate a saved pair
 
 writes DIR/target/, DIR/draft/ (fp16 safetensors + tokenizer + processor), DIR/sample.png,
 DIR/TRAINING.md and DIR/training.json.
@@ -250,7 +250,7 @@ def main(argv=None):
     render(sample.scenes[0]).save(os.path.join(args.out, "sample.png"))
     dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     info = {
-        "command": "python -m tabed_engine.world.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.world.train " + " ".join(argv if argv is not None else sys.argv[1:]),
         "seed": args.seed, "target_steps": args.steps, "draft_steps": draft_steps, "batch_size": args.batch_size,
         "device": dev_name, "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "host": platform.platform(), "threads": torch.get_num_threads(),
