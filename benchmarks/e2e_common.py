@@ -1,0 +1,173 @@
+"""Shared pieces of the end-to-end benchmarks (`e2e.py`: the LLaVA-1.5-7B shape against the
+bandwidth floor; `e2e_demo.py`: the bundled pair with real acceptance): random LLaVA models
+built on the device, the target's weight bytes, the run skeleton that saves JSON and markdown
+after every section, and the common command-line options."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import provenance  # noqa: E402
+
+def log(msg: str):
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------- models
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """Modules created inside get `dtype` parameters directly (no float32 copy first: a
+    float32 7B would be 27 GB on top of the bf16 one)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: int, image_token_id: int):
+    """A random `LlavaForConditionalGeneration` built directly on `device` in `dtype`:
+    matrices ~ N(0, std), norm weights 1, other vectors ~ N(0, std) (never zeros)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    tc = LlamaConfig(**text, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    grid = (vision["image_size"] // vision["patch_size"]) ** 2
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(**vision), text_config=tc, image_token_index=image_token_id,
+                      vision_feature_layer=-2, vision_feature_select_strategy="default",
+                      image_seq_length=grid, tie_word_embeddings=False)
+    with default_dtype(dtype), torch.device(device):
+        model = LlavaForConditionalGeneration(cfg)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+    model.eval()
+    model.generation_config.eos_token_id = None   # never stop early: every run makes exactly n tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def build_lvlm(vision: dict, text: dict, device, dtype):
+    """The engine's LVLM with random weights built on the device (std 0.02, seed 0; the
+    transformers model it is loaded from is freed)."""
+    from tabed_engine.loader import lvlm_from_hf
+
+    hf = build_hf_llava(vision, text, device, dtype, 0.02, 0, 4)
+    lvlm = lvlm_from_hf(hf)
+    del hf
+    torch.cuda.empty_cache()
+    return lvlm
+
+
+def lm_weight_bytes(lvlm) -> int:
+    """Bytes the target LM reads per decode step: all LM weights except the embedding table."""
+    lm = lvlm.lm
+    emb = lm.embed_tokens.weight
+    seen = {emb.data_ptr()}
+    total = 0
+    for p in lm.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def check_limit(value, limit, le: bool = True) -> dict:
+    """A target's verdict: pass None when the value or the limit is missing."""
+    ok = None if value is None or limit is None else (value <= limit if le else value >= limit)
+    return {"value": value, "limit": limit, "pass": ok}
+
+
+def fmt(x, spec=".3f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else ("—" if x is None else str(x))
+
+
+def header_lines(R: dict) -> list[str]:
+    """Markdown title and provenance lines of a result."""
+    pv = R["provenance"]
+    return [f"## e2e {R['preset']} — {pv['device']}",
+            f"torch {pv['torch']}, triton {pv['triton']}, transformers {pv['transformers']}, "
+            f"CUDA {pv['cuda']}, {pv['date_utc']}, commit {pv['git']['commit'][:10]}"
+            f"{' (dirty)' if pv['git'].get('dirty') else ''}",
+            f"`{pv['command']}`", ""]
+
+
+# ---------------------------------------------------------------------------- run
+class E2EBench:
+    """One end-to-end run: sections measured in order after `setup`, each saved as it ends.
+    Subclasses give `setup`, `stages`, `targets` and `markdown`."""
+
+    def __init__(self, args, preset, method: dict):
+        self.args, self.p = args, preset
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        self.result: dict = {"provenance": provenance(self.device), "preset": args.preset,
+                             "method": method}
+        self.json_path = os.path.join(args.out, f"e2e_{args.preset}.json")
+        self.md_path = os.path.join(args.out, f"e2e_{args.preset}.md")
+
+    def save(self):
+        """JSON and markdown after every section: a run cut short keeps what it measured."""
+        os.makedirs(self.args.out, exist_ok=True)
+        self.result["targets"] = self.targets()
+        with open(self.json_path, "w") as f:
+            json.dump(self.result, f, indent=1, default=str)
+        with open(self.md_path, "w") as f:
+            f.write(self.markdown())
+
+    def section(self, name: str, fn):
+        """Run one section; record (not raise) its failure so the other numbers survive."""
+        log(f"{name} ...")
+        t = time.perf_counter()
+        try:
+            self.result[name] = fn()
+        except Exception as e:  # a failing section is a result too
+            traceback.print_exc()
+            self.result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        log(f"{name} done in {time.perf_counter() - t:.1f}s")
+
+    def run(self):
+        t0 = time.perf_counter()
+        log(f"preset {self.args.preset} on {self.result['provenance']['device']}")
+        self.section("setup", self.setup)
+        if "error" in self.result["setup"]:
+            raise SystemExit(f"setup failed: {self.result['setup']['error']}")
+        for name, fn in self.stages():
+            self.section(name, fn)
+        self.result["total_s"] = time.perf_counter() - t0
+        self.save()
+        print(self.markdown(), flush=True)
+        log(f"wrote {self.json_path} and {self.md_path} in {self.result['total_s']:.0f}s")
+
+
+# ---------------------------------------------------------------------------- command line
+def add_common_args(ap: argparse.ArgumentParser):
+    """Options every end-to-end benchmark takes."""
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="default: bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--skip-hf", action="store_true", help="omit the transformers baselines")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default: preset's)")
+
+
+def resolve_device(args):
+    """Fill in the device and dtype defaults."""
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    return args
