@@ -375,10 +375,13 @@ def run_speculative(eng, prep, sp, gen, caption):
                 tlogits, n_acc, nxt, packed, t_lse = eng.run_graph(verify_key, verify_fn, inputs,
                                                                    kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
                 d_last = vin.gather(1, n_acc[:, None])
-            if schedule is not None and tree is None:   # benchmark only: a fixed acceptance pattern (not lossless)
-                n_acc = torch.full_like(n_acc, min(int(schedule(block)), gamma))
-                nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
-                packed = pack_head(n_acc, nxt, drafted)
+            if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
+                n_acc = torch.full_like(n_acc, min(int(schedule(block)), depth))
+                if tree is None:
+                    nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
+                    packed = pack_head(n_acc, nxt, drafted)
+                else:
+                    path, d_last, nxt, packed = forced_tree_path(tokens, parents, tlogits, int(n_acc[0]), tree)
             head.copy_(packed[0], non_blocking=True)
             if head_ready is not None:
                 head_ready.record()
@@ -431,6 +434,23 @@ def run_speculative(eng, prep, sp, gen, caption):
     eng.sync()
     stats.time_total = time.perf_counter() - t_start
     return stats
+
+
+def forced_tree_path(tokens, parents, tlogits, n: int, tree):
+    """Benchmark only: the path to the first node at depth n (its ancestors are all expanded
+    nodes), as if the target had accepted it. Returns (path [B, N], its last token [B, 1],
+    the next token [B], packed [B, 2 + depth])."""
+    B, N = tokens.shape
+    cols = [torch.full((B,), tree.node_depths().index(n), dtype=torch.long, device=tokens.device)]
+    for _ in range(n):
+        cols.insert(0, parents.gather(1, cols[0][:, None])[:, 0])
+    path = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
+    path[:, : n + 1] = torch.stack(cols, 1)
+    last = path[:, n:n + 1]
+    nxt = tlogits.gather(1, last[:, :, None].expand(-1, -1, tlogits.shape[-1]))[:, 0].argmax(-1)
+    n_acc = torch.full((B,), n, dtype=torch.long, device=tokens.device)
+    path_tok = tokens.gather(1, path[:, 1:tree.depth + 1].clamp_min(0))
+    return path, tokens.gather(1, last), nxt, torch.cat([n_acc[:, None], nxt[:, None], path_tok], 1)
 
 
 def _truncate(eng, sp, out, new):
