@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-fast test-gpu clean
 
 $(VENV)/.installed: setup.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,8 +20,13 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VPY) -m tabed_engine.demo
 
+# everything but GPU tests, the statistical ones (marked slow) included
 test: setup
 	$(VPY) -m pytest -q -n 2
+
+# the same without the tests marked slow (statistical losslessness, end-to-end benchmark smoke runs)
+test-fast: setup
+	$(VPY) -m pytest -q -n 2 -m "not gpu and not slow"
 
 # On a machine that already has CUDA torch/triton/transformers (no registry needed).
 test-gpu:

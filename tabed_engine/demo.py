@@ -82,8 +82,8 @@ def main(argv=None) -> int:
           f"last block {s.weights[-1] if s.weights else '-'}")
     print(f"walltime: speculative {t_sd * 1e3:.1f} ms vs autoregressive {t_ar * 1e3:.1f} ms "
           f"({t_ar / t_sd:.2f}x) on {engine.device}")
-    print(f"time split (s): draft {s.time_draft:.3f}, verify {s.time_verify:.3f}, "
-          f"ensemble {s.time_ensemble:.3f}, prefill {s.time_prefill:.3f}")
+    print(f"first token after {s.time_first_token * 1e3:.1f} ms, {s.new_tokens} tokens in "
+          f"{s.time_total * 1e3:.1f} ms (per-phase times: Engine(timing=True))")
     return 0
 
 
