@@ -41,7 +41,7 @@ def read_config(path: str) -> dict:
         os.listdir(path)
     except OSError as e:
         raise ValueError(f"cannot read checkpoint directory {path!r}: {e}; check its permissions") from e
-    if not os.path.isfile(cfg_file):
+    if not os.path.exists(cfg_file):
         raise ValueError(f"no config.json in checkpoint directory {path!r}")
     cfg = _read_json(cfg_file)
     archs = cfg.get("architectures") or []
