@@ -50,9 +50,10 @@ class TreeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TreeConfig.{name} must be a positive int, got {v!r}")
-        if self.nodes > 64:
+        if self.nodes > 64 or self.draft_rows > 64:
             raise ValueError(f"a tree of depth {self.depth}, width {self.width}, branch {self.branch} has "
-                             f"{self.nodes} nodes; at most 64 fit one verification (lower one of them)")
+                             f"{self.nodes} nodes ({self.draft_rows} draft tokens per forward); at most 64 "
+                             "fit one pass (lower one of them)")
 
     @property
     def nodes(self) -> int:
@@ -63,6 +64,12 @@ class TreeConfig:
     def fed(self) -> int:
         """Draft nodes fed per block: the root and every frontier node."""
         return 1 + self.width * max(self.depth - 1, 0)
+
+    @property
+    def draft_rows(self) -> int:
+        """Tokens per row of the draft's last forward: prev, root, depth - 1 padding slots and
+        the frontier nodes."""
+        return 1 + (self.depth - 1) + self.fed
 
     def node_depths(self) -> list[int]:
         """Depth of every target node (root 0), in node order."""
@@ -142,7 +149,7 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     """Draft one tree for B requests × K views (rows of one batch), fixed shapes, no host sync.
 
     inp2 [B*K, 2]: each row's last two tokens, written at slots lens, lens + 1 (lens [B*K]);
-    the root is the last token, and fed node f (root f = 0) lands at slot lens + 1 + f.
+    the root is the last token at slot lens + 1, and fed node f >= 1 at slot lens + depth + f.
     w [B, K] ensemble weights; seed, offset [1] int64 (sampling noise).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
@@ -154,11 +161,15 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     V = draft_lm.cfg.vocab_size
     rows = torch.arange(B, device=dev)
     # the sequence fed at the last depth: [prev, root, frontier_1 .. frontier_{D-1}]
-    X = torch.empty(B, 1 + F, dtype=torch.long, device=dev)
-    X_pos = torch.empty(B, 1 + F, dtype=torch.long, device=dev)
-    vis = torch.zeros(B, 1 + F, 1 + F, dtype=torch.bool, device=dev)   # fed node i sees fed node j
-    vis[:, 0, 0] = True
-    vis[:, 1, :2] = True
+    # P = depth - 1 padding slots after the root keep the frontier's KV clear of the slots the
+    # accepted path is compacted into (root + 1 .. root + depth - 1), so the verification's
+    # compaction reads sources it never writes (idempotent, as a graph's warm-up needs)
+    P = D - 1
+    Tx = 1 + P + F
+    X = torch.zeros(B, Tx, dtype=torch.long, device=dev)
+    X_pos = torch.ones(B, Tx, dtype=torch.long, device=dev)
+    vis = torch.eye(Tx, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # fed node i sees fed node j
+    vis[:, 1, 0] = True
     tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
     parents = torch.full((B, N), -1, dtype=torch.long, device=dev)
     score = torch.zeros(B, N, device=dev)                               # cumulative log q
@@ -202,14 +213,14 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
         frontier = ids[best]
         f_ids = torch.arange(n_fed, n_fed + W, device=dev)
         fedpos[rows[:, None], frontier] = f_ids
-        X[:, 1 + f_ids] = tokens.gather(1, frontier)
-        X_pos[:, 1 + f_ids] = depth + 1
+        X[:, 1 + P + f_ids] = tokens.gather(1, frontier)
+        X_pos[:, 1 + P + f_ids] = depth + 1
         # a frontier node sees prev, its ancestors' fed slots and itself
         par_fed = fedpos.gather(1, parents.gather(1, frontier))         # [B, W]
-        vis[:, 1 + f_ids] = vis[rows[:, None], 1 + par_fed]
-        vis[:, 1 + f_ids, 1 + f_ids] = True
+        vis[:, 1 + P + f_ids] = vis[rows[:, None], 1 + torch.where(par_fed > 0, par_fed + P, par_fed)]
+        vis[:, 1 + P + f_ids, 1 + P + f_ids] = True
         n_fed += W
-        new_logits = forward(1 + n_fed)[:, 1 + n_fed - W:]               # [R, W, V]
+        new_logits = forward(1 + P + n_fed)[:, 1 + P + n_fed - W:]       # [R, W, V]
     return tokens, parents, node_q, torch.cat(fed_logits, 1), fedpos
 
 
@@ -249,8 +260,10 @@ def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos
         path, n_acc, nxt = verify_tree(tokens, parents, probs_fn(tlogits), node_q, uniforms, greedy=False)
     compact_kv(tcache.k, tcache.v, tlens, path, n_acc)
     # the draft rows keep the path's fed nodes (all of it but possibly its last node, a leaf
-    # the next block re-feeds); their root sits at slot dlens + 1
-    dpath = torch.where(path >= 0, fedpos.gather(1, path.clamp_min(0)), -1).repeat_interleave(K, 0)
+    # the next block re-feeds); their root sits at slot dlens + 1, fed node f >= 1 at
+    # dlens + depth + f (see tree_draft)
+    f = fedpos.gather(1, path.clamp_min(0))
+    dpath = torch.where((path >= 0) & (f >= 0), torch.where(f > 0, f + depth - 1, f), -1).repeat_interleave(K, 0)
     compact_kv(dcache.k, dcache.v, (dlens + 1).int(), dpath, (n_acc - 1).clamp_min(0).repeat_interleave(K, 0))
     path_tok = tokens.gather(1, path[:, 1:depth + 1].clamp_min(0))
     packed = torch.cat([n_acc[:, None], nxt[:, None], path_tok], dim=1)

@@ -174,7 +174,7 @@ def exact_three(target_table, temperature):
     return out
 
 
-def one_tree_block(cfg, draft_tables, target_table, w, temperature, n, seed, verify_weights=None):
+def one_tree_block(cfg, draft_tables, target_table, w, temperature, n, seed, verify_weights=None, twice=False):
     """n requests (rows of one batch) each run one tree block from CTX and are completed to three
     tokens by sampling the target itself (exact). verify_weights: verify against a mixture with
     other weights than the one the children were drawn from (a broken variant)."""
@@ -182,7 +182,7 @@ def one_tree_block(cfg, draft_tables, target_table, w, temperature, n, seed, ver
     K = draft_tables.shape[0]
     draft, target = TableLM(draft_tables), TableLM(target_table[None])
     sp = SamplingParams(temperature=temperature)
-    dcache, tcache = fake_cache(n * K, cfg.fed + 4), fake_cache(n, cfg.nodes + 4)
+    dcache, tcache = fake_cache(n * K, cfg.draft_rows + 4), fake_cache(n, cfg.nodes + 4)
     inp2 = torch.tensor([CTX] * (n * K))
     lens = torch.zeros(n * K, dtype=torch.long)
     wt = torch.tensor([w] * n)
@@ -202,10 +202,24 @@ def one_tree_block(cfg, draft_tables, target_table, w, temperature, n, seed, ver
     uniforms = torch.rand(n, cfg.nodes + 1, generator=g)
     from tabed_engine.sampling import target_probs
 
-    _, path, n_acc, nxt, packed = tree_verify(
-        target, tcache, dcache, tokens, parents, tlens, lens, fedpos, node_q, uniforms, sp=sp, K=K,
-        node_depth=torch.tensor(cfg.node_depths()), depth=cfg.depth,
-        probs_fn=lambda x: target_probs(x, sp))
+    def verify():
+        return tree_verify(target, tcache, dcache, tokens, parents, tlens, lens, fedpos, node_q, uniforms, sp=sp,
+                           K=K, node_depth=torch.tensor(cfg.node_depths()), depth=cfg.depth,
+                           probs_fn=lambda x: target_probs(x, sp))
+
+    _, path, n_acc, nxt, packed = verify()
+    if twice:   # a captured graph's warm-up runs the verification once more: same caches, same result
+        caches = dcache.k.clone(), tcache.k.clone()
+        again = verify()
+        assert torch.equal(again[1], path) and torch.equal(again[4], packed)
+        assert torch.equal(dcache.k, caches[0]) and torch.equal(tcache.k, caches[1])
+    # the draft rows hold the accepted path after the root (slot 1) at slots 2 .. n (the last
+    # accepted node may be a leaf the next block feeds), every view row alike
+    for r in range(n):
+        a = int(n_acc[r])
+        for k in range(K):
+            held = dcache.k[0, r * K + k, 0, 2:1 + a, 0].long().tolist()
+            assert held == packed[r, 2:1 + a].tolist()
     p = torch.softmax(target_table.double() / temperature, -1)
     seqs, accepted = [], 0
     for r in range(n):
@@ -249,7 +263,7 @@ def test_tree_sampling_is_lossless(shape):
     cfg = parse_tree(shape)
     views, target = tables(11)
     dist = exact_three(target, 0.8)
-    seqs, acc = one_tree_block(cfg, views, target, (0.6, 0.4), 0.8, 16000, seed=5)
+    seqs, acc = one_tree_block(cfg, views, target, (0.6, 0.4), 0.8, 16000, seed=5, twice=True)
     ok, stat = chi2_ok(seqs, dist)
     assert ok, stat
     assert acc > 0.3 * min(cfg.depth, 2)          # the tree's drafts really were accepted
