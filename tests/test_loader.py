@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from models import CONFIGS, model_dir
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.loader import (StreamPlan, fuse_projections, load_lvlm, load_processor, lvlm_from_hf,
-                                 read_header, read_state_dict, split_keys, stream_file, weight_files)
+                                 read_header, read_state_dict, split_keys, stream_file, stream_plan,
+                                 tower_fingerprint, weight_files)
 from tabed_engine.tiny import build_tiny_llava, random_image
 
 
@@ -117,7 +118,6 @@ def test_vision_fingerprint():
     # a permutation of one tensor's elements changes it
     w = same.vision.tower.state_dict()["embeddings.patch_embedding.weight"]
     w.copy_(w.flip(0))
-    from tabed_engine.loader import tower_fingerprint
     assert tower_fingerprint(same.vision.tower) != base.vision_sd_hash
 
 
@@ -339,3 +339,12 @@ def test_streaming_holds_no_state_dict_copy(tmp_path):
     assert full > 2.5 * size                 # the probe sees the old path's copies
     # the model (= size in float32) plus chunks and per-tensor slack, well below model + copy
     assert stream < 1.35 * size, (stream, full, size)
+
+
+def test_stream_plan():
+    """Pinned read-ahead on CUDA, bounded in threads and bytes; small plain buffers on the CPU."""
+    for cpus in (1, 4, 16, 128):
+        p = stream_plan(torch.device("cuda"), cpus)
+        assert p.pinned and 2 <= p.depth <= 8 and p.depth * p.chunk_bytes <= 256 << 20
+    p = stream_plan(torch.device("cpu"))
+    assert not p.pinned and p.depth * p.chunk_bytes <= 16 << 20
