@@ -92,7 +92,7 @@ def build_prompt(processor, text: str, n_images: int, raw: bool = False, chat: b
         if part.strip():
             content.append({"type": "text", "text": part.strip()})
     if not any(c["type"] == "text" for c in content):
-        raise ValueError("--prompt has no text")
+        raise ValueError("--prompt is empty")
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
 
