@@ -1,34 +1,21 @@
-"""Microbenchmark of the ensemble ops: ensemble_mix, window_divergence, chain_verify.
+"""Benchmark of the ensemble ops against their PyTorch references: ensemble_mix,
+window_divergence, chain_verify (writes benchmarks/results/ensemble_ops.json).
 
-For each op at engine shapes (B=1, K in {1, 2, 4}, V=32064, P = gamma in {5, 6}) and at
-bandwidth shapes (64+ rows), times the Triton op, the eager PyTorch reference and
-torch.compile of the reference (triton.testing.do_bench, median; plus CUDA-graph replay
-timings, since the engine runs these ops inside CUDA graphs), and reports achieved GB/s
-from the bytes each op must move next to the device-to-device copy bandwidth measured
-in the same run. A graph of back-to-back calls on one input finds part of it still in L2
-when it is not much larger than L2 (33-49 MB here, 50 MB of L2 on an H100 / H200), so the
-Triton op is also timed on rotating copies of its inputs at the shapes of 4 MB or more
-(`*_graph_cold_us`: 256 MB or more read in turn, every call's input comes from DRAM): the
-bandwidth figure to compare with the copy ceiling. Next to it, the read floor of the same
-bytes (`read_floor_us`, benchmarks/read_floor.py: a kernel that only reads and adds them,
-cold, graph replays): at ~33 MB a bare read reaches ~78% of the copy bandwidth, the rest
-being a launch's ramp and tail, so `triton_graph_cold_pct_of_read_floor` says how far an
-op is from the fastest it could be at its size. TV without given normalisers past L2 must
-read its logits twice (the second time from L2, after each position's normalisers are
-complete): its rows also carry the two-read floor (`two_read_floor_us`, the same file: that
-schedule's data movement alone) and `triton_graph_cold_pct_of_two_read_floor`.
+For each op at the engine's shapes (one request and up to 64, K in {1, 2, 4}, V = 32064,
+P = gamma in {5, 6}) times the Triton op, the eager PyTorch reference and torch.compile of
+the reference (triton.testing.do_bench, median; plus CUDA-graph replays, as the engine runs
+them), and reports achieved GB/s from the bytes each op must move next to the copy bandwidth
+measured in the same run. Inputs of 4 MB or more are also timed on rotating copies
+(`*_graph_cold_us`: 256 MB or more read in turn, every call's input from DRAM). The
+pytest-benchmark suite (`pytest benchmarks/ --benchmark-only`, bench_kernels.py) times
+every kernel alone; this script adds the reference baselines and the committed JSON.
 
     python benchmarks/bench_ensemble_ops.py [--out benchmarks/results/ensemble_ops.json]
-    python benchmarks/bench_ensemble_ops.py --large --out benchmarks/results/ensemble_ops_large.json
     TRITON_INTERPRET=1 python benchmarks/bench_ensemble_ops.py --smoke   # CPU check, no timings
 
-`--large` runs only the bandwidth shapes with four times the rows (123-131 MB read, more
-than L2 holds: a second pass over the logits comes from DRAM there).
-
-The run keeps to --time-budget seconds (default 150, under the 200 s the GPU session
-gives it): once half of it is spent the torch.compile baselines are skipped (each costs
-a compilation per shape), past 80% the eager baselines and graph replays too; skipped
-cells say so in the JSON.
+The run keeps to --time-budget seconds (default 150): once half of it is spent the
+torch.compile baselines are skipped (each costs a compilation per shape), past 80% the eager
+baselines and graph replays too; skipped cells say so in the JSON.
 """
 import argparse
 import datetime
@@ -47,8 +34,6 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from read_floor import read_floor_us, two_read_floor_us  # noqa: E402
 from tabed_engine.kernels import chain_verify as k_cv  # noqa: E402
 from tabed_engine.kernels import ensemble_mix as k_em  # noqa: E402
 from tabed_engine.kernels import window_divergence as k_wd  # noqa: E402
@@ -69,10 +54,8 @@ OPS = {  # op: (Triton launcher, PyTorch reference)
 }
 
 
-def cases(smoke, device, large=False):
-    """(op, label, bytes it must move, args, kwargs, reference comparable) per configuration.
-    large: only the bandwidth shapes with 4x the rows (123-131 MB read, past the 50 MB L2;
-    chain_verify B = 1024)."""
+def cases(smoke, device):
+    """(op, label, bytes it must move, args, kwargs, reference comparable) per configuration."""
     V = 64 if smoke else 32064
     dt, es = torch.bfloat16, 2
     g = torch.Generator().manual_seed(0)
@@ -83,10 +66,7 @@ def cases(smoke, device, large=False):
     out = []
     # ensemble_mix: logits read once from DRAM (pass 2 re-reads from L2).  Greedy is compared
     # with the reference; the reference's sampling syncs the host, so sampling is Triton-only.
-    em_shapes = [(1, 1), (1, 4)] if smoke else [(1, 1), (1, 2), (1, 4), (16, 4), (64, 1), (128, 4),
-                                                 (256, 2), (512, 1)]
-    if large:
-        em_shapes = [(2, 4)] if smoke else [(512, 4), (1024, 2), (2048, 1)]
+    em_shapes = [(1, 1), (1, 4)] if smoke else [(1, 1), (1, 2), (1, 4), (16, 4), (64, 1), (64, 4)]
     for B, K in em_shapes:
         logits = rnd(B * K, V)
         w = torch.full((B, K), 1.0 / K, device=device)
@@ -101,16 +81,11 @@ def cases(smoke, device, large=False):
         # counted: logits read once + the fp32 mixture written)
         out.append(("ensemble_mix", f"sample+mixture B={B} K={K} V={V}", nbytes + B * V * 4, (logits, w),
                     {"greedy": False, "seed": seed, "offset": off, "return_mixture": True}, False))
-        if large:  # past L2 the mixture row takes its own launch path (both modes)
-            out.append(("ensemble_mix", f"greedy+mixture B={B} K={K} V={V}", nbytes + B * V * 4, (logits, w),
-                        {"greedy": True, "return_mixture": True}, False))
     # Independent random views (above) rarely share an argmax, so greedy K > 1 takes the
     # second pass there. The draft's views are one model on views of one request and mostly
     # agree: "agree" rows are a shared random row plus 0.3-scale noise per view, where pass
     # 1's certificate decides the token (the row reports the certified fraction).
-    agree_shapes = [(1, 4)] if smoke else [(1, 2), (1, 4), (16, 4), (128, 4), (256, 2)]
-    if large:
-        agree_shapes = [(2, 4)] if smoke else [(512, 4), (1024, 2)]
+    agree_shapes = [(1, 4)] if smoke else [(1, 2), (1, 4), (16, 4), (64, 4)]
     for B, K in agree_shapes:
         base = torch.randn(B, 1, V, generator=g) * 2.0
         logits = (base + 0.3 * torch.randn(B, K, V, generator=g)).reshape(B * K, V).to(dt).to(device)
@@ -121,9 +96,7 @@ def cases(smoke, device, large=False):
     # passes them; grid = the w-grid policy's 0.1-step simplex grid.
     wd_shapes = [(1, 2, 5, False), (1, 2, 5, True)] if smoke else [
         (1, 1, 5, False), (1, 2, 5, False), (1, 4, 6, False), (16, 4, 6, False),
-        (64, 1, 6, False), (1, 2, 5, True), (1, 4, 6, True)]
-    if large:
-        wd_shapes = [(2, 2, 5, False)] if smoke else [(64, 4, 6, False), (256, 1, 6, False)]
+        (64, 1, 6, False), (64, 4, 6, False), (1, 2, 5, True), (1, 4, 6, True)]
     for B, K, P, with_grid in wd_shapes:
         buf = rnd(P, B, K + 1, V)
         p_l, q_l = buf[:, :, 0].permute(1, 0, 2), buf[:, :, 1:].permute(1, 2, 0, 3)
@@ -147,9 +120,7 @@ def cases(smoke, device, large=False):
     # sampling on fp32 probabilities with q == p (all accepted, bonus drawn from p_gamma: one
     # row of p read) and, at 64+ requests, with q peaked at the drafts (rejected at position
     # 0: the residual p_0 - q_0, a row of p and one of q).
-    cv_shapes = [(1, 5)] if smoke else [(1, 5), (1, 6), (64, 5), (256, 6)]
-    if large:
-        cv_shapes = [(64, 5)] if smoke else [(1024, 6)]
+    cv_shapes = [(1, 5)] if smoke else [(1, 5), (1, 6), (64, 5)]
     for B, gamma in cv_shapes:
         logits = rnd(B, gamma + 1, V)
         draft = logits[:, :gamma].argmax(-1)
@@ -244,8 +215,6 @@ def main():
     ap.add_argument("--time-budget", type=float, default=150.0,
                     help="seconds: baselines are skipped as the run nears it (see the docstring)")
     ap.add_argument("--ops", nargs="+", choices=sorted(OPS), default=None, help="only these ops (default: all)")
-    ap.add_argument("--large", action="store_true",
-                    help="only the bandwidth shapes with 4x the rows (123-131 MB, past L2)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -255,8 +224,7 @@ def main():
     smoke = args.smoke
     copy_gbs = copy_bandwidth_gbs(device, smoke)
     rows = []
-    floors = {}  # nbytes -> read floor (us)
-    for op, label, nbytes, a, kw, comparable in cases(smoke, device, args.large):
+    for op, label, nbytes, a, kw, comparable in cases(smoke, device):
         if args.ops and op not in args.ops:
             continue
         launcher, reference = OPS[op]
@@ -290,19 +258,6 @@ def main():
             cold = row["triton_graph_cold_us"]
             if isinstance(cold, float):
                 row["triton_graph_cold_pct_of_copy"] = 100 * nbytes / (cold * 1e-6) / 1e9 / copy_gbs
-                if nbytes not in floors:
-                    floors[nbytes] = read_floor_us(nbytes, device)
-                row["read_floor_us"] = floors[nbytes]
-                row["read_floor_pct_of_copy"] = 100 * nbytes / (floors[nbytes] * 1e-6) / 1e9 / copy_gbs
-                row["triton_graph_cold_pct_of_read_floor"] = 100 * floors[nbytes] / cold
-                group_bytes = two_read_group_bytes(op, a, kw)
-                if group_bytes:
-                    if (nbytes, group_bytes) not in floors:
-                        floors[nbytes, group_bytes] = two_read_floor_us(nbytes, group_bytes, device)
-                    two = floors[nbytes, group_bytes]
-                    row["two_read_floor_us"] = two
-                    row["two_read_floor_pct_of_copy"] = 100 * nbytes / (two * 1e-6) / 1e9 / copy_gbs
-                    row["triton_graph_cold_pct_of_two_read_floor"] = 100 * two / cold
         if op == "ensemble_mix" and kw["greedy"] and a[1].shape[1] > 1:
             certified = torch.zeros(a[1].shape[0], dtype=torch.int32, device=device)
             launcher(*a, **kw, certified_out=certified)
@@ -324,9 +279,7 @@ def main():
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "smoke": smoke, "interpreter": bool(os.environ.get("TRITON_INTERPRET")),
         "copy_bandwidth_GBs": copy_gbs, "timer": "triton.testing.do_bench median (us); *_graph_us: do_bench_cudagraph; "
-                 "*_graph_cold_us: do_bench_cudagraph over rotating input copies (>= 256 MB); read_floor_us: "
-                 "benchmarks/read_floor.py, a read of the same bytes timed the same way; two_read_floor_us: "
-                 "the same file, the bytes read twice in the one-launch TV's schedule (TV without normalisers)",
+                 "*_graph_cold_us: do_bench_cudagraph over rotating input copies (>= 256 MB)",
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
     }
@@ -336,25 +289,10 @@ def main():
     print(f"wrote {args.out}")
 
 
-def two_read_group_bytes(op, a, kw):
-    """Bytes of the group a one-launch two-read op reduces before its terms (window_divergence's
-    TV without normalisers past L2: a position's target row and the rows of one view group),
-    or None for the other ops and modes."""
-    if op != "window_divergence" or kw.get("grid") is not None or not kw.get("tv", True) or kw.get("p_lse") is not None:
-        return None
-    p, q = a
-    if not k_wd._tv_fused_taken(p, q):
-        return None
-    kb = k_wd._one_pass_layout(p, q, k_wd._KL_WIDE_PAST_L2).kb
-    return (kb + 1) * p.shape[-1] * max(p.element_size(), q.element_size())
-
-
 def print_table(rows, copy_gbs, smoke):
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s" + ("  (smoke: no timing claims)" if smoke else ""))
     cols = ["triton_us", "eager_us", "compile_us", "triton_graph_us", "triton_graph_cold_us", "triton_pct_of_copy",
-            "triton_graph_pct_of_copy", "triton_graph_cold_pct_of_copy", "read_floor_pct_of_copy",
-            "triton_graph_cold_pct_of_read_floor", "triton_graph_cold_pct_of_two_read_floor", "speedup_vs_eager",
-            "speedup_vs_compile"]
+            "triton_graph_pct_of_copy", "triton_graph_cold_pct_of_copy", "speedup_vs_eager", "speedup_vs_compile"]
     widths = [max(20, len(c) + 2) for c in cols]
     print(f"{'op':<18}{'case':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:

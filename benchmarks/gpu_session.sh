@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
-#   (stages: env build test kernels kernels-large layer-kernels profile e2e e2e-demo world)
+#   (stages: env build test kernels bench layer-kernels profile e2e e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -41,15 +41,10 @@ for stage in "$@"; do
       timeout 120 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -12
       timeout 100 $PY benchmarks/bench_history_update.py --out "$OUT/history_update.json" 2>&1 | tail -8
       ;;
-    kernels-large)
-      # the ensemble ops' bandwidth shapes with 4x the rows (past L2), one op per run so that
-      # each keeps its eager and torch.compile baselines within the time budget
-      timeout 200 $PY benchmarks/bench_ensemble_ops.py --large --ops ensemble_mix --time-budget 150 \
-        --out "$OUT/ensemble_ops_large_mix.json" 2>&1 | tail -13
-      timeout 200 $PY benchmarks/bench_ensemble_ops.py --large --ops window_divergence --time-budget 150 \
-        --out "$OUT/ensemble_ops_large_wd.json" 2>&1 | tail -8
-      timeout 200 $PY benchmarks/bench_ensemble_ops.py --large --ops chain_verify --time-budget 150 \
-        --out "$OUT/ensemble_ops_large_cv.json" 2>&1 | tail -6
+    bench)
+      # every kernel alone at the engine's shapes (pytest-benchmark: GB/s and the copy ceiling in extra_info)
+      timeout 500 $PY -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
+        --benchmark-json "$OUT/bench_kernels.json" 2>&1 | tail -70
       ;;
     layer-kernels)
       timeout 120 $PY benchmarks/bench_rope_kv_write.py --out "$OUT/rope_kv_write.json" 2>&1 | tail -14

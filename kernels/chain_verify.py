@@ -1,9 +1,8 @@
 """Verification of a drafted chain: accepted prefix length and the next (bonus) token.
 
 The vocabulary of each request is cut into S chunks, grid (B, S), with S from the shapes
-and the device's SM count only (`_n_vsplit`: about 2 programs per SM greedy, 16 sampling,
-whatever B is; the launcher never syncs, so it can be captured in a CUDA graph), and a one-program-per-
-request kernel combines the chunk partials:
+and the device's SM count only (`verify_plan`; the launcher never syncs, so it can be
+captured in a CUDA graph), and a one-program-per-request kernel combines the chunk partials:
   greedy    `_argmax_partial_kernel`: the gamma+1 target rows are read as [GP, BLOCK]
             tiles, so all their argmaxes come out of one sweep over the chunk; per
             (position, chunk) the best logit and its index ->
@@ -25,49 +24,72 @@ request kernel combines the chunk partials:
 The sweeps keep element-wise running values (best and its step, sums) and reduce across
 the tile once per program (see `_common`).
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (LN2, LOG2E, NEG_BIG, ONE_STEP, best_combine, chunk_block, chunking, exp2, load_rows, log2,
-                      lse_reduce, n_vsplit as _n_vsplit, pdl, pdl_wait, tile_warps)
+                      lse_reduce, n_vsplit, pdl, pdl_wait, sm_count, tile_warps)
 
-# Elements per tile: greedy [GP, BLOCK] tiles of 4K (gamma + 1 <= 8 rows of 512), with
-# ~2 programs per SM: in an H200 sweep (graph replays, all drafts accepted, tiles
-# 2048/4096/8192 x 2/4/8 programs per SM) the fastest at B = 256, gamma = 6: 41.8 us, 65%
-# of copy bandwidth (8192 x 8: 48.3 us), and 10.5 us at B = 64 (14.2 us). At B = 1 the
-# split (32 chunks of 1008) does not change.
+# Launch constants from H200 sweeps (benchmarks/results/ensemble_ops_chain_verify.json; the
+# sweeps in benchmarks/results/kernels_backed_out.md). Greedy: [GP, BLOCK] tiles of
+# _TILE_GREEDY elements (gamma + 1 <= 8 rows of 512), ~2 programs per SM; with lse_out the
+# running sum is a third element-wise value: smaller tiles, more programs, fewer elements
+# per thread.
 _TILE_GREEDY = 4096
 _GREEDY_PROGRAMS_PER_SM = 2
-# With the target's log-normalisers (lse_out; the running sum is a third element-wise value):
-# tile elements, programs per SM, elements per thread. H200 sweep (cold bf16, graph replays,
-# all accepted; 8 settings of 1024-8192 x 2-8 per SM x 8 / 16 per thread), 4096 / 2 / 16 (the
-# plain greedy's) -> 2048 / 4 / 8: B = 256, gamma = 6 53.9 -> 43.6 us (50% -> 62% of copy;
-# 40.9 without lse_out), B = 1024 160.8 -> 179.0 (67% -> 60%; 4096 / 4 / 16: 44.8 and 161.0,
-# 2048 / 8 / 8: 45.6 and 155.9), B = 64, gamma = 5 16.1 -> 16.5; B = 1 4.54 in all (3.48
-# without).
 _TILE_GREEDY_LSE = 2048
 _GREEDY_LSE_PROGRAMS_PER_SM = 4
 _GREEDY_LSE_PER_THREAD = 8
 # Sampling: each warp of a program sums the residual (and p) over its own contiguous part of
-# the chunk, [RPT, 32, 4] fp32 groups per step (_SAMPLING_PER_THREAD elements per thread);
-# the part is a sub-block when chunks are longer than one draw step (many requests), and
-# the draw finds the sub-block holding u * total from its sums and scans that sub-block
-# alone (W columns, one tile); shorter chunks are one sub-block each (the draw's scan is
-# one tile either way). Tests set _WARP_SUBBLOCKS_ABOVE = 0 to split small V.
-# H200, cold, graph replays, one process, against one sum per chunk and a walk of the drawn
-# chunk in 1024-column steps: all accepted (the bonus row) B = 256, gamma = 6 18.2 -> 14.4 us
-# (43% -> 54% of copy; the draw 5.8 -> 3.1 us without PDL), rejected at position 0 (p_0 and
-# q_0 read) 25.5 -> 22.1 us (61% -> 70%); B = 64, 32, 1 within +-0.1 us (B = 32: 5.4 -> 4.8).
-# 8 elements per thread: 48 registers (16: 64, 10 -> 8 programs per SM, B = 256 20.1 us);
-# 12, 20 programs per SM or 8 warps 2-15% slower. (A last-arriving program drawing instead of
-# a second launch: 16.5 us, its registers 56. Without the sums of p, the rare no-residual
-# case walking the whole row instead: 16.2 us at 32 registers.)
+# the chunk, [RPT, 32, 4] fp32 groups per step; the part is a sub-block of the draw when
+# chunks are longer than one step (many requests), else the chunk is one sub-block.
 _SAMPLING_PROGRAMS_PER_SM = 16
 _SAMPLING_WARPS = 4
 _SAMPLING_PER_THREAD = 8
 _DRAW_WARPS = 4
-_WARP_SUBBLOCKS_ABOVE = ONE_STEP
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """How `chain_verify` launches for one shape (`verify_plan`)."""
+    B: int
+    gamma: int
+    V: int
+    greedy: bool
+    lse: bool         # greedy: the target's log-normalisers from the same pass
+    splits: int       # chunks per request
+    chunk: int        # columns per chunk
+    block: int        # greedy: columns per step
+    warps: int        # greedy: warps of the split pass; sampling: parts per chunk (one warp each)
+    subblocks: int    # sampling: sub-blocks of the draw per chunk (1 or `warps`)
+    rpt: int          # sampling: [RPT, 32, 4] groups per warp and step
+
+
+def verify_plan(B, gamma, V, *, greedy, lse=False, sms, splits=None, block=None, warps=_SAMPLING_WARPS,
+                warp_subblocks=None):
+    """The launch plan of `chain_verify` for B chains of gamma drafts over V columns on a
+    device of `sms` SMs. Overrides (tests split small vocabularies with them): `splits`
+    requested chunks, `block` greedy columns per step, `warps` sampling parts per chunk,
+    `warp_subblocks` whether each part is a draw sub-block (default: chunks longer than one
+    step)."""
+    GP = triton.next_power_of_2(gamma + 1)
+    if greedy:
+        per_sm = _GREEDY_LSE_PROGRAMS_PER_SM if lse else _GREEDY_PROGRAMS_PER_SM
+        S, chunk = chunking(V, splits or n_vsplit(B, V, per_sm * sms))
+        block = block or chunk_block(chunk, (_TILE_GREEDY_LSE if lse else _TILE_GREEDY) // GP)
+        return VerifyPlan(B=B, gamma=gamma, V=V, greedy=True, lse=bool(lse), splits=S, chunk=chunk, block=block,
+                          warps=tile_warps(GP * block, _GREEDY_LSE_PER_THREAD if lse else 16), subblocks=1, rpt=1)
+    # S chunks of `warps` parts of W columns (W a multiple of 16 when S > 1: aligned vector loads)
+    S, chunk = chunking(V, splits or n_vsplit(B, V, _SAMPLING_PROGRAMS_PER_SM * sms), 16 * warps)
+    W = triton.cdiv(chunk, warps)
+    if warp_subblocks is None:
+        warp_subblocks = chunk > ONE_STEP
+    return VerifyPlan(B=B, gamma=gamma, V=V, greedy=False, lse=False, splits=S, chunk=chunk, block=W, warps=warps,
+                      subblocks=warps if warp_subblocks else 1,
+                      rpt=min(_SAMPLING_PER_THREAD // 4, triton.next_power_of_2(triton.cdiv(W, 128))))
 
 
 @triton.jit
@@ -299,8 +321,9 @@ def _residual_draw_kernel(
     tl.store(next_ptr + b, token.to(tl.int64))
 
 
-def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=None):
-    """Triton launcher; see `tabed_engine.ops.chain_verify.chain_verify` for the contract."""
+def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=None, plan=None):
+    """Triton launcher; see `tabed_engine.ops.chain_verify.chain_verify` for the contract.
+    `plan`: a `verify_plan` for these shapes (default: the device's)."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.int64:
         raise ValueError(f"draft_tokens must be int64 [B, gamma], got {draft_tokens.dtype} "
                          f"{tuple(draft_tokens.shape)}")
@@ -334,6 +357,10 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=Non
             raise ValueError(f"lse_out must be [B, gamma+1] = [{B}, {gamma + 1}] on {p.device}, got "
                              f"{tuple(lse_out.shape)} on {lse_out.device}")
     dev = p.device
+    if plan is None:
+        plan = verify_plan(B, gamma, V, greedy=greedy, lse=lse_out is not None, sms=sm_count(dev))
+    elif (plan.B, plan.gamma, plan.V, plan.greedy, plan.lse) != (B, gamma, V, bool(greedy), lse_out is not None):
+        raise ValueError(f"plan {plan} does not match these arguments")
     use_pdl = pdl(dev)  # programmatic dependent launches (see _common.pdl)
     num_acc = torch.empty(B, dtype=torch.int64, device=dev)
     next_token = torch.empty(B, dtype=torch.int64, device=dev)
@@ -342,11 +369,10 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=Non
         return num_acc, next_token
     strides = (draft_tokens.stride(0), draft_tokens.stride(1), q_probs.stride(0), q_probs.stride(1),
                p.stride(0), p.stride(1), uniforms.stride(0), uniforms.stride(1))
+    S = plan.splits
     if greedy:
-        lse = lse_out is not None
-        S, chunk = chunking(V, _n_vsplit(B, V, dev, _GREEDY_LSE_PROGRAMS_PER_SM if lse else _GREEDY_PROGRAMS_PER_SM))
+        lse = plan.lse
         SP = triton.next_power_of_2(S)
-        BLOCK = chunk_block(chunk, (_TILE_GREEDY_LSE if lse else _TILE_GREEDY) // GP)
         part_val = torch.empty(B * S * GP, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B * S * GP, dtype=torch.int32, device=dev)
         # per (request, chunk): GP maxima then GP sums; unused pointers get part_val
@@ -354,9 +380,8 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=Non
         lse_dst, lse_strides = (lse_out, lse_out.stride()) if lse else (part_val, (0, 0))
         fast = dev.type == "cuda"
         _argmax_partial_kernel[(B, S)](
-            p, part_val, part_idx, gamma, V, S, chunk, p.stride(0), p.stride(1), part_lse,
-            GP=GP, BLOCK=BLOCK, LSE=lse, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl,
-            num_warps=tile_warps(GP * BLOCK, _GREEDY_LSE_PER_THREAD if lse else 16),
+            p, part_val, part_idx, gamma, V, S, plan.chunk, p.stride(0), p.stride(1), part_lse,
+            GP=GP, BLOCK=plan.block, LSE=lse, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=plan.warps,
         )
         _greedy_accept_kernel[(B,)](
             draft_tokens, part_val, part_idx, num_acc, next_token, gamma, V, S,
@@ -364,19 +389,13 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=Non
             LSE=lse, FAST=fast, PDL=use_pdl, launch_pdl=use_pdl, num_warps=1 if SP * GP <= 256 else 4,
         )
     else:
-        # S chunks of NW parts of W columns (W a multiple of 16 when S > 1: aligned vector loads),
-        # one sub-block per part or per chunk
-        NW = _SAMPLING_WARPS
-        S, chunk = chunking(V, _n_vsplit(B, V, dev, _SAMPLING_PROGRAMS_PER_SM), 16 * NW)
-        W = triton.cdiv(chunk, NW)
-        NSUB = NW if chunk > _WARP_SUBBLOCKS_ABOVE else 1
+        NW, NSUB, W = plan.warps, plan.subblocks, plan.block
         NSB = S * NSUB
         WD = W * (NW // NSUB)                  # the draw's block: one sub-block
-        RPT = min(_SAMPLING_PER_THREAD // 4, triton.next_power_of_2(triton.cdiv(W, 128)))
         sums = torch.empty(B * NSB * 2, dtype=torch.float32, device=dev)
         _residual_partial_kernel[(B, S)](
             draft_tokens, q_probs, p, uniforms, sums, gamma, V, NSB, W, *strides,
-            GP=GP, NW=NW, RPT=RPT, NSUB=NSUB, PDL=use_pdl, launch_pdl=use_pdl, num_warps=NW,
+            GP=GP, NW=NW, RPT=plan.rpt, NSUB=NSUB, PDL=use_pdl, launch_pdl=use_pdl, num_warps=NW,
         )
         _residual_draw_kernel[(B,)](
             draft_tokens, q_probs, p, uniforms, sums, num_acc, next_token,

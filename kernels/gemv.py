@@ -200,19 +200,15 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
 
 
 MAX_DOT_ROWS = 16
-# The SiLU gate in the rows kernel's epilogue pays where launches dominate: an H100 A/B inside
-# the decoders (graph replays, PDL on) had the LLaVA-68M-shape draft's gate/up (6144 x 768)
-# forward 2.2 / 1.8 us faster at 2 / 4 rows, and the 7B's (22016 x 4096) verification of 6
-# tokens 133 us slower than gemv_rows + `silu_mul`, so larger matrices keep the second launch.
+# The SiLU gate in the rows kernel's epilogue pays where launches dominate (the 68M draft's
+# gate/up), larger matrices keep a second launch (H100 A/B, benchmarks/results/kernels_backed_out.md).
 GLU_EPILOGUE_MAX = 1 << 23
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _dot_config(N: int, K: int):
-    """(BLOCK_N, BLOCK_K, num_warps, stages) from an H100 diagnostic at 6 rows; matrices under
-    8M elements (the LLaVA-68M-shape draft) from an H100 A/B inside the 4-row draft forward
-    (graph replays, PDL on; one shape changed at a time): the down projection (K >= 2048) on
-    (16, 512, 2, 3) 96.5 -> 94.6 us, gate/up (N >= 4096) on (16, 128, 2, 4) -> 95.5 us."""
+    """(BLOCK_N, BLOCK_K, num_warps, stages) from H100 sweeps at 6 rows and inside the 4-row
+    draft forward (benchmarks/results/gemv_h100.json, benchmarks/results/kernels_backed_out.md)."""
     if N * K < (1 << 23) and K >= 2048:
         return (16, 512, 2, 3)
     if N * K < (1 << 23) and N >= 4096:
@@ -220,20 +216,23 @@ def _dot_config(N: int, K: int):
     return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
 
 
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = False, out=None):
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = False, out=None,
+              glu_epilogue: bool | None = None):
     """y = x @ weight^T (+ bias) for 1-16 rows of activations on tensor cores.
 
     x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
     bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
     `glu`: weight is the MLP's [gate; up] (N = 2I) and y [..., I] = silu(gate) * up of the
     product (gate and up rounded to x's dtype first, as `silu_mul` sees them stored): in the
-    epilogue for matrices under `GLU_EPILOGUE_MAX` elements, else by a `silu_mul` launch after
-    the product (see `GLU_EPILOGUE_MAX`). Bit-identical either way.
+    epilogue (`glu_epilogue`; default: matrices under `GLU_EPILOGUE_MAX` elements), else by a
+    `silu_mul` launch after the product. Bit-identical either way.
     """
     N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False, glu)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
-    if glu and N * K >= GLU_EPILOGUE_MAX:
+    if glu_epilogue is None:
+        glu_epilogue = N * K < GLU_EPILOGUE_MAX
+    if glu and not glu_epilogue:
         return silu_mul(gemv_rows(x, weight, bias), out=y)
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1:

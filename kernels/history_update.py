@@ -22,16 +22,16 @@ writes the valid flags and divergences; every slice counts the window's position
 takes its slice's best (match sum, KL sum, index) by the rule above and stores it; the last
 of the row's NG programs to arrive (atomic counter, reset by it) folds the NG candidates by
 the same rule and writes the weights. The fold is exact: every vector's sums are whole in
-one program, only the choice is split. A single program reading the whole grid's history
-was latency bound (G = 286, cursor 322: 60.5 us in a graph on an H200, against 11.7 for
-torch.compile of the reference). Sliced, 4 vectors per program (72 programs), it takes
-3.9-4.2 us there (slice sweep on an H200, graph replays: 1/2/4/8/16 vectors per program
-6.2/4.6/3.9/4.3/6.7 us; G = 11: 8.7 us in one program, 3.5 us in three). Grids of at most
-GRID_SLICE vectors and the other policies keep one program per request (SPLIT off: no
-workspace, no atomic).
+one program, only the choice is split. One program reading the whole grid's history is
+latency bound at the engine's K = 4 grid (G = 286); the slice width was chosen by an H200
+sweep (benchmarks/results/history_update.json, benchmarks/results/kernels_backed_out.md).
+Grids of at most GRID_SLICE vectors and the other policies keep one program per request
+(SPLIT off: no workspace, no atomic).
 
 Everything in fp32.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,10 +40,30 @@ from ._common import counters, pdl, pdl_wait
 
 POLICY_DIV, POLICY_GRID, POLICY_HEDGE = 0, 1, 2
 _BIG_IDX = tl.constexpr(2147483647)
-# w-grid: weight vectors per program when the grid has more (a power of two; tests lower
-# it to cover the multi-slice path on small grids), and elements of a [GS, BLOCK_H] tile
+# w-grid: weight vectors per program when the grid has more (a power of two), and elements
+# of a [GS, BLOCK_H] tile of one statistic
 GRID_SLICE = 4
 GRID_TILE = 4096
+
+
+@dataclass(frozen=True)
+class HistoryPlan:
+    """How `history_update` launches (`history_plan`): grid (B, slices)."""
+    G: int          # weight vectors (0: no w-grid)
+    slices: int     # programs per request
+    gs: int         # weight vectors per program (a power of two)
+    block_h: int    # old history slots per step
+
+
+def history_plan(G, *, grid_slice=GRID_SLICE, grid_tile=GRID_TILE):
+    """The launch plan for a w-grid of G weight vectors (0 for the other policies);
+    `grid_slice` and `grid_tile` override the constants (tests cover several slices on
+    small grids with them)."""
+    slices = triton.cdiv(G, grid_slice) if G else 1
+    if slices > 1:
+        return HistoryPlan(G=G, slices=slices, gs=grid_slice, block_h=max(2, grid_tile // grid_slice))
+    gs = triton.next_power_of_2(max(G, 1))
+    return HistoryPlan(G=G, slices=1, gs=gs, block_h=max(2, min(64, grid_tile // gs)) if G else 64)
 
 
 @triton.jit
@@ -200,9 +220,10 @@ def _store_weights(w_ptr, b, w, ks, kmask, npos, K):
 
 
 def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, *,
-                   policy, window, temperature, clip, all_positions, out=None):
+                   policy, window, temperature, clip, all_positions, out=None, plan=None):
     """Triton launcher; see `tabed_engine.ops.history_update.history_update` for the contract.
-    out: optional [B, K] fp32 tensor for the weights (tests poison it)."""
+    out: optional [B, K] fp32 tensor for the weights (tests poison it); plan: a
+    `history_plan` for this grid (default: the constants')."""
     B, K, P = div_new.shape
     CAP = valid.shape[1]
     has_grid = policy == POLICY_GRID
@@ -225,21 +246,12 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
     if w.shape != (B, K) or w.dtype != torch.float32 or not w.is_contiguous():
         raise ValueError(f"out must be contiguous fp32 [{B}, {K}], got {w.dtype} {tuple(w.shape)}")
     new_cursor = torch.empty(1, device=dev, dtype=torch.long)
-    # w-grid: one program reading a request's whole grid history was latency bound at G = 286
-    # (60.5 us in a graph on an H200; 73 us with 16K-element tiles and 16 warps), so a grid of
-    # more than GRID_SLICE vectors is cut into NG slices of GS, one program each (see the
-    # module docstring for the slice sweep). Tiles of [GS, BLOCK_H], ~GRID_TILE elements per
-    # statistic.
-    NG = triton.cdiv(G, GRID_SLICE) if has_grid else 1
+    if plan is None:
+        plan = history_plan(G)
+    elif plan.G != G:
+        raise ValueError(f"plan {plan} is for {plan.G} weight vectors, not {G}")
+    NG, GS, BLOCK_H = plan.slices, plan.gs, plan.block_h
     split = NG > 1
-    GS = GRID_SLICE if split else triton.next_power_of_2(max(G, 1))
-    if split:
-        BLOCK_H = max(2, GRID_TILE // GS)   # GS = 4: 1024 slots, one step over 322
-    elif has_grid:
-        BLOCK_H = max(2, min(64, GRID_TILE // GS))
-    else:
-        BLOCK_H = 64
-    num_warps = 4
     dummy = div_new
     part = part_idx = cnt = dummy
     if split:  # per (request, slice): its best's (match sum, KL sum) and vector; arrival counters
@@ -253,6 +265,6 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
         K, P, G, CAP, window, 1.0 / temperature, clip, NG,
         POLICY=policy, ALL_POS=all_positions, HAS_WINDOW=window > 0,
         KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P), GS=GS, NGP=triton.next_power_of_2(NG),
-        SPLIT=split, BLOCK_H=BLOCK_H, num_warps=num_warps, PDL=use_pdl, launch_pdl=use_pdl,
+        SPLIT=split, BLOCK_H=BLOCK_H, num_warps=4, PDL=use_pdl, launch_pdl=use_pdl,
     )
     return w, new_cursor

@@ -104,8 +104,7 @@ def _exercise():
         for greedy in (True, False):
             for mix in (False, True):
                 ensemble_mix.ensemble_mix(logits, w, greedy=greedy, seed=seed, offset=off, return_mixture=mix)
-        # chunks of several tiles: sampling without the mixture row draws tile-wise; greedy
-        # K > 1 reads pass 1's best steps again and pass 2 only the live thread slots
+        # chunks of several pass-1 steps (many requests)
         for greedy in (True, False):
             ensemble_mix.ensemble_mix(torch.randn(2 * K, 9000, generator=g).to(bf), w, greedy=greedy, seed=seed,
                                       offset=off)
@@ -118,17 +117,6 @@ def _exercise():
             ensemble_mix.ensemble_mix(torch.randn(2 * K, 1008, generator=g).to(bf), wk, greedy=greedy, seed=seed,
                                       offset=off)
         ensemble_mix.ensemble_mix(torch.randn(2 * K, 9008, generator=g).to(bf), wk, greedy=True)
-    # the mixture row in one launch (`_mix_fused_kernel`, taken past L2)
-    l2 = ensemble_mix.l2_cache_bytes
-    ensemble_mix.l2_cache_bytes = lambda device: 0
-    try:
-        for K in (1, 2, 3):
-            wk = torch.full((3, K), 1.0 / K)
-            for greedy in (True, False):
-                ensemble_mix.ensemble_mix(torch.randn(3 * K, 9008, generator=g).to(bf), wk, greedy=greedy, seed=seed,
-                                          offset=off, return_mixture=True)
-    finally:
-        ensemble_mix.l2_cache_bytes = l2
     # the token into every view row (the draft loop's K > 1 steps)
     ensemble_mix.ensemble_mix(logits, w, greedy=True, view_tokens_out=torch.zeros(6, dtype=torch.int64))
     ensemble_mix.ensemble_mix(logits, w, greedy=False, seed=seed, offset=off, return_mixture=True,
@@ -144,25 +132,20 @@ def _exercise():
     window_divergence.window_divergence(p, q, grid=torch.rand(60, 2, generator=g))
     q4 = torch.randn(1, 4, 3, V, generator=g).to(bf)
     window_divergence.window_divergence(p, q4, grid=torch.rand(286, 4, generator=g))
-    # past L2, K = 1, 2, 4: TV without normalisers in one launch (`_wd_tv_fused_kernel`), and the
-    # one-pass kernels' wide steps (K = 1: two 16-byte groups per thread slot, slot-major tiles)
-    l2 = window_divergence.l2_cache_bytes
-    window_divergence.l2_cache_bytes = lambda device: 0
-    try:
-        for qk in (q[:, :1], q, q4):
-            pw = torch.randn(1, 3, 9008, generator=g).to(bf)
-            qw = torch.randn(1, qk.shape[1], 3, 9008, generator=g).to(bf)
-            window_divergence.window_divergence(pw, qw)
-            window_divergence.window_divergence(pw, qw, tv=False)
-            window_divergence.window_divergence(pw, qw, p_lse=torch.logsumexp(pw.float(), -1),
-                                                q_lse=torch.logsumexp(qw.float(), -1))
-    finally:
-        window_divergence.l2_cache_bytes = l2
+    # the one-pass kernels with one view per program (few rows) and K views per program (many),
+    # K = 1, 2, 4 (K = 1: two 16-byte groups per thread slot)
+    for B, qk in ((1, q[:, :1]), (1, q), (8, q4)):
+        pw = torch.randn(B, 3, 9008, generator=g).to(bf)
+        qw = torch.randn(B, qk.shape[1], 3, 9008, generator=g).to(bf)
+        window_divergence.window_divergence(pw, qw, tv=False)
+        window_divergence.window_divergence(pw, qw, p_lse=torch.logsumexp(pw.float(), -1),
+                                            q_lse=torch.logsumexp(qw.float(), -1))
 
     B, gamma = 2, 3
     plog = torch.randn(B, gamma + 1, V, generator=g)
     drafted = plog[:, :gamma].argmax(-1)
     chain_verify.chain_verify(drafted, None, plog.to(bf), greedy=True)
+    chain_verify.chain_verify(drafted, None, plog.to(bf), greedy=True, lse_out=torch.zeros(B, gamma + 1))
     probs = torch.softmax(plog, -1)
     chain_verify.chain_verify(drafted, probs[:, :gamma].contiguous(), probs, greedy=False,
                               uniforms=torch.rand(B, gamma + 1, generator=g))

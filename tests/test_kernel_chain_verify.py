@@ -219,15 +219,23 @@ def test_gpu_sampling_is_lossless():
 
 # ---- V split (few requests): forced chunk counts on small and odd vocabularies.
 
-def test_split_count_from_shapes(monkeypatch):
-    monkeypatch.setattr(_common, "target_programs", lambda device, per_sm=8: per_sm * 132)  # an H100 / H200
-    assert _k._n_vsplit(1, 32064, "cuda") == 32      # the engine's verify: 32 chunks of ~1K
-    assert _k._n_vsplit(64, 32064, "cuda") == 17     # ~8 programs per SM (sampling)
-    assert _k._n_vsplit(256, 32064, "cuda") == 5
-    assert _k._n_vsplit(1, 173, "cuda") == 1
-    per_sm = _k._GREEDY_PROGRAMS_PER_SM              # greedy: ~2 programs per SM
-    assert _k._n_vsplit(1, 32064, "cuda", per_sm) == 32
-    assert _k._n_vsplit(64, 32064, "cuda", per_sm) == 5
+def test_plan_from_shapes():
+    plan = lambda B, **kw: _k.verify_plan(B, 5, 32064, sms=132, **kw)   # an H100 / H200
+    p = plan(1, greedy=True)                 # the engine's verify: 32 chunks of ~1K, one step each
+    assert (p.splits, p.chunk, p.block) == (32, 1008, 1024)
+    assert plan(64, greedy=True).splits == 5             # ~2 programs per SM
+    assert plan(64, greedy=True, lse=True).splits == 9   # ~4 with the normalisers
+    p = plan(1, greedy=False)
+    assert (p.splits, p.subblocks) == (32, 1)            # ~16 programs per SM, a chunk of one step
+    p = plan(256, greedy=False)
+    assert (p.splits, p.subblocks) == (9, 4)             # long chunks: one draw sub-block per warp
+    assert _k.verify_plan(1, 5, 173, greedy=True, sms=132).splits == 1
+
+
+def _plan_kw(draft, p, greedy, lse_out=None, **kw):
+    B, gamma = draft.shape
+    return dict(plan=_k.verify_plan(B, gamma, p.shape[-1], greedy=greedy, lse=lse_out is not None,
+                                    sms=_common.sm_count(p.device), **kw))
 
 
 @pytest.mark.parametrize("n_split", [2, 5, 24])
@@ -235,22 +243,21 @@ def test_split_count_from_shapes(monkeypatch):
     (1, 5, 173, torch.bfloat16), (3, 0, 173, torch.float32), (5, 6, 1000, torch.float16),
     (2, 3, 1000, torch.bfloat16),
 ])
-def test_split_greedy_matches_reference(B, gamma, V, dtype, n_split, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
+def test_split_greedy_matches_reference(B, gamma, V, dtype, n_split, kernel_device):
     draft, logits, want, target = _greedy_case(B, gamma, V, dtype, kernel_device, seed=n_split)
-    n_acc, nxt = _k.chain_verify(draft, None, logits, greedy=True)
+    n_acc, nxt = _k.chain_verify(draft, None, logits, greedy=True, **_plan_kw(draft, logits, True, splits=n_split))
     assert torch.equal(n_acc.cpu(), want)
     assert torch.equal(nxt.cpu(), target.gather(1, want[:, None]).squeeze(1))
 
 
-def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 7)  # V = 173: chunks of 32
+def test_split_greedy_ties_pick_lowest_index(kernel_device):
     logits = torch.zeros(1, 3, 173)
     logits[0, 0, [150, 64, 40]] = 5.0                        # across chunks -> 40
     logits[0, 1, [33, 63, 32]] = 5.0                         # one chunk -> 32
     logits[0, 2, [172, 96, 95]] = 5.0                        # a chunk boundary (95 | 96) -> 95
     draft = torch.tensor([[40, 32]])
-    n_acc, nxt = _k.chain_verify(draft.to(kernel_device), None, logits.to(kernel_device), greedy=True)
+    n_acc, nxt = _k.chain_verify(draft.to(kernel_device), None, logits.to(kernel_device), greedy=True,
+                                 **_plan_kw(draft, logits, True, splits=7))   # V = 173: chunks of 32
     assert n_acc.item() == 2 and nxt.item() == 95
 
 
@@ -258,27 +265,22 @@ def test_split_greedy_ties_pick_lowest_index(kernel_device, monkeypatch):
 @pytest.mark.parametrize("B, gamma, V, sharp", [(8, 4, 173, 2.0), (6, 2, 1000, 2.0),
                                                 (4, 0, 1000, 2.0), (8, 3, 173, 6.0)])
 @pytest.mark.parametrize("warps, warp_blocks", [(1, True), (4, True), (4, False)])
-def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, warps, warp_blocks, kernel_device,
-                                          monkeypatch):
+def test_split_sampling_matches_reference(B, gamma, V, sharp, n_split, warps, warp_blocks, kernel_device):
     """Chunks of one sub-block, or of `warps` (one per warp): the draw's sub-block prefix and
     in-block scan against the reference's cumsum over the whole row."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
-    monkeypatch.setattr(_k, "_SAMPLING_WARPS", warps)
-    monkeypatch.setattr(_k, "_WARP_SUBBLOCKS_ABOVE", 0 if warp_blocks else 1 << 30)
     draft, q, p, u = _sampling_case(B, gamma, V, kernel_device, seed=n_split, sharp=sharp)
     q_wide = torch.zeros(B, gamma, V + 5, device=kernel_device)
     q_wide[..., :V] = q
-    out = _k.chain_verify(draft, q_wide[..., :V], p, greedy=False, uniforms=u)
+    out = _k.chain_verify(draft, q_wide[..., :V], p, greedy=False, uniforms=u,
+                          **_plan_kw(draft, p, False, splits=n_split, warps=warps, warp_subblocks=warp_blocks))
     ref = chain_verify_reference(draft, q, p, greedy=False, uniforms=u)
     assert _agree(out, ref) == 0
 
 
-def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatch):
+def test_split_sampling_scenario_agrees_with_reference(kernel_device):
     """The 6-token scenario spread over V = 173 (one token per chunk of 32), extreme
     uniforms included: sub-block prefix + in-block scan must pick what the reference picks."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 6)
-    monkeypatch.setattr(_k, "_SAMPLING_WARPS", 2)   # chunks of 32, sub-blocks of 16
-    monkeypatch.setattr(_k, "_WARP_SUBBLOCKS_ABOVE", 0)
+    plan_kw = dict(splits=6, warps=2, warp_subblocks=True)   # chunks of 32, sub-blocks of 16
     draft, q6, p6, u = _scenario(60, seed=6)
     u[:4, -1] = torch.tensor([0.0, 1.0 - 2 ** -24, 0.5, 0.25])
     spots = torch.arange(6) * 32 + 5
@@ -288,7 +290,8 @@ def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatc
     p[..., spots], q[..., spots] = p6, q6
     draft = spots[draft]
     dev = kernel_device
-    out = _k.chain_verify(draft.to(dev), q.to(dev), p.to(dev), greedy=False, uniforms=u.to(dev))
+    out = _k.chain_verify(draft.to(dev), q.to(dev), p.to(dev), greedy=False, uniforms=u.to(dev),
+                          **_plan_kw(draft, p, False, **plan_kw))
     ref = chain_verify_reference(draft, q, p, greedy=False, uniforms=u)
     assert _agree(out, ref) == 0
     assert (torch.bincount(ref[0], minlength=3) >= 3).all()  # all three branches
@@ -297,7 +300,8 @@ def test_split_sampling_scenario_agrees_with_reference(kernel_device, monkeypatc
     p1[0, 0, spots[:4]] = torch.tensor([0.2, 0.3, 0.3, 0.2])
     p1[0, 1, 7] = 1.0
     out = _k.chain_verify(torch.tensor([[9]]).to(dev), p1[:, :1].clone().to(dev), p1.to(dev),
-                          greedy=False, uniforms=torch.tensor([[0.1, 0.5]]).to(dev))
+                          greedy=False, uniforms=torch.tensor([[0.1, 0.5]]).to(dev),
+                          **_plan_kw(torch.tensor([[9]]), p1, False, **plan_kw))
     assert out[0].item() == 0 and out[1].item() == spots[2].item()
 
 
@@ -321,10 +325,11 @@ def _lse_case(B, gamma, V, dtype, device, seed=0):
     return draft.to(device), logits.to(device)
 
 
-def _check_lse(draft, logits, lse_out):
-    """(num_accepted, next_token) from the kernel with lse_out, against the reference and
-    torch.logsumexp; lse_out holds NaN before the call."""
-    out = _k.chain_verify(draft, None, logits, greedy=True, lse_out=lse_out)
+def _check_lse(draft, logits, lse_out, **plan_kw):
+    """(num_accepted, next_token) from the kernel with lse_out (plan overrides `plan_kw`),
+    against the reference and torch.logsumexp; lse_out holds NaN before the call."""
+    out = _k.chain_verify(draft, None, logits, greedy=True, lse_out=lse_out,
+                          **_plan_kw(draft, logits, True, lse_out, **plan_kw))
     ref = chain_verify_reference(draft, None, logits, greedy=True)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     torch.testing.assert_close(lse_out, torch.logsumexp(logits.float(), dim=-1), atol=1e-5, rtol=1e-5)
@@ -337,23 +342,20 @@ def _check_lse(draft, logits, lse_out):
     (1, 6, 32064, torch.float32, 24, None), (3, 1, 32064, torch.float32, 1, None),
     (1, 4, 151936, torch.bfloat16, 24, None),
 ])
-def test_greedy_lse_matches_reference(B, gamma, V, dtype, n_split, block, kernel_device, monkeypatch):
+def test_greedy_lse_matches_reference(B, gamma, V, dtype, n_split, block, kernel_device):
     """Forced chunk counts; `block` columns per step (several steps per chunk) when given."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: n_split)
-    if block:
-        monkeypatch.setattr(_k, "chunk_block", lambda chunk, cap: block)
     draft, logits = _lse_case(B, gamma, V, dtype, kernel_device, seed=n_split)
-    _check_lse(draft, logits, torch.full((B, gamma + 1), float("nan"), device=kernel_device))
+    _check_lse(draft, logits, torch.full((B, gamma + 1), float("nan"), device=kernel_device), splits=n_split,
+               block=block)
 
 
-def test_greedy_lse_strided_out(kernel_device, monkeypatch):
+def test_greedy_lse_strided_out(kernel_device):
     """lse_out as a transposed slice of a wider NaN buffer: written there, the rest untouched."""
-    monkeypatch.setattr(_k, "_n_vsplit", lambda B, V, device, *per_sm: 3)
     B, gamma = 3, 4
     draft, logits = _lse_case(B, gamma, 1000, torch.bfloat16, kernel_device)
     buf = torch.full((gamma + 3, B + 2), float("nan"), device=kernel_device)
     lse_out = buf[1:gamma + 2, 1:B + 1].t()
-    _check_lse(draft, logits, lse_out)
+    _check_lse(draft, logits, lse_out, splits=3)
     rest = torch.ones_like(buf, dtype=torch.bool)
     rest[1:gamma + 2, 1:B + 1] = False
     assert buf[rest].isnan().all()

@@ -141,15 +141,14 @@ def test_rows_kernel_glu_epilogue(M, I, K, dtype, kernel_device):
         _k.gemv_rows(x, w, glu=True, out=torch.empty(M, 2 * I, device=kernel_device, dtype=dtype))
 
 
-def test_rows_kernel_glu_after_the_product(kernel_device, monkeypatch):
-    # matrices of GLU_EPILOGUE_MAX elements and more: the product, then a silu_mul launch;
-    # the same numbers as the epilogue
+def test_rows_kernel_glu_after_the_product(kernel_device):
+    # the gate as a silu_mul launch after the product (matrices of GLU_EPILOGUE_MAX elements
+    # and more): the same numbers as the epilogue
     M, I, K, dtype = 5, 45, 200, torch.bfloat16
     x, w, b = make_case(M, 2 * I, K, dtype, kernel_device, bias=True, seed=11)
     fused = _k.gemv_rows(x, w, b, glu=True)
-    monkeypatch.setattr(_k, "GLU_EPILOGUE_MAX", 2 * I * K)
     out = torch.full((M, I), float("nan"), device=kernel_device, dtype=dtype)
-    y = _k.gemv_rows(x, w, b, glu=True, out=out)
+    y = _k.gemv_rows(x, w, b, glu=True, out=out, glu_epilogue=False)
     assert y is out
     check_glu(y, x, w, b)
     assert torch.equal(y, fused)

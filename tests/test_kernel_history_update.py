@@ -47,10 +47,13 @@ def run_blocks(fn, B, K, P, cap, policy, window, temperature, blocks, grid, devi
     return out, h
 
 
-def poisoned(kernel_device):
-    """The Triton launcher writing into a NaN-filled `out` (unwritten weights are caught)."""
+def poisoned(kernel_device, **plan_kw):
+    """The Triton launcher writing into a NaN-filled `out` (unwritten weights are caught),
+    with a `history_plan` built from `plan_kw` when given."""
     def kernel(*args, **kw):
         out = torch.full((args[0].shape[0], args[0].shape[1]), float("nan"), device=kernel_device)
+        if plan_kw and kw["policy"] == POLICY_GRID:
+            kw["plan"] = _k.history_plan(args[-1].shape[0], **plan_kw)
         return _k.history_update(*args, out=out, **kw)
     return kernel
 
@@ -85,6 +88,14 @@ def test_kernel_matches_reference(B, K, P, cap, policy, window, temperature, ker
         assert torch.equal(h_got["gkl"][..., :n].cpu(), h_ref["gkl"][..., :n])
 
 
+def test_plan_from_grid_size():
+    assert _k.history_plan(0) == _k.HistoryPlan(G=0, slices=1, gs=1, block_h=64)      # kld, tvd, hedge
+    assert _k.history_plan(3) == _k.HistoryPlan(G=3, slices=1, gs=4, block_h=64)      # a grid within one slice
+    assert _k.history_plan(11) == _k.HistoryPlan(G=11, slices=3, gs=4, block_h=1024)  # the engine's K = 2 grid
+    assert _k.history_plan(286).slices == 72                                          # K = 4: 72 programs
+    assert _k.history_plan(37, grid_slice=16, grid_tile=64) == _k.HistoryPlan(G=37, slices=3, gs=16, block_h=4)
+
+
 # w-grid over several programs per request: G not a multiple of the slice, slices of 4 to 16
 # vectors, [GS, BLOCK_H] tiles of 16 to 4096 elements (several loop steps), KL on a 0.5 grid
 # (ties in both match count and KL sum, across slices)
@@ -93,13 +104,11 @@ SLICED = [(B, K, G, gs, tile, window) for (B, K, G, gs, tile), window in itertoo
 
 
 @pytest.mark.parametrize("B,K,G,gs,tile,window", SLICED)
-def test_grid_slices_match_reference(B, K, G, gs, tile, window, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "GRID_SLICE", gs)
-    monkeypatch.setattr(_k, "GRID_TILE", tile)
+def test_grid_slices_match_reference(B, K, G, gs, tile, window, kernel_device):
     P, cap, blocks = 4, 18, 5
     grid = torch.rand(G, K, generator=torch.Generator().manual_seed(G))     # distinct rows
     seed = G + gs + window
-    got, h_got = run_blocks(poisoned(kernel_device), B, K, P, cap, POLICY_GRID, window, 1.0, blocks,
+    got, h_got = run_blocks(poisoned(kernel_device, grid_slice=gs, grid_tile=tile), B, K, P, cap, POLICY_GRID, window, 1.0, blocks,
                             grid.to(kernel_device), kernel_device, seed, kl_step=0.5)
     ref, h_ref = run_blocks(history_update_reference, B, K, P, cap, POLICY_GRID, window, 1.0, blocks, grid,
                             "cpu", seed, kl_step=0.5)
@@ -144,9 +153,7 @@ def tie_state(kind, G=37, K=3, cap=16, cur=8, P=4):
 @pytest.mark.parametrize("gs", [4, 8])
 @pytest.mark.parametrize("kind,window,expect", [("index", 0, 9), ("kl", 0, 27), ("inf", 0, 0),
                                                 ("index", 3, 20), ("kl", 3, 33), ("inf", 3, 0)])
-def test_grid_slices_tie_rules(kind, window, expect, gs, kernel_device, monkeypatch):
-    monkeypatch.setattr(_k, "GRID_SLICE", gs)
-    monkeypatch.setattr(_k, "GRID_TILE", 4 * gs)        # BLOCK_H = 4: two steps over the 8 old slots
+def test_grid_slices_tie_rules(kind, window, expect, gs, kernel_device):
     new, h = tie_state(kind)
     G, K = h["match"].shape[1], h["div"].shape[1]
     grid = torch.rand(G, K, generator=torch.Generator().manual_seed(0))
@@ -155,7 +162,7 @@ def test_grid_slices_tie_rules(kind, window, expect, gs, kernel_device, monkeypa
     assert torch.equal(wr, grid[expect][None])             # the case is what it claims
     dev = {k: v.to(kernel_device) for k, v in h.items()}
     args = (*(t.to(kernel_device) for t in new), *dev.values(), grid.to(kernel_device))
-    kernel = poisoned(kernel_device)
+    kernel = poisoned(kernel_device, grid_slice=gs, grid_tile=4 * gs)   # BLOCK_H = 4: two steps over the 8 old slots
     for _ in range(3):   # repeated calls: the arrival counter is back at zero after each
         w, c = kernel(*args, **kw)
         assert torch.equal(w.cpu(), wr), (w, wr)

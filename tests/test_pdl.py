@@ -7,11 +7,21 @@ import torch
 from tabed_engine.kernels import _common
 
 
-def test_pdl_is_off_off_cuda_and_by_switch(monkeypatch):
+def test_pdl_is_off_off_cuda():
     assert _common.pdl("cpu") is False
     assert _common.pdl(torch.device("cpu")) is False
-    monkeypatch.setenv("TABED_PDL", "0")
-    assert _common.pdl("cpu") is False
+
+
+@pytest.mark.gpu
+def test_pdl_switch(monkeypatch):
+    dev = torch.device("cuda")
+    monkeypatch.delenv("TABED_PDL", raising=False)
+    on = _common.pdl(dev)
+    assert on == (torch.cuda.get_device_capability(dev)[0] >= 9 and hasattr(_common.tl.extra.cuda, "gdc_wait"))
+    monkeypatch.setenv("TABED_PDL", "0")     # the A/B switch wins over the cached capability
+    assert _common.pdl(dev) is False
+    monkeypatch.setenv("TABED_PDL", "1")
+    assert _common.pdl(dev) is on
 
 
 @pytest.mark.gpu

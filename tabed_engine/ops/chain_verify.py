@@ -10,11 +10,6 @@ inverse-CDF boundaries moved by float summation order).
 """
 import torch
 
-try:
-    from tabed_engine.kernels import chain_verify as _k
-except ImportError:  # triton missing: the reference serves every device
-    _k = None
-
 
 def _inverse_cdf(r, u):
     """First index whose cumulative mass exceeds u * sum(r); r [B, V] >= 0, u [B]."""
@@ -88,5 +83,8 @@ def chain_verify(draft_tokens, q_probs, p, *, greedy, uniforms=None, lse_out=Non
     num_accepted : Tensor [B] int64 in [0, gamma]
     next_token : Tensor [B] int64, the correction (first rejection) or bonus token
     """
-    fn = _k.chain_verify if (p.is_cuda and _k is not None) else chain_verify_reference
+    if p.is_cuda:
+        from tabed_engine.kernels.chain_verify import chain_verify as fn
+    else:
+        fn = chain_verify_reference
     return fn(draft_tokens, q_probs, p, greedy=greedy, uniforms=uniforms, lse_out=lse_out)

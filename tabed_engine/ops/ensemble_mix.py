@@ -8,11 +8,6 @@ the reference by the exponential race argmax_v q_v / E_v (E_v ~ Exp(1)).
 """
 import torch
 
-try:
-    from tabed_engine.kernels import ensemble_mix as _k
-except ImportError:  # triton missing: the reference serves every device
-    _k = None
-
 
 def ensemble_mix_reference(logits, weights, *, greedy, seed=None, offset=None,
                            temperature=1.0, return_mixture=False, mixture_out=None, view_tokens_out=None):
@@ -81,7 +76,10 @@ def ensemble_mix(logits, weights, *, greedy, seed=None, offset=None, temperature
     mixture : Tensor [B, V] fp32 or None
     lse : Tensor [B*K] fp32, logsumexp(logits_k / temperature) per row
     """
-    fn = _k.ensemble_mix if (logits.is_cuda and _k is not None) else ensemble_mix_reference
+    if logits.is_cuda:
+        from tabed_engine.kernels.ensemble_mix import ensemble_mix as fn
+    else:
+        fn = ensemble_mix_reference
     return fn(logits, weights, greedy=greedy, seed=seed, offset=offset,
               temperature=temperature, return_mixture=return_mixture,
               mixture_out=mixture_out, view_tokens_out=view_tokens_out)

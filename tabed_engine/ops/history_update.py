@@ -17,11 +17,6 @@ uniform before any position is recorded.
 """
 import torch
 
-try:
-    from tabed_engine.kernels import history_update as _k
-except ImportError:  # triton missing: the reference serves every device
-    _k = None
-
 POLICY_DIV, POLICY_GRID, POLICY_HEDGE = 0, 1, 2
 
 
@@ -81,7 +76,9 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
         raise ValueError(f"window must be >= 0 and temperature > 0, got {window}, {temperature}")
     # every policy and grid size: a large w-grid (K = 4 on a 0.1 grid: 286 vectors) is split
     # over several programs per request (see tabed_engine.kernels.history_update)
-    use_kernel = div_new.is_cuda and _k is not None
-    fn = _k.history_update if use_kernel else history_update_reference
+    if div_new.is_cuda:
+        from tabed_engine.kernels.history_update import history_update as fn
+    else:
+        fn = history_update_reference
     return fn(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, policy=policy,
               window=window, temperature=temperature, clip=clip, all_positions=all_positions)

@@ -6,11 +6,6 @@ of the mixture sum_k g_k q_k match the target argmax, and KL(p || mixture_g).
 """
 import torch
 
-try:
-    from tabed_engine.kernels import window_divergence as _k
-except ImportError:  # triton missing: the reference serves every device
-    _k = None
-
 _GRID_CHUNK = 16  # weight vectors per step of the reference: bounds B*16*P*V memory
 
 
@@ -58,8 +53,7 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     tv : bool
         Also compute TV. Without TV and grid the GPU kernel makes one pass over the logits
         (KL needs no normaliser up front); TV needs both normalisers first: two passes,
-        unless they are given (where the logits exceed half of L2, both passes in one
-        launch, the second reading each split from L2).
+        unless they are given.
     p_lse, q_lse : Tensor [B, P] and [B, K, P] fp32, optional (both or neither)
         logsumexp(logits / temperature) of each target and view row, where the caller has
         them (`ensemble_mix` returns the views', `chain_verify` the target's): without a
@@ -74,6 +68,8 @@ def window_divergence(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True
     grid_match : Tensor [B, G, P] bool or None, argmax(sum_k g_k q_k) == argmax(p)
     grid_kl : Tensor [B, G, P] fp32 or None, KL(p || sum_k g_k q_k)
     """
-    cuda = p_logits.is_cuda and _k is not None
-    fn = _k.window_divergence if cuda else window_divergence_reference
+    if p_logits.is_cuda:
+        from tabed_engine.kernels.window_divergence import window_divergence as fn
+    else:
+        fn = window_divergence_reference
     return fn(p_logits, q_logits, temperature=temperature, grid=grid, tv=tv, p_lse=p_lse, q_lse=q_lse)
