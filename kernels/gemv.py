@@ -12,19 +12,16 @@ The input may be a gate/up pair, x = [gate | up] of width 2K: the kernel feeds
 silu(gate) * up (fp32, rounded once to x's dtype like the fused pointwise kernel it
 replaces) to the product, so the MLP's down projection needs no separate SiLU launch.
 
-Block shapes from a sweep on an H200 (graph replays, weights larger than L2, bf16). At the
-Llama-7B decode shapes (`benchmarks/bench_gemv.py`, results/gemv.json) they run 5-21% faster
-than cuBLAS: q/k/v 28.9 -> 26.8 us, o 13.2 -> 10.4, gate/up 46.3 -> 44.0, down 30.5 (after
-the SiLU kernel) -> 25.2 with the gate fused, lm_head 65.6 -> 62.6.
+Block shapes from an H200 sweep (benchmarks/results/gemv.json: 5-21% faster than cuBLAS at the
+Llama-7B decode shapes).
 
 For 2-16 rows (verification: γ + 1 rows) `gemv_rows` runs the same weight stream through
-tensor cores: the rows padded to 16 by masked loads (zeros; clamping the padding rows to row 0
-instead cost 1-4 us per projection in an H100 diagnostic), one [16, BLOCK_N] fp32 tile per
+tensor cores: the rows padded to 16 by masked loads (zeros), one [16, BLOCK_N] fp32 tile per
 program. bfloat16/float16 only (a float32 dot would round through TF32).
 
 Both are programmatically dependent launches on sm_90 (`_common.pdl`): the one-row kernel
-reads its first weight tile before it waits for the kernel producing x (~45 us per AR step
-on an H200); the rows kernel waits first (the early tile cost it 2% at 6 rows).
+reads its first weight tile before it waits for the kernel producing x; the rows kernel waits
+first (benchmarks/results/pdl_h100.json).
 """
 import torch
 import triton
@@ -89,10 +86,8 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 
 def _config(N: int, K: int):
-    """(BLOCK_N, BLOCK_K, num_warps, stages) from the H200 sweep (see the module docstring);
-    the threshold from an H100 A/B inside the decoders (graph replays, PDL on): 4096 x 4096
-    (the 7B o projection) and 32064 x 768 (the draft's lm_head) on (4, 1024, 4, 3) instead of
-    (8, 512, 4, 3): AR step 4990 -> 4938 us, one-row draft forward 78.5 -> 77.5 us."""
+    """(BLOCK_N, BLOCK_K, num_warps, stages) from the H200 sweep (benchmarks/results/gemv.json),
+    the threshold from an H100 A/B inside the decoders (benchmarks/results/kernels_backed_out.md)."""
     return (8, 512, 4, 3) if N * K < (1 << 24) else (4, 1024, 4, 3)
 
 
@@ -179,7 +174,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    pdl_wait(PDL)  # (a first weight tile read before the wait, as the one-row kernel does, cost 2% here)
+    pdl_wait(PDL)  # before any load: an early weight tile was slower here
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)

@@ -93,9 +93,7 @@ def _rope_kv_write_kernel(
 
 def _block_heads(H, KV, block_half):
     """Largest power of two dividing H and KV, capped at ~1024 elements per tile (8 heads of
-    128). The call is latency-bound (24 KB per layer at R = T = 1). An H200 sweep (graph
-    replays, H = Hkv = 32, D = 128; heads per tile 1-16 x 1/2/4 warps): 8 heads at 4 warps
-    1.45 / 1.57 us at T = 1 / 6, against 1.92 / 2.12 us with the earlier 4 heads at 2 warps."""
+    128; the call is latency-bound: an H200 sweep, benchmarks/results/rope_kv_write.json)."""
     g = math.gcd(H, KV)
     cap = max(1, 512 // block_half)
     b = 1

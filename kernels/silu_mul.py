@@ -5,8 +5,8 @@ projections on `gemv_rows`; this sits between them. It is a Triton launch rather
 compiled pointwise kernel it replaces so that the chain of the step's launches stays
 programmatically dependent (`kernels/_common.py`: the launch overlaps the one before and
 lets the down projection's launch overlap it). The one-row GEMV applies the gate as it
-reads and needs no launch at all (fusing it into the tensor-core tile of `gemv_rows` made
-verification 4 ms slower on an H100: the activations then reach the dot through registers).
+reads and needs no launch at all (in the tensor-core tile of `gemv_rows` the gated
+activations would reach the dot through registers: slower).
 
 Grid (rows, cdiv(K, BLOCK)): each program reads BLOCK gates and the BLOCK matching ups of one
 row, computes in float32 and rounds once to the output dtype, as the reference does.

@@ -22,9 +22,8 @@ without reading `lengths` on the host.
 One query per row (N = 1: an AR decode step, a draft step) takes a leaner kernel: one program
 per (row, query head, split) with the scores and the weighted sum of V as CUDA-core
 multiply-adds over [BLOCK_N, D] tiles (a 16-row tensor-core tile would be 15/16 padding),
-the same last-arrival combine, and about four programs per SM. On an H100 (32 heads, D=128,
-bf16, graph replays over 32 layers' caches) it ran 8.1 us at a 616-key prefix and 15.5 us at
-2000 keys where the tensor-core kernel took 10.3 and 17.8 us.
+the same last-arrival combine, and about four programs per SM (faster than the tensor-core
+kernel at one query: benchmarks/results/tree_attention_h100.json).
 """
 import torch
 import triton
@@ -224,9 +223,8 @@ def _decode_attention_kernel(
 
 
 def _decode_splits(device, programs, max_blocks):
-    """Splits for the one-query kernel: about four programs per SM (an H100 sweep of 4-16
-    splits x 32-128 keys per block x 2-8 warps had 16 splits of 64-key blocks at 2 warps
-    fastest for one row of 32 heads, at 616 to 2000 keys), at most 16, at most the blocks."""
+    """Splits for the one-query kernel: about four programs per SM, at most 16, at most the
+    blocks (an H100 sweep, benchmarks/results/tree_attention_h100.json)."""
     if device.type != "cuda":
         return 1
     return max(1, min(16, max_blocks, triton.cdiv(4 * _sm_count(device), programs)))
@@ -266,12 +264,9 @@ def _sm_count(device):
 def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
     """Split-K factor, from shapes only (lengths stay on the device, no sync).
 
-    About one program per SM: with fewer, the idle SMs' bandwidth is lost. A sweep on an
-    H200 (one row, 32 heads, D = 128, bf16, graph replays with L2 flushed; splits 4-32 x
-    BLOCK_N 16-64 x warps x stages) had 4-8 splits fastest for a 616-key prefix (10.2-10.5
-    us vs 11.4 us with the earlier ~2 programs per SM, 9 splits) and 4 for 2000 keys (16.8
-    vs 18.9 us): a one-row call is latency-bound and more splits only add partials. Each
-    split writes and the combine reads R*N*H*D fp32 partials; capping splits at
+    About one program per SM: with fewer, the idle SMs' bandwidth is lost; a one-row call is
+    latency-bound and more splits only add partials (an H200 sweep,
+    benchmarks/results/tree_attention.json). Each split writes and the combine reads R*N*H*D fp32 partials; capping splits at
     512 / (N*group) keeps that traffic under the K/V bytes of a 1024-key prefix (N=64 -> 8
     splits, N=1 -> 16). Splits beyond a short row's block count just write m=-1e30, l=0.
     """
