@@ -138,8 +138,9 @@ def weight_files(path: str) -> list[list[TensorEntry]]:
     if not os.path.isfile(index):
         raise ValueError(f"no {_WEIGHTS} or {_INDEX} in {path!r} (only safetensors checkpoints load)")
     weight_map = _read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index} has no weight_map; {_FIX}")
+    if not isinstance(weight_map, dict) or not weight_map or \
+            not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map of tensor names to file names; {_FIX}")
     out = []
     for shard in sorted(set(weight_map.values())):
         file = os.path.join(path, shard)
@@ -335,7 +336,7 @@ def stream_file(entries: list[TensorEntry], dests: list[Optional[torch.Tensor]],
     if not work:
         return
     file = work[0][0].file
-    lo, hi = work[0][0].begin, work[-1][0].end
+    lo, hi = work[0][0].begin, max(e.end for e, _ in work)   # entries in file order (read_header)
     nchunks = -(-(hi - lo) // plan.chunk_bytes)
     slots = [torch.empty(min(plan.chunk_bytes, hi - lo), dtype=torch.uint8, pin_memory=plan.pinned)
              for _ in range(min(plan.depth, nchunks))]
