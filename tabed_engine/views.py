@@ -28,13 +28,14 @@ class ViewRow:
 def resolve_escape_token(tokenizer) -> Optional[int]:
     """The id of the token that stands alone for "\n" in `tokenizer`, or None.
 
-    Tried in order: a single-token encoding of "\n" (word-level and byte-level BPE
-    tokenizers: "\n" or "Ċ"); the byte-fallback piece `<0x0A>` (Llama-2 / Mistral
-    SentencePiece, whose `encode("\n")` is `["▁", "<0x0A>"]` because of the dummy prefix);
-    the last piece of `encode("\n")` when it alone decodes to a newline.
+    Tried in order: a single-token encoding of "\n" that decodes back to it (word-level and
+    byte-level BPE tokenizers: "\n" or "Ċ"; not a tokenizer's unknown token); the
+    byte-fallback piece `<0x0A>` (Llama-2 / Mistral SentencePiece, whose `encode("\n")` is
+    `["▁", "<0x0A>"]` because of the dummy prefix); the last piece of `encode("\n")` when it
+    alone decodes to a newline.
     """
     ids = tokenizer.encode("\n", add_special_tokens=False)
-    if len(ids) == 1:
+    if len(ids) == 1 and tokenizer.decode(ids) == "\n":
         return int(ids[0])
     byte = tokenizer.convert_tokens_to_ids("<0x0A>")
     if isinstance(byte, int) and byte != tokenizer.unk_token_id and 0 <= byte < len(tokenizer):

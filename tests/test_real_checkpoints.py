@@ -16,7 +16,7 @@ from tabed_engine import Engine, SamplingParams
 from tabed_engine.cli import main as cli_main
 from tabed_engine.loader import load_lvlm, load_processor
 from tabed_engine.prompt import prepare
-from tabed_engine.views import build_views
+from tabed_engine.views import build_views, resolve_escape_token
 
 N_NEW = 16
 TOKENIZERS = ("llama", "mistral", "bytelevel", "nonewline")
@@ -158,6 +158,13 @@ def test_m_view_drafts_are_accepted():
     assert max(accepted) >= 3 and min(accepted) < 5
 
 
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_from_pretrained_without_draft(name):
+    eng = Engine.from_pretrained(checkpoint(name)[0], device="cpu", dtype=torch.float32, views=("M",))
+    assert eng.draft is None
+    assert generate(eng, "one_image", speculative=True).token_ids == reference(name, "one_image")
+
+
 @pytest.mark.parametrize("views", [("M",), ("M", "T")], ids="+".join)
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_token_id_prompt_equals_transformers(name, views):
@@ -219,6 +226,21 @@ def test_t_view_escape_token(name, piece):
         prev = start + n
     assert t_row.ids == expected + prep.ids[prev:]
     assert eng.target.image_token_id not in t_row.ids
+
+
+def test_escape_token_is_never_the_unknown_token():
+    """A tokenizer that maps "\n" to its unknown token has no newline: the T view drops the
+    image tokens instead of showing <unk> for each image."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    assert fast.encode("\n", add_special_tokens=False) == [fast.unk_token_id]
+    assert resolve_escape_token(fast) is None
+    tok.add_tokens(["\n"])
+    assert resolve_escape_token(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")) == 3
 
 
 # ---------------------------------------------------------------------------- the CLI
