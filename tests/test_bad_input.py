@@ -524,7 +524,7 @@ def test_unseeded_generation_leaves_the_global_rng_alone(eng, img, speculative):
 def test_stream_loop_body_runs_outside_inference_mode(eng, img, ref):
     w = torch.ones(3, requires_grad=True)
     pieces = 0
-    for piece in eng.stream(GOOD_TEXT, images=[img], sampling=GOOD_SP):
+    for piece in eng.stream(GOOD_TEXT, images=[img], sampling=SamplingParams(max_new_tokens=8, stop_at_eos=False)):
         assert not torch.is_inference_mode_enabled()
         loss = (w * len(piece)).sum()
         loss.backward()
