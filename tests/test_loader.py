@@ -348,3 +348,22 @@ def test_stream_plan():
         assert p.pinned and 2 <= p.depth <= 8 and p.depth * p.chunk_bytes <= 256 << 20
     p = stream_plan(torch.device("cpu"))
     assert not p.pinned and p.depth * p.chunk_bytes <= 16 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gqa_tied_full", "mha_tied_sharded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_streaming_equals_cpu(name, dtype):
+    """The pinned, read-ahead CUDA path (events guard slot reuse) writes what the CPU path
+    writes, with 1 KiB chunks so every tensor spans several slots and readers wait on events."""
+    path = model_dir(name)
+    cpu = load_lvlm(path, "cpu", dtype)
+    gpu = load_lvlm(path, "cuda", dtype)
+    for a, b in ((cpu.lm, gpu.lm), (cpu.vision, gpu.vision)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k].cpu()) for k in sa)
+    for entries in weight_files(path):
+        ref = load_file(entries[0].file)
+        dests = [torch.full(e.shape, float("nan"), dtype=dtype, device="cuda") for e in entries]
+        stream_file(entries, dests, torch.device("cuda"), StreamPlan(1024, 3, True))
+        assert all(torch.equal(d.cpu(), ref[e.name].to(dtype)) for e, d in zip(entries, dests))
