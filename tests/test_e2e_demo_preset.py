@@ -1,6 +1,6 @@
-"""benchmarks/e2e.py --preset demo-pair on the CPU with one prompt per scenario and a small
-token budget: every field is written, SD is lossless against AR with real acceptance, and
-transformers' greedy tokens equal the engine's in float32."""
+"""benchmarks/e2e.py --preset demo-pair (benchmarks/e2e_demo.py) on the CPU with one prompt per
+scenario and a small token budget: every field is written, SD is lossless against AR with real
+acceptance, and transformers' greedy tokens equal the engine's in float32."""
 import importlib.util
 import json
 import os
@@ -19,6 +19,9 @@ def _load_e2e():
     sys.modules[spec.name] = mod     # dataclasses look their module up while the file executes
     spec.loader.exec_module(mod)
     return mod
+
+
+pytestmark = pytest.mark.slow     # a benchmark run end to end
 
 
 @pytest.fixture(scope="module")

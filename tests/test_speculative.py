@@ -1,5 +1,7 @@
 """TABED speculative decoding: lossless greedy and sampling, one batched draft forward per
 step, adaptive weights (float32, CPU, tiny random checkpoints)."""
+import dataclasses
+import functools
 import itertools
 import math
 from collections import Counter
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 from models import model_dir
+from shards import merge_when_complete, shared_dir
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.ensemble import POLICIES
 from tabed_engine.tiny import random_image, words
@@ -45,12 +48,20 @@ def ar_reference(engine):
     return out
 
 
-def configure(engine, views, policy, gamma):
+@pytest.fixture(scope="module")
+def twin():
+    """Draft = target (same weights): every drafted token the M view proposes is accepted."""
+    return Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32)
+
+
+def configure(engine, views, policy, gamma, window=0):
+    """Reconfigure a module-scoped engine in place (the ensemble state is cached per config)."""
     from tabed_engine.ensemble import EnsembleConfig
 
     engine.views = views
     engine.gamma = gamma
-    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views))
+    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views), window=window)
+    return engine
 
 
 @pytest.mark.parametrize("views,policy,gamma", list(itertools.product(VIEW_SETS, POLICIES, [1, 3, 5])))
@@ -89,9 +100,8 @@ def test_draft_forwards_per_block_is_gamma(engine):
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_draft_equal_to_target_accepts_everything(gamma):
-    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
-                                 views=("M",), gamma=gamma)
+def test_draft_equal_to_target_accepts_everything(twin, gamma):
+    eng = configure(twin, ("M",), "hedge", gamma)
     text, imgs = prompt(1)
     n = 1 + 4 * (gamma + 1)  # the prefill token + four full blocks
     out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=n, stop_at_eos=False))
@@ -103,11 +113,10 @@ def test_draft_equal_to_target_accepts_everything(gamma):
 
 @pytest.mark.parametrize("policy", ["kld", "tvd", "w-grid", "hedge"])
 @pytest.mark.parametrize("order", [("M", "T"), ("T", "M")])
-def test_adaptive_weights_move_to_matching_view(policy, order):
+def test_adaptive_weights_move_to_matching_view(twin, policy, order):
     """Draft = target: the M view sees the real image and matches the target exactly; the
     T view has no image. The weights must move to M within a few blocks."""
-    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
-                                 views=order, policy=policy, gamma=3)
+    eng = configure(twin, order, policy, 3)
     text, imgs = prompt(1)
     out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=25, stop_at_eos=False))
     w = out.stats.weights
@@ -119,11 +128,10 @@ def test_adaptive_weights_move_to_matching_view(policy, order):
     assert all(ws[m] >= 0.85 for ws in w[3:]), w
 
 
-def test_sampled_tvd_weights_move_to_matching_view():
+def test_sampled_tvd_weights_move_to_matching_view(twin):
     """Sampling with `tvd`: the history's TV takes the target normalisers computed in the
     verification graph and the views' from the draft loop; the weights still find M."""
-    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
-                                 views=("T", "M"), policy="tvd", gamma=3)
+    eng = configure(twin, ("T", "M"), "tvd", 3)
     text, imgs = prompt(1)
     out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=25, stop_at_eos=False,
                                                                   temperature=0.8, seed=3))
@@ -131,15 +139,14 @@ def test_sampled_tvd_weights_move_to_matching_view():
     assert len(w) >= 4 and all(ws[1] >= 0.85 for ws in w[3:]), w
 
 
-def test_first_block_weights_come_from_the_prefill_position():
+def test_first_block_weights_come_from_the_prefill_position(engine):
     """Before the first block, each view's KL from the target's distribution of the first
     token (free from the two prefills) is the history's first entry: kld weights ∝ 1/KL."""
     from tabed_engine.prompt import prepare
     from tabed_engine.speculative import prefill_draft
     from tabed_engine.views import build_views
 
-    eng = Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.float32,
-                                 views=("M", "T"), policy="kld", gamma=2)
+    eng = configure(engine, ("M", "T"), "kld", 2)
     text, imgs = prompt(1)
     out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=4, stop_at_eos=False))
     with torch.inference_mode():
@@ -215,41 +222,32 @@ def assert_matches(counts: Counter, dist: dict, n: int):
     return worst
 
 
-@pytest.mark.parametrize("views,policy", [(("M",), "uniform"), (("M", "T"), "kld")])
-def test_sampling_is_lossless(views, policy):
-    eng = Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cpu",
-                                 dtype=torch.float32, views=views, policy=policy, gamma=2)
-    check_sampling_lossless(eng, eng)
+LOSSLESS = {"M-uniform": (("M",), "uniform"), "MT-kld": (("M", "T"), "kld")}
+SAMPLES, SHARDS = 16000, 8
+SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
 
 
-@pytest.mark.gpu
-def test_sampling_is_lossless_on_the_gpu():
-    """The GPU path: the Triton ensemble mix's inverse-CDF draws, the chain verification
-    kernel and the CUDA graphs, against the exact distribution from the CPU target."""
-    kw = dict(dtype=torch.float32, views=("M", "T"), policy="kld", gamma=2)
-    cpu = Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cpu", **kw)
-    gpu = Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cuda", **kw)
-    check_sampling_lossless(gpu, cpu, n=6000, shift=0.035)   # 6000 generations: ~2 min budget
+@functools.lru_cache(maxsize=None)
+def sampling_engine(views, policy, device="cpu"):
+    return Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device=device,
+                                  dtype=torch.float32, views=views, policy=policy, gamma=2)
 
 
-def check_sampling_lossless(eng, exact_eng, n=16000, shift=0.02):
-    """n sampled 3-token generations of `eng` against the exact distribution of their first
-    tokens computed with `exact_eng`'s target; the same check must reject the distribution
-    with `shift` of mass moved between its two likeliest outcomes (>= 5 standard errors)."""
+def sample(eng, seeds):
+    """Counts of the generated 3-token sequences over `seeds`, and the drafts accepted."""
     text, imgs = prompt(1)
-    sp = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
-    dist = exact_first_tokens(exact_eng, text, imgs, sp, 3)
     counts, accepted = Counter(), 0
-    for i in range(n):
-        sp.seed = i
-        out = eng.generate(text, images=imgs, sampling=sp)
+    for i in seeds:
+        out = eng.generate(text, images=imgs, sampling=dataclasses.replace(SAMPLING, seed=i))
         counts[tuple(out.token_ids)] += 1
         accepted += sum(out.stats.accepted_lengths)
-    print("accepted per generation", accepted / n)
-    assert accepted > n * 0.15  # drafts really were accepted (not a target-only path)
+    return counts, accepted
+
+
+def check_lossless(counts, dist, n, shift):
+    """The counts match the exact distribution, and the same check rejects the distribution
+    with `shift` of mass moved between its two likeliest outcomes (>= 5 standard errors)."""
     assert_matches(counts, dist, n)
-    # power: the same statistic rejects a distribution with `shift` of mass moved between the
-    # two most likely outcomes
     top = sorted(dist, key=dist.get, reverse=True)[:2]
     shifted = dict(dist)
     shifted[top[0]] -= shift
@@ -258,11 +256,47 @@ def check_sampling_lossless(eng, exact_eng, n=16000, shift=0.02):
         assert_matches(counts, shifted, n)
 
 
+@pytest.fixture(scope="module")
+def exact_dist():
+    """The target's exact distribution of the first 3 sampled tokens (same for every draft)."""
+    eng = Engine.from_pretrained(target_dir(), device="cpu", dtype=torch.float32)
+    text, imgs = prompt(1)
+    return exact_first_tokens(eng, text, imgs, SAMPLING, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", range(SHARDS))
+@pytest.mark.parametrize("config", list(LOSSLESS))
+def test_sampling_is_lossless(config, shard, exact_dist, tmp_path_factory):
+    """SAMPLES sampled generations in SHARDS shards (xdist spreads them over workers); the
+    shard that completes the set checks all SAMPLES against the exact distribution, with the
+    power to catch a 2% error."""
+    n = SAMPLES // SHARDS
+    counts, accepted = sample(sampling_engine(*LOSSLESS[config]), range(shard * n, (shard + 1) * n))
+    assert accepted > n * 0.15  # drafts really were accepted (not a target-only path)
+    assert set(counts) <= set(exact_dist)
+    merged = merge_when_complete(shared_dir(tmp_path_factory, f"lossless-{config}"), shard, SHARDS,
+                                 Counter({",".join(map(str, k)): v for k, v in counts.items()}))
+    if merged is not None:
+        merged = Counter({tuple(int(t) for t in k.split(",")): v for k, v in merged.items()})
+        assert sum(merged.values()) == SAMPLES
+        check_lossless(merged, exact_dist, SAMPLES, shift=0.02)
+
+
+@pytest.mark.gpu
+def test_sampling_is_lossless_on_the_gpu(exact_dist):
+    """The GPU path: the Triton ensemble mix's inverse-CDF draws, the chain verification
+    kernel and the CUDA graphs, against the exact distribution from the CPU target."""
+    n = 6000                                    # ~2 min budget
+    counts, accepted = sample(sampling_engine(("M", "T"), "kld", device="cuda"), range(n))
+    assert accepted > n * 0.15
+    check_lossless(counts, exact_dist, n, shift=0.035)
+
+
 @pytest.mark.parametrize("window", [1, 3])
-def test_history_window(window):
+def test_history_window(twin, window):
     """A short history window still moves the weights to the matching view and stays lossless."""
-    eng = Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32,
-                                 views=("T", "M"), policy="kld", gamma=3, window=window)
+    eng = configure(twin, ("T", "M"), "kld", 3, window=window)
     text, imgs = prompt(1)
     sp = SamplingParams(max_new_tokens=25, stop_at_eos=False)
     out = eng.generate(text, images=imgs, sampling=sp)
@@ -363,15 +397,19 @@ def test_stop_at_eos_mid_generation(engine, speculative):
     assert again == full
 
 
+@pytest.fixture(scope="module")
+def bf16_engine():
+    return Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("policy, temperature", [("hedge", 0.0), ("w-grid", 0.0), ("kld", 0.8)])
-def test_draft_logits_in_bf16_change_no_result(policy, temperature, monkeypatch):
+def test_draft_logits_in_bf16_change_no_result(bf16_engine, policy, temperature, monkeypatch):
     """The draft loop keeps a bf16 draft's logits in bf16 (no conversion per step); every
     consumer (mixing, weights, divergences, acceptance) upcasts them exactly, so the tokens,
     the acceptance record and the weights equal those of the same run on float32 logits."""
     from tabed_engine.model import LlamaLM
 
-    eng = Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.bfloat16)
-    configure(eng, ("M", "T", "P", "C"), policy, 3)
+    eng = configure(bf16_engine, ("M", "T", "P", "C"), policy, 3)
     text, imgs = prompt(1)
     sp = SamplingParams(max_new_tokens=14, temperature=temperature, seed=5)
 
