@@ -304,7 +304,7 @@ class Engine:
         Raises ValueError/TypeError on bad input (the engine stays usable) and RuntimeError
         when called while this thread has a stream of this engine open.
         """
-        steps = self._steps(self._request(prompt, images, sampling, caption, speculative))
+        steps = self._steps(self._request(prompt, images, sampling, caption, speculative), stepwise=False)
         tokens: list[int] = []
         try:
             while True:
@@ -319,7 +319,8 @@ class Engine:
         checked here, at the call; the generator's return value (`StopIteration.value`) is
         the `GenerationOutput`. The loop body runs outside the engine's inference mode. The
         engine is held until the stream ends: finish it or call its `close()`."""
-        return self._text(self._steps(self._request(prompt, images, sampling, caption, speculative)))
+        return self._text(self._steps(self._request(prompt, images, sampling, caption, speculative),
+                                      stepwise=True))
 
     # ------------------------------------------------------------------ internals
     def _text(self, steps) -> Generator[str, None, GenerationOutput]:
@@ -341,9 +342,11 @@ class Engine:
             steps.close()          # a stream closed early releases the engine now
         return GenerationOutput(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), stats)
 
-    def _steps(self, req: _Request) -> Generator[list[int], None, GenerationStats]:
-        """The request's token blocks, holding the engine throughout and in inference mode
-        only while the engine computes (not while the caller runs between blocks)."""
+    def _steps(self, req: _Request, stepwise: bool) -> Generator[list[int], None, GenerationStats]:
+        """The request's token blocks, holding the engine throughout. stepwise (streams): in
+        inference mode only while the engine computes, not while the caller runs between
+        blocks; else (generate, no caller code between blocks) in one inference-mode context
+        (entering it per token would cost ~5 us a token in the AR loop)."""
         me = threading.get_ident()
         if self._holder == me:
             raise RuntimeError("this thread is already running a generation of this engine (an open "
@@ -352,6 +355,9 @@ class Engine:
         self._lock.acquire()
         try:
             run = self._run(req)
+            if not stepwise:
+                with torch.inference_mode():
+                    return (yield from run)
             while True:
                 self._holder = threading.get_ident()   # a stream may be resumed by another thread
                 with torch.inference_mode():
