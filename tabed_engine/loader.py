@@ -285,11 +285,13 @@ def _match(sources: Iterable[tuple[str, tuple, str]], targets: dict, tied: bool,
 @dataclass(frozen=True)
 class StreamPlan:
     """How a file is streamed: `depth` host buffers of `chunk_bytes` each, filled by `depth`
-    reader threads ahead of the copies. Pinned on CUDA so host-to-device copies run async."""
+    reader threads ahead of the copies. Pinned on CUDA so host-to-device copies run async.
+    direct: host destinations of the file's own dtype are read into straight, no buffer."""
 
     chunk_bytes: int
     depth: int
     pinned: bool
+    direct: bool = False
 
 
 def stream_plan(device: torch.device, cpus: Optional[int] = None) -> StreamPlan:
@@ -298,7 +300,7 @@ def stream_plan(device: torch.device, cpus: Optional[int] = None) -> StreamPlan:
     run in parallel. CPU: 2 x 8 MiB."""
     if device.type == "cuda":
         return StreamPlan(32 << 20, max(2, min(8, (cpus or os.cpu_count() or 2) // 2)), True)
-    return StreamPlan(8 << 20, 2, False)
+    return StreamPlan(8 << 20, 2, False, direct=True)
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int, file: str):
@@ -333,6 +335,16 @@ def stream_file(entries: list[TensorEntry], dests: list[Optional[torch.Tensor]],
         with ThreadPoolExecutor(plan.depth) as own:
             return stream_file(entries, dests, device, plan, own)
     work = [(e, d) for e, d in zip(entries, dests) if d is not None and e.end > e.begin]
+    if plan.direct:
+        straight = [(e, d) for e, d in work if d.device.type == "cpu" and d.dtype == e.dtype]
+        if straight:
+            fd = os.open(straight[0][0].file, os.O_RDONLY)
+            try:
+                for e, d in straight:
+                    _pread_into(fd, memoryview(_bytes(d).numpy()), e.begin, e.file)
+            finally:
+                os.close(fd)
+            work = [(e, d) for e, d in work if not (d.device.type == "cpu" and d.dtype == e.dtype)]
     if not work:
         return
     file = work[0][0].file

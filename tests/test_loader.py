@@ -78,7 +78,8 @@ def test_qkv_bias_lands_in_fused_rows(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 13, 1000, 4099, 1 << 20])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float64])
-def test_stream_file_any_chunking(chunk, dtype):
+@pytest.mark.parametrize("direct", [False, True])
+def test_stream_file_any_chunking(chunk, dtype, direct):
     """Tensors spanning many chunks, chunks holding many tensors, odd sizes: the bytes land
     where safetensors' own reader puts them, converted in the copy when dtypes differ."""
     files = weight_files(model_dir("gqa_tied_full"))     # 18 shards of 1-14 tensors
@@ -87,7 +88,7 @@ def test_stream_file_any_chunking(chunk, dtype):
         dests = [torch.full(e.shape, float("nan"), dtype=dtype or e.dtype) for e in entries]
         if len(dests) > 2:
             dests[1] = None                # a skipped tensor (a tied head) is read past
-        stream_file(entries, dests, torch.device("cpu"), StreamPlan(chunk, 3, False))
+        stream_file(entries, dests, torch.device("cpu"), StreamPlan(chunk, 3, False, direct))
         for e, d in zip(entries, dests):
             if d is not None:
                 assert torch.equal(d, ref[e.name].to(d.dtype)), (e.name, chunk)
@@ -347,7 +348,7 @@ def test_stream_plan():
         p = stream_plan(torch.device("cuda"), cpus)
         assert p.pinned and 2 <= p.depth <= 8 and p.depth * p.chunk_bytes <= 256 << 20
     p = stream_plan(torch.device("cpu"))
-    assert not p.pinned and p.depth * p.chunk_bytes <= 16 << 20
+    assert not p.pinned and p.direct and p.depth * p.chunk_bytes <= 16 << 20
 
 
 @pytest.mark.gpu
