@@ -41,9 +41,9 @@ def resolve_device(device) -> torch.device:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but no CUDA GPU is usable here (this torch "
-                             f"{torch.__version__} was built {'without CUDA' if torch.version.cuda is None else 'with CUDA ' + torch.version.cuda} "
-                             "or sees no GPU); use device='cpu'")
+            why = (f"this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None
+                   else "this torch sees no CUDA GPU")
+            raise ValueError(f"device={device!r} but {why}; use device='cpu'")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
     elif dev.type != "cpu":
