@@ -100,6 +100,9 @@ PRESETS = {
 VIEW_SETS = {1: ("M",), 2: ("M", "T"), 4: ("M", "T", "P", "C")}
 CAPTION = "w1 w2 w3"
 TAU_MAIN = 2.31
+# tree shapes (depth x width x branch; 19, 37, 45 and 64 nodes) and accepted depths + 1 for tree_sweep
+TREE_SHAPES = ("5x2x2", "5x4x2", "6x4x2", "5x3x5")
+TREE_TAUS = (2.31, 3.0, 4.0)
 METHOD = {
     "decode_ms_per_token": "engine: median over repeats of the inter-token time (time_total - time_first_token) / "
                            "(new_tokens - 1) from the engine's stats (wall clock, first new token on the host to "
@@ -368,6 +371,51 @@ class Bench(E2EBench):
                 f"(graph {r.get('verify_graph_ms', float('nan')):.3f}), ensemble share {r['ensemble_share']:.3%}")
         return out
 
+    def tree_sweep(self) -> dict:
+        """Draft trees against the chain, K = 2 (M, T): each tree block's graphs replayed back to
+        back (draft, verification with the walk and compaction, history) and decode ms/token at
+        fixed accepted depths (tau = mean accepted + 1)."""
+        from tabed_engine import Engine
+
+        base = self.engines[2]
+        out = {}
+        for shape in TREE_SHAPES:
+            eng = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
+                         views=base.views, policy=self.args.policy, max_len=self.p.max_len, tree=shape)
+            depth, r = eng.tree.depth, {"nodes": eng.tree.nodes, "depth": eng.tree.depth}
+            one_ms = None
+            for tau in TREE_TAUS:
+                if tau - 1 > depth:
+                    continue
+                eng.bench_accept_schedule = accept_schedule(tau, depth)
+                try:
+                    d = decode_ms(lambda n: self.gen_engine(eng, n, True), self.p.new_tokens, self.p.repeats,
+                                  self.device, one_ms=one_ms, warmup=one_ms is None, stats=lambda: self.last_stats)
+                finally:
+                    eng.bench_accept_schedule = None
+                one_ms = d["t_one_ms"]
+                r[f"tau={tau}"] = {"ms_per_token": d["ms_per_token"], "tau_realized": self.last_stats.block_efficiency,
+                                   "speedup_vs_engine_ar": self.ar_ms / d["ms_per_token"] if self.ar_ms else None}
+            if eng.graphs is not None:
+                for key, cap in eng.graphs.graphs.items():
+                    name = {"draft": "draft_graph_ms", "verify": "verify_graph_ms", "hist": "history_graph_ms"}.get(key[0])
+                    if name:
+                        r[name] = event_ms(cap.graph.replay, self.p.replay_reps, inner=10)
+                if {"draft_graph_ms", "verify_graph_ms"} <= set(r):
+                    r["block_graphs_ms"] = r["draft_graph_ms"] + r["verify_graph_ms"] + r.get("history_graph_ms", 0.0)
+            out[shape] = r
+            log(f"  tree {shape} ({r['nodes']} nodes): block graphs {r.get('block_graphs_ms', float('nan')):.3f} ms, "
+                + ", ".join(f"{k} {v['ms_per_token']:.3f} ms/token" for k, v in r.items() if k.startswith("tau=")))
+            del eng
+        chain = self.result.get("sd_breakdown", {}).get("K=2", {})
+        if {"draft_graph_block_ms", "verify_graph_ms"} <= set(chain):
+            chain_block = chain["draft_graph_block_ms"] + chain["verify_graph_ms"] + chain.get("history_graph_ms", 0.0)
+            out["chain_block_graphs_ms"] = chain_block
+            for shape in TREE_SHAPES:
+                if "block_graphs_ms" in out[shape]:
+                    out[shape]["block_vs_chain_block"] = out[shape]["block_graphs_ms"] / chain_block
+        return out
+
     def mix_graph_ms(self, K: int, eng) -> float:
         """One ensemble_mix at the draft loop's shape (1 request x K views, greedy), replayed
         from a CUDA graph of 10 calls: the mixing inside each draft step."""
@@ -468,6 +516,8 @@ class Bench(E2EBench):
             "sd_K1_tau2.31_speedup_vs_engine_ar_ge_1.8x": check(ar / sd1 if ar and sd1 else None, 1.8, le=False),
             "sd_K2_tau2.31_speedup_vs_hf_eager_ge_10x": check(hf / sd if hf and sd else None, 10.0, le=False),
         }
+        t64 = get("tree_sweep", "5x3x5", "block_vs_chain_block")
+        t["tree_64_nodes_block_le_1.1x_chain_block"] = check(t64, 1.1)
         t["_notes"] = ("draft step uses the graph-replay number on CUDA, engine timing elsewhere; "
                        "ensemble share is the worst over K = 1, 2, 4 of the device share on CUDA (gamma "
                        "ensemble_mix + history graph over the block's graphs), the host-phase share elsewhere")
@@ -543,6 +593,20 @@ class Bench(E2EBench):
                              f"{f(100 * r['ensemble_share'], '.2f')}% "
                              f"({f(100 * dev_share if dev_share is not None else None, '.2f')}%) | "
                              f"{f(r.get('device_bound_sd_ms_per_token_at_tau'))} |")
+        ts = sec("tree_sweep")
+        if ts:
+            lines += ["", f"| trees, K=2 (M,T) | nodes | block graphs ms (× chain block "
+                      f"{f(ts.get('chain_block_graphs_ms'))}) | "
+                      + " | ".join(f"ms/token τ={t} (× AR)" for t in TREE_TAUS) + " |",
+                      "|---|---|---|" + "---|" * len(TREE_TAUS)]
+            for shape in TREE_SHAPES:
+                r = ts.get(shape)
+                if not isinstance(r, dict):
+                    continue
+                cells = [f"{r[k]['ms_per_token']:.3f} ({f(r[k].get('speedup_vs_engine_ar'), '.2f')}×)"
+                         if k in r else "—" for k in (f"tau={t}" for t in TREE_TAUS)]
+                lines.append(f"| {shape} | {r['nodes']} | {f(r.get('block_graphs_ms'))} "
+                             f"({f(r.get('block_vs_chain_block'), '.2f')}×) | " + " | ".join(cells) + " |")
         ps = sec("prefill_split")
         if ps:
             lines += ["", "| prefill ms | host preprocess | vision tower | projector | target LM | draft views "
@@ -569,7 +633,7 @@ class Bench(E2EBench):
         """(section name, function) in run order, after setup."""
         yield from (("bandwidth", self.bandwidth), ("engine_ar", self.engine_ar),
                     ("prefill_split", self.prefill_split), ("sd_sweep", self.sd_sweep),
-                    ("sd_breakdown", self.sd_breakdown))
+                    ("sd_breakdown", self.sd_breakdown), ("tree_sweep", self.tree_sweep))
         if not self.args.skip_hf:
             yield from (("hf_eager", self.hf_eager), ("hf_assisted", self.hf_assisted),
                         ("hf_static", self.hf_static))   # last: auto torch.compile may be slow
