@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -18,6 +20,7 @@ def _run(mode, path, interpret):
                           env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     path = tmp_path / "launches.json"
     rec = _run("record", path, interpret=True)
@@ -27,7 +30,8 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     assert out.returncode == 0, report
     # every op's kernels were recorded and compiled (a launcher that stopped launching
     # would shrink the list silently)
-    for name in ("_mix_partial_kernel", "_mix_chunk_kernel", "_wd_kl_kernel",
-                 "_wd_stats_kernel", "_wd_div_kernel", "_greedy_accept_kernel", "_residual_draw_kernel",
-                 "_history_kernel", "_tree_attention_kernel", "_add_rms_norm_kernel", "_rope_kv_write_kernel"):
+    for name in ("_mix_partial_kernel", "_mix_chunk_kernel", "_wd_kl_kernel", "_wd_given_kernel",
+                 "_wd_stats_kernel", "_wd_div_kernel", "_argmax_partial_kernel", "_greedy_accept_kernel",
+                 "_residual_partial_kernel", "_residual_draw_kernel", "_history_kernel", "_tree_attention_kernel",
+                 "_add_rms_norm_kernel", "_rope_kv_write_kernel"):
         assert f"ok   {name}" in out.stdout, name
