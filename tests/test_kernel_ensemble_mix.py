@@ -175,7 +175,9 @@ def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, t
     # of period 16, slots of 8 (fp32: 4-column groups): a 16-column block with no mass (all
     # -inf: a chunk, or a step) and single zero-probability tokens next to chunk, step and
     # slot edges are never drawn; the rest follows q.
-    plan_kw = dict(splits=2 if tiled else 4, period=16, width=8, **(_tiles(32) if tiled else {}))
+    # tiled: 16 columns per view and step (K views per program with the mixture row, else one)
+    plan_kw = dict(splits=2 if tiled else 4, period=16, width=8,
+                   **(_tiles(32 if return_mixture else 16) if tiled else {}))
     N, K, V = 300, 2, 64
     g = torch.Generator().manual_seed(3)
     base = torch.randn(K, V, generator=g)
@@ -396,6 +398,20 @@ def test_split_sampling_draws_match_unsplit(K, V, return_mixture, kernel_device)
     if return_mixture:
         torch.testing.assert_close(m5, ref[2], atol=1e-6, rtol=1e-5)
     assert len(set(t5.tolist())) > 1
+
+
+@pytest.mark.parametrize("K, n_split", [(2, 1), (3, 4)])
+def test_sampling_draws_do_not_depend_on_the_pass1_layout(K, n_split, kernel_device):
+    """Without the mixture row pass 1 reads one view row per program, with it K views per
+    program: the same partials, so the same draws (the draw order depends on P and SW only)."""
+    logits, w = _inputs(5, K, 1000, torch.bfloat16, kernel_device, seed=K)
+    seed = torch.tensor([3], device=kernel_device)
+    outs = [_mix(logits, w, greedy=False, seed=seed, offset=seed, return_mixture=mix,
+                 plan_kw=dict(splits=n_split, period=64)) for mix in (False, True)]
+    assert _k.mix_plan(5, K, 1000, itemsize=2, greedy=False, write_mix=False, sms=4).rowwise
+    assert torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[0][3], outs[1][3], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("K, V, n_split, width", [(1, 1000, 1, 64), (3, 1000, 2, 128), (2, 173, 1, 32),
