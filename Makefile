@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast test-gpu clean
+.PHONY: setup demo test test-fast test-oldest test-gpu clean
 
 $(VENV)/.installed: setup.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -28,9 +28,24 @@ test: setup
 test-fast: setup
 	$(VPY) -m pytest -q -n 2 -m "not gpu and not slow"
 
+# the oldest transformers setup.py accepts, in its own venv (CI runs make test, then this)
+TF_OLDEST ?= transformers==4.57.6
+VENV_OLDEST := .venv-tf4
+
+$(VENV_OLDEST)/.installed: setup.py
+	test -x $(VENV_OLDEST)/bin/python || $(PY) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VENV_OLDEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	TABED_NO_EXT=1 $(VENV_OLDEST)/bin/python -m pip install -q --no-build-isolation -e ".[test]" "$(TF_OLDEST)"
+	touch $@
+
+test-oldest: $(VENV_OLDEST)/.installed
+	$(VENV_OLDEST)/bin/python -m pytest -q -n 2 tests/test_bad_input.py tests/test_bundled_pair.py
+	$(VENV_OLDEST)/bin/python -m tabed_engine.demo --device cpu --max-new-tokens 8
+
 # On a machine that already has CUDA torch/triton/transformers (no registry needed).
 test-gpu:
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e . && $(PY) -m pytest -q -m gpu
 
 clean:
-	rm -rf $(VENV) build *.egg-info tabed_engine/_C*.so
+	rm -rf $(VENV) $(VENV_OLDEST) build *.egg-info tabed_engine/_C*.so

@@ -91,7 +91,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=4.46",
+        "transformers>=4.57.6",
         "safetensors",
         "numpy",
         "pillow",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 import secrets
 import threading
 import time
@@ -14,7 +15,7 @@ import torch
 
 from .config import SamplingParams, check_int, check_real
 from .ensemble import EnsembleConfig, EnsembleState
-from .loader import LoadedLVLM, load_lvlm, load_processor
+from .loader import LoadedLVLM, load_lvlm, load_processor, read_config
 from .graphs import GraphCache
 from .outputs import GenerationOutput, GenerationStats
 from .model import KVCache
@@ -25,6 +26,7 @@ from .tree import parse_tree
 from .views import resolve_escape_token
 
 VIEW_NAMES = ("M", "T", "P", "C")
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # SentencePiece byte-fallback pieces
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -193,9 +195,14 @@ class Engine:
             log(f"done in {time.perf_counter() - t0:.1f} s\n")
             return out
 
+        # the configs and the processor first: a wrong directory or a broken tokenizer fails
+        # before gigabytes of weights are read
+        for path in (target_dir, draft_dir):
+            if path:
+                read_config(path)
+        processor = load_processor(target_dir)
         target = load("target", lambda p: load_lvlm(p, device, dtype), target_dir)
         draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
-        processor = load_processor(target_dir)
         return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
 
     def _max_len(self, given: Optional[int]) -> int:
@@ -324,6 +331,10 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
     def _text(self, steps) -> Generator[str, None, GenerationOutput]:
+        """Text pieces that join to the final text: the text of the tokens before a trailing
+        run of byte-fallback pieces (`<0xCB>`: bytes decode as a group, and an incomplete
+        group turns the bytes before it into U+FFFD too) is shown once it no longer ends in
+        U+FFFD, and the rest at the end."""
         tokens: list[int] = []
         shown = ""
         try:
@@ -334,13 +345,19 @@ class Engine:
                     stats = stop.value
                     break
                 tokens += new
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                if len(text) > len(shown) and not text.endswith("\ufffd"):
+                stable = len(tokens)
+                while stable and _BYTE_PIECE.fullmatch(self.tokenizer.convert_ids_to_tokens(tokens[stable - 1]) or ""):
+                    stable -= 1
+                text = self.tokenizer.decode(tokens[:stable], skip_special_tokens=True)
+                if len(text) > len(shown) and text.startswith(shown) and not text.endswith("\ufffd"):
                     yield text[len(shown):]
                     shown = text
         finally:
             steps.close()          # a stream closed early releases the engine now
-        return GenerationOutput(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), stats)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if len(text) > len(shown) and text.startswith(shown):
+            yield text[len(shown):]
+        return GenerationOutput(tokens, text, stats)
 
     def _steps(self, req: _Request, stepwise: bool) -> Generator[list[int], None, GenerationStats]:
         """The request's token blocks, holding the engine throughout. stepwise (streams): in
