@@ -282,6 +282,11 @@ def test_gpu_full_size_bf16(B, K, V):
     _check_token(token, prob, ref[2], 1e-6)
     torch.testing.assert_close(mixture, ref[2], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse, ref[3], atol=1e-5, rtol=1e-5)
+    for kw in (dict(return_mixture=True), {}):   # CUDA-graph replays store the same bits
+        run = lambda: ensemble_mix(logits, w, greedy=True, **kw)
+        eager, captured = run(), replayed(run)
+        for x, y in zip(eager, captured):
+            assert (x is None and y is None) or torch.equal(x, y)
 
 
 @pytest.mark.gpu
