@@ -3,7 +3,6 @@ compiled with plain g++; the CUDA sources compile with nvcc (-c only, no GPU nee
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
