@@ -99,7 +99,7 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest", "pytest-xdist", "scipy", "triton>=3.0", "sentencepiece", "protobuf"],
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "scipy", "triton>=3.0", "sentencepiece", "protobuf"],
     },
     entry_points={"console_scripts": ["tabed-engine=tabed_engine.cli:main"]},
     **_extension_kwargs(),

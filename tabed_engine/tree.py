@@ -213,12 +213,15 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
         frontier = ids[best]
         f_ids = torch.arange(n_fed, n_fed + W, device=dev)
         fedpos[rows[:, None], frontier] = f_ids
-        X[:, 1 + P + f_ids] = tokens.gather(1, frontier)
-        X_pos[:, 1 + P + f_ids] = depth + 1
+        # (index_fill_ and tensor values: an indexed assignment of a Python scalar copies it
+        # from the host, which a CUDA-graph capture refuses)
+        x_ids = 1 + P + f_ids
+        X[:, x_ids] = tokens.gather(1, frontier)
+        X_pos.index_fill_(1, x_ids, depth + 1)
         # a frontier node sees prev, its ancestors' fed slots and itself
         par_fed = fedpos.gather(1, parents.gather(1, frontier))         # [B, W]
-        vis[:, 1 + P + f_ids] = vis[rows[:, None], 1 + torch.where(par_fed > 0, par_fed + P, par_fed)]
-        vis[:, 1 + P + f_ids, 1 + P + f_ids] = True
+        itself = torch.arange(Tx, device=dev) == x_ids[:, None]          # [W, Tx]
+        vis[:, x_ids] = vis[rows[:, None], 1 + torch.where(par_fed > 0, par_fed + P, par_fed)] | itself
         n_fed += W
         new_logits = forward(1 + P + n_fed)[:, 1 + P + n_fed - W:]       # [R, W, V]
     return tokens, parents, node_q, torch.cat(fed_logits, 1), fedpos
