@@ -21,7 +21,7 @@ from .outputs import GenerationStats
 from .ops.chain_verify import chain_verify
 from .ops.ensemble_mix import ensemble_mix
 from .sampling import pick_tokens, target_probs
-from .tree import tree_draft, tree_history, tree_verify
+from .tree import node_depth_tensor, tree_draft, tree_history, tree_verify
 from .views import build_views
 
 
@@ -285,7 +285,7 @@ def run_speculative(eng, prep, sp, gen, caption):
         draft_fn = partial(tree_draft, eng.draft.lm, dcache, B=B, K=K, cfg=tree, greedy=greedy,
                            temperature=temp, confidence=confidence)
         verify_fn = partial(tree_verify, eng.target.lm, tcache, dcache, sp=sp, K=K, depth=tree.depth,
-                            node_depth=torch.tensor(tree.node_depths(), device=dev),
+                            node_depth=node_depth_tensor(tree, dev),
                             probs_fn=partial(target_probs, sp=sp))
         noise_per_block = tree.depth * B * tree.width * V
     verify_key = ("verify", B, gamma, tree, greedy, sp.temperature, sp.top_k, sp.top_p, norms)

@@ -77,6 +77,18 @@ class TreeConfig:
         return [0] + [1] * self.width + [d for d in range(2, self.depth + 1) for _ in range(wb)]
 
 
+_NODE_DEPTH: dict = {}
+
+
+def node_depth_tensor(cfg: TreeConfig, device) -> torch.Tensor:
+    """`cfg.node_depths()` as an int64 device tensor, cached: a captured verification graph
+    reads it by address on every replay, so it must outlive the generation that captured it."""
+    key = (cfg, str(device))
+    if key not in _NODE_DEPTH:
+        _NODE_DEPTH[key] = torch.tensor(cfg.node_depths(), device=device)
+    return _NODE_DEPTH[key]
+
+
 def parse_tree(value) -> "TreeConfig | None":
     """`tree=` argument: None/False (chains), True or "default" (TreeConfig()), a TreeConfig,
     a dict of its fields, or "DEPTHxWIDTHxBRANCH" (e.g. "5x4x2")."""
