@@ -140,6 +140,7 @@ class E2EBench:
             traceback.print_exc()
             self.result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         log(f"{name} done in {time.perf_counter() - t:.1f}s")
+        self.save()      # after every stage: a run cut short keeps what it measured
 
     def run(self):
         t0 = time.perf_counter()
