@@ -150,7 +150,7 @@ def test_verify_tree(bench, R, N):
 def test_compact_kv(bench, R, N):
     _needs_ext()
     from tabed_engine.ops.compact_kv import compact_kv
-    L, Hkv, S, D = 32, 32, 2048, 128
+    L, Hkv, S, D = 32, 32, 1024 + N, 128          # the 7B cache, a 1000-token prefix (R = 64: 2 x 17 GB)
     k, v = _rnd(L, R, Hkv, S, D), _rnd(L, R, Hkv, S, D)
     lengths = torch.full((R,), 1000, dtype=torch.int32, device="cuda")
     path = torch.cat([torch.zeros(R, 1, dtype=torch.long, device="cuda"),
