@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ensemble policy: uniform, kld, tvd, w-grid, hedge (default), confidence")
     g.add_argument("--window", type=int, default=0, help="history window in positions (0 = all)")
     g.add_argument("--gamma", type=int, default=5, help="draft tokens per block (default 5)")
+    g.add_argument("--tree", default=None, metavar="DxWxB",
+                   help="draft a tree per block instead of a chain: depth x width x branch, e.g. 5x4x2 "
+                        "('default' = 5x4x2); the target verifies all its nodes in one forward")
     g.add_argument("--no-view-tree", action="store_true",
                    help="draft the first block as a mixture chain instead of verifying every view's own chain "
                         "as a branch of one tree (kld/tvd/hedge, greedy, several views)")
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
                                         log=lambda s: print(s, end="", file=sys.stderr, flush=True),
                                         views=args.views, policy=args.policy, window=args.window,
                                         gamma=args.gamma, view_tree=not args.no_view_tree,
-                                        escape_token=args.escape_token, timing=args.timing)
+                                        escape_token=args.escape_token, timing=args.timing, tree=args.tree)
         prompt = build_prompt(engine.processor, args.prompt, len(images), raw=args.raw, chat=args.chat)
         unknown = unknown_words(engine.tokenizer, prompt)
         if unknown:

@@ -303,3 +303,30 @@ def test_graph_tree_sampling_seeded():
     sp = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, stop_at_eos=False)
     a, b = eng.generate(text, images=imgs, sampling=sp), eng.generate(text, images=imgs, sampling=sp)
     assert a.token_ids == b.token_ids and sum(a.stats.accepted_lengths) > 0
+
+
+def test_cli_tree_equals_engine(tmp_path, capsys):
+    """`--tree DxWxB` on the CLI: the same tokens as the engine's tree decoding (and as AR)."""
+    import json
+
+    from tabed_engine.cli import main
+
+    text, imgs = prompt(1)
+    path = tmp_path / "image.png"
+    imgs[0].save(path)
+    rc = main(["generate", "--target", model_dir("mha"), "--draft", model_dir("mha", perturb=0.25), "--raw",
+               "--image", str(path), "--prompt", text, "--tree", "3x2x2", "--max-new-tokens", "12",
+               "--device", "cpu", "--json"])
+    assert rc == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.25), device="cpu",
+                                 dtype=torch.float32, tree="3x2x2")
+    from PIL import Image
+
+    ref = eng.generate(text, images=[Image.open(path)], sampling=SamplingParams(max_new_tokens=12))
+    assert got["token_ids"] == ref.token_ids
+    assert got["token_ids"] == eng.generate(text, images=[Image.open(path)],
+                                            sampling=SamplingParams(max_new_tokens=12), speculative=False).token_ids
+    assert main(["generate", "--target", model_dir("mha"), "--prompt", "w1", "--tree", "9x9x9",
+                             "--device", "cpu"]) == 2
+    assert "at most 64" in capsys.readouterr().err
