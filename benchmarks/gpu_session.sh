@@ -54,7 +54,7 @@ for stage in "$@"; do
       ;;
     world)
       # the bundled demo pair, trained on the GPU (seeded), packed into one file
-      timeout 560 $PY -m tabed_engine.world.train --device cuda --out /tmp/world_pair ${WORLD_ARGS:-} --skip-eval \
+      timeout 560 $PY -m benchmarks.world.train --device cuda --out /tmp/world_pair ${WORLD_ARGS:-} --skip-eval \
         2>&1 | grep -E "00/|saved|Error" | tail -30
       tar -C /tmp -cf "$OUT/world_pair.tar" world_pair
       ;;
