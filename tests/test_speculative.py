@@ -1,5 +1,7 @@
 """TABED speculative decoding: lossless greedy and sampling, one batched draft forward per
-step, adaptive weights (float32, CPU, tiny random checkpoints)."""
+step, adaptive weights (float32, CPU). Engine tests run on the Llama-2-style fixture of
+tests/realistic.py (SentencePiece with byte fallback, llava-hf processor files); the sampling
+test enumerates the first tokens exactly, so it keeps the tiny word-level vocabulary."""
 import dataclasses
 import functools
 import itertools
@@ -9,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
+import realistic
 from models import model_dir
 from shards import merge_when_complete, shared_dir
 from tabed_engine import Engine, SamplingParams
@@ -30,10 +33,18 @@ def draft_dir():
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.float32)
+    target, draft = realistic.checkpoint("llama")
+    return Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32)
 
 
 def prompt(n_images):
+    """A prompt in the Llama-2 fixture's language, images separated by text."""
+    text = "".join(f"<image>\nPicture {i + 1} shows a street. " for i in range(n_images))
+    return text + "Describe what you see in detail.", [realistic.image(100 + i) for i in range(n_images)]
+
+
+def word_prompt(n_images):
+    """A prompt of the word-level tiny vocabulary (the sampling tests' checkpoints)."""
     return "".join(f"<image>\n{words(i, 2, VOCAB)} " for i in range(n_images)) + words(7, 6, VOCAB), \
         [random_image(100 + i) for i in range(n_images)]
 
@@ -51,7 +62,8 @@ def ar_reference(engine):
 @pytest.fixture(scope="module")
 def twin():
     """Draft = target (same weights): every drafted token the M view proposes is accepted."""
-    return Engine.from_pretrained(target_dir(), target_dir(), device="cpu", dtype=torch.float32)
+    target, _ = realistic.checkpoint("llama")
+    return Engine.from_pretrained(target, target, device="cpu", dtype=torch.float32)
 
 
 def configure(engine, views, policy, gamma, window=0):
@@ -70,7 +82,7 @@ def test_greedy_sd_equals_ar(engine, ar_reference, views, policy, gamma):
     for n in (1, 2):
         text, imgs = prompt(n)
         out = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=20),
-                              caption=["w1 w2 w3", "w4 w5"][:n])
+                              caption=["a red car on the street", "two people near 3 trees"][:n])
         assert out.token_ids == ar_reference[n]
         s = out.stats
         assert len(s.accepted_lengths) == s.target_forwards == len(s.weights)
@@ -235,7 +247,7 @@ def sampling_engine(views, policy, device="cpu"):
 
 def sample(eng, seeds):
     """Counts of the generated 3-token sequences over `seeds`, and the drafts accepted."""
-    text, imgs = prompt(1)
+    text, imgs = word_prompt(1)
     counts, accepted = Counter(), 0
     for i in seeds:
         out = eng.generate(text, images=imgs, sampling=dataclasses.replace(SAMPLING, seed=i))
@@ -260,7 +272,7 @@ def check_lossless(counts, dist, n, shift):
 def exact_dist():
     """The target's exact distribution of the first 3 sampled tokens (same for every draft)."""
     eng = Engine.from_pretrained(target_dir(), device="cpu", dtype=torch.float32)
-    text, imgs = prompt(1)
+    text, imgs = word_prompt(1)
     return exact_first_tokens(eng, text, imgs, SAMPLING, 3)
 
 
