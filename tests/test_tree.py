@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import realistic
 from models import model_dir
 from tabed_engine import Engine, SamplingParams, TreeConfig
 from tabed_engine.ensemble import POLICIES
@@ -68,22 +69,29 @@ def test_tree_mask_of_is_ancestor_or_self():
 
 # ---------------------------------------------------------------------------- greedy == AR
 def prompt(n_images):
+    """Tiny word-level checkpoints (GPU and CLI tests)."""
     return "".join(f"<image>\n{words(i, 2, VOCAB)} " for i in range(n_images)) + words(7, 6, VOCAB), \
         [random_image(100 + i) for i in range(n_images)]
 
 
+def llama_prompt(n_images):
+    text = "".join(f"<image>\nPicture {i + 1} shows a street. " for i in range(n_images))
+    return text + "Describe what you see in detail.", [realistic.image(100 + i) for i in range(n_images)]
+
+
 @pytest.fixture(scope="module")
 def engine():
-    # a close draft (same seed, a little noise): the trees accept several tokens per block
-    return Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.25), device="cpu",
-                                  dtype=torch.float32, tree=TreeConfig())
+    # the Llama-2-style fixture (SentencePiece, llava-hf processor files) with its close draft:
+    # the trees accept several tokens per block
+    target, draft = realistic.checkpoint("llama")
+    return Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, tree=TreeConfig())
 
 
 @pytest.fixture(scope="module")
 def ar_reference(engine):
     out = {}
     for n in (1, 2):
-        text, imgs = prompt(n)
+        text, imgs = llama_prompt(n)
         out[n] = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=24),
                                  speculative=False).token_ids
     return out
@@ -103,9 +111,9 @@ def test_greedy_tree_equals_ar(engine, ar_reference, views, policy, tree):
     configure(engine, views, policy, tree)
     cfg = engine.tree
     for n in (1, 2):
-        text, imgs = prompt(n)
+        text, imgs = llama_prompt(n)
         out = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=24),
-                              caption=["w1 w2 w3", "w4 w5"][:n])
+                              caption=["a red car on the street", "two people near 3 trees"][:n])
         assert out.token_ids == ar_reference[n]
         s = out.stats
         assert len(s.accepted_lengths) == s.target_forwards
@@ -116,7 +124,7 @@ def test_greedy_tree_equals_ar(engine, ar_reference, views, policy, tree):
 def test_trees_accept_more_than_chains(engine):
     """With the close draft, a 5-deep tree accepts more tokens per block than a 5-token chain
     of the same mixture (the tree holds the chain's path among its branches)."""
-    text, imgs = prompt(1)
+    text, imgs = llama_prompt(1)
     sp = SamplingParams(max_new_tokens=48, stop_at_eos=False)
     configure(engine, ("M", "T"), "hedge", None)
     engine.gamma = 5
