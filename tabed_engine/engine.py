@@ -181,6 +181,7 @@ class Engine:
         args = bound.arguments
         _check_options(*(args[k] for k in ("gamma", "views", "policy", "window", "weight_temperature",
                                            "grid_step", "max_len", "pool_size", "captioner")))
+        parse_tree(args["tree"])
 
         def load(what, fn, path):
             if log is None:

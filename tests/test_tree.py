@@ -338,3 +338,12 @@ def test_cli_tree_equals_engine(tmp_path, capsys):
     assert main(["generate", "--target", model_dir("mha"), "--prompt", "w1", "--tree", "9x9x9",
                              "--device", "cpu"]) == 2
     assert "at most 64" in capsys.readouterr().err
+
+
+def test_bad_tree_is_refused_before_loading(tmp_path):
+    """A tree that cannot be built is refused by from_pretrained before any weight is read
+    (the checkpoint directory does not even exist)."""
+    with pytest.raises(ValueError, match="at most 64"):
+        Engine.from_pretrained(str(tmp_path / "none"), tree="9x9x9")
+    with pytest.raises(ValueError, match="DEPTHxWIDTHxBRANCH"):
+        Engine.from_pretrained(str(tmp_path / "none"), tree="big")
