@@ -22,11 +22,11 @@ demo: setup
 
 # everything but GPU tests, the statistical ones (marked slow) included
 test: setup
-	$(VPY) -m pytest -q -n 2
+	$(VPY) -m pytest -q -n 2 --dist worksteal
 
 # the same without the tests marked slow (statistical losslessness, end-to-end benchmark smoke runs)
 test-fast: setup
-	$(VPY) -m pytest -q -n 2 -m "not gpu and not slow"
+	$(VPY) -m pytest -q -n 2 --dist worksteal -m "not gpu and not slow"
 
 # the oldest transformers setup.py accepts, in its own venv (CI runs make test, then this)
 TF_OLDEST ?= transformers==4.57.6

@@ -409,13 +409,15 @@ def run_speculative(eng, prep, sp, gen, caption):
             # ---- the next block's draft, unless this block certainly ends the generation: its
             # last two tokens are (d_n, next) (or (last, next) when nothing was accepted) and its
             # rows are n + 1 tokens further
-            if G + 1 < sp.max_new_tokens:
+            # eager (no graphs) reads the accepted count now: it costs nothing on the CPU (one
+            # sync per block on CUDA without graphs), bounds the next draft's attention span by
+            # the exact length and skips a draft the generation will not use; graphs ignore the
+            # span and queue the draft unless the block certainly ends the generation
+            n_now = int(n_acc[0]) if eng.graphs is None else None
+            if G + 1 + (n_now or 0) < sp.max_new_tokens:
                 step = (n_acc + 1).repeat_interleave(K)
                 inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
-                # eager (no graphs) bounds the attention span by the exact length: reading n_acc
-                # costs nothing on the CPU (and one sync per block on CUDA without graphs);
-                # graphs ignore the span
-                g_next = G + 1 + (int(n_acc[0]) if eng.graphs is None else lookahead)
+                g_next = G + 1 + (lookahead if n_now is None else n_now)
                 pending = queue_draft(inp2, view_len + (G - 2) + step, g_next)
 
             if head_ready is not None:

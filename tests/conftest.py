@@ -22,6 +22,9 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    # the long tests (marked slow) first, so that parallel workers (`make test`: -n 2 with work
+    # stealing) end together instead of one finishing a long test while the other idles
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
