@@ -20,6 +20,14 @@ if not _HAS_CUDA:
 
 import pytest  # noqa: E402
 
+# parallel workers of one run (pytest-xdist) share the checkpoints the tests build
+# (tests/models.py, tests/realistic.py), instead of each building its own
+if os.environ.get("PYTEST_XDIST_TESTRUNUID") and not os.environ.get("TABED_TEST_MODELS"):
+    import tempfile
+
+    os.environ["TABED_TEST_MODELS"] = os.path.join(
+        tempfile.gettempdir(), "tabed_models_" + os.environ["PYTEST_XDIST_TESTRUNUID"])
+
 
 def pytest_collection_modifyitems(config, items):
     # the long tests (marked slow) first, so that parallel workers (`make test`: -n 2 with work

@@ -1,5 +1,6 @@
 """Tiny random LLaVA checkpoints shared by the tests (built once per session on disk)."""
 import os
+import shutil
 import tempfile
 
 from tabed_engine.tiny import build_tiny_llava
@@ -27,9 +28,16 @@ _ROOT = os.environ.get("TABED_TEST_MODELS") or tempfile.mkdtemp(prefix="tabed_mo
 
 
 def model_dir(name: str, **overrides) -> str:
-    """Path of the named tiny checkpoint (built on first use)."""
+    """Path of the named tiny checkpoint (built on first use; built in a temporary directory
+    and renamed into place, so parallel test workers sharing the root never see half of one)."""
     key = name + "".join(f"_{k}{v}" for k, v in sorted(overrides.items()))
     path = os.path.join(_ROOT, key)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        build_tiny_llava(path, **{**CONFIGS[name], **overrides})
+        os.makedirs(_ROOT, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=key + ".", dir=_ROOT)
+        build_tiny_llava(tmp, **{**CONFIGS[name], **overrides})
+        try:
+            os.rename(tmp, path)
+        except OSError:          # another worker built it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
