@@ -178,7 +178,7 @@ def test_split_sampling_follows_mixture_and_skips_empty_chunks(return_mixture, t
     # tiled: 16 columns per view and step (K views per program with the mixture row, else one)
     plan_kw = dict(splits=2 if tiled else 4, period=16, width=8,
                    **(_tiles(32 if return_mixture else 16) if tiled else {}))
-    N, K, V = 300, 2, 64
+    N, K, V = 200, 2, 64
     g = torch.Generator().manual_seed(3)
     base = torch.randn(K, V, generator=g)
     base[0, :8] += 2.0
