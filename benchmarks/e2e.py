@@ -295,15 +295,8 @@ class Bench(E2EBench):
         taus = [TAU_MAIN] + [t for t in self.p.taus if t != TAU_MAIN]
         for K in (1, 2):
             eng = self.engines[K]
-            res, one_ms = {}, None
-            for tau in taus:
-                eng.bench_accept_schedule = accept_schedule(tau, self.p.gamma)
-                try:
-                    r = decode_ms(lambda n: self.gen_engine(eng, n, True), self.p.new_tokens, self.p.repeats,
-                                  self.device, one_ms=one_ms, warmup=one_ms is None, stats=lambda: self.last_stats)
-                finally:
-                    eng.bench_accept_schedule = None
-                one_ms = r["t_one_ms"]
+            res = {}
+            for tau, r in self.schedule_sweep(eng, taus, self.p.gamma):
                 st = self.last_stats
                 r["tau_realized"] = st.block_efficiency
                 r["blocks"] = st.target_forwards
@@ -314,6 +307,20 @@ class Bench(E2EBench):
                     f"(tau realized {r['tau_realized']:.2f}, {r['speedup_vs_engine_ar'] or 0:.2f}x vs AR)")
             out[f"K={K}"] = res
         return out
+
+    def schedule_sweep(self, eng, taus, depth: int):
+        """(tau, decode_ms result) for each tau, the engine's acceptance fixed by the benchmark
+        schedule (at most `depth` drafts accepted per block); t(1) is measured once."""
+        one_ms = None
+        for tau in taus:
+            eng.bench_accept_schedule = accept_schedule(tau, depth)
+            try:
+                r = decode_ms(lambda n: self.gen_engine(eng, n, True), self.p.new_tokens, self.p.repeats,
+                              self.device, one_ms=one_ms, warmup=one_ms is None, stats=lambda: self.last_stats)
+            finally:
+                eng.bench_accept_schedule = None
+            one_ms = r["t_one_ms"]
+            yield tau, r
 
     def sd_breakdown(self) -> dict:
         """Per-phase times from the engine's own timing (timing=True) at tau = 2.31, and the
@@ -383,17 +390,7 @@ class Bench(E2EBench):
             eng = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
                          views=base.views, policy=self.args.policy, max_len=self.p.max_len, tree=shape)
             depth, r = eng.tree.depth, {"nodes": eng.tree.nodes, "depth": eng.tree.depth}
-            one_ms = None
-            for tau in TREE_TAUS:
-                if tau - 1 > depth:
-                    continue
-                eng.bench_accept_schedule = accept_schedule(tau, depth)
-                try:
-                    d = decode_ms(lambda n: self.gen_engine(eng, n, True), self.p.new_tokens, self.p.repeats,
-                                  self.device, one_ms=one_ms, warmup=one_ms is None, stats=lambda: self.last_stats)
-                finally:
-                    eng.bench_accept_schedule = None
-                one_ms = d["t_one_ms"]
+            for tau, d in self.schedule_sweep(eng, [t for t in TREE_TAUS if t - 1 <= depth], depth):
                 r[f"tau={tau}"] = {"ms_per_token": d["ms_per_token"], "tau_realized": self.last_stats.block_efficiency,
                                    "speedup_vs_engine_ar": self.ar_ms / d["ms_per_token"] if self.ar_ms else None}
             if eng.graphs is not None:

@@ -206,6 +206,12 @@ class Engine:
         draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
         return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
 
+    @property
+    def lookahead(self) -> int:
+        """Cache slots a speculative block may write past the committed tokens: γ for a chain,
+        the tree's node count for a tree."""
+        return self.gamma if self.tree is None else self.tree.nodes
+
     def _max_len(self, given: Optional[int]) -> int:
         """The static cache length: `given` (at most every model's max_position_embeddings,
         past which RoPE positions were never trained), else min(that, 4096)."""
@@ -400,7 +406,7 @@ class Engine:
         vocab = self.target.lm.cfg.vocab_size
         if max(prep.ids) >= vocab:
             raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")
-        need = len(prep.ids) + sp.max_new_tokens + (self.gamma if self.tree is None else self.tree.nodes) + 2
+        need = len(prep.ids) + sp.max_new_tokens + self.lookahead + 2
         if need > self.max_len:
             raise ValueError(f"prompt ({len(prep.ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
                              f"+ draft lookahead exceeds the cache length {self.max_len}: lower "

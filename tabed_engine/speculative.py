@@ -243,7 +243,7 @@ def run_speculative(eng, prep, sp, gen, caption):
     V = eng.draft.lm.cfg.vocab_size
     tree = eng.tree
     # tokens a block may write past the committed ones (target nodes; draft rows: fed nodes)
-    lookahead = gamma if tree is None else tree.nodes
+    lookahead = eng.lookahead
     depth = gamma if tree is None else tree.depth
 
     tcache, logits, target_sel = eng.prefill_target(prep)
@@ -351,7 +351,7 @@ def run_speculative(eng, prep, sp, gen, caption):
             if pending is None:
                 pending = queue_draft(inp2, lens, G)
             if tree is not None:
-                drafted, q_logits, mixture, q_lse, tree_fedpos = pending
+                tokens, parents, node_q, fed_logits, fedpos = pending
             else:
                 drafted, q_logits, mixture, q_lse = pending
             pending = None
@@ -360,7 +360,6 @@ def run_speculative(eng, prep, sp, gen, caption):
             # (one graph)
             tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
             if tree is not None:
-                tokens, parents, node_q, fed_logits, fedpos = drafted, q_logits, mixture, q_lse, tree_fedpos
                 inputs = dict(tokens=tokens, parents=parents, tlens=tlens, dlens=dlens, fedpos=fedpos)
                 if not greedy:
                     inputs.update(node_q=node_q, uniforms=torch.rand(B, tree.nodes + 1, generator=gen, device=dev))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ensemble import confidence_weights
 from .ops.compact_kv import compact_kv
 from .ops.verify_tree import verify_tree
 
@@ -149,11 +150,12 @@ def mix_views(logits: torch.Tensor, w: torch.Tensor, temperature: float) -> torc
 
 
 def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tensor:
-    """One-hot weights [B, T, K] on each node's most confident view (`confidence` policy)."""
+    """One-hot weights [B, T, K] on each node's most confident view (`confidence` policy):
+    `ensemble.confidence_weights` with every (node, request) as a request."""
     BK, T, V = logits.shape
-    x = logits.float() / temperature
-    conf = (x.max(-1).values - torch.logsumexp(x, -1)).view(B, BK // B, T).transpose(1, 2)
-    return torch.zeros_like(conf).scatter_(2, conf.argmax(-1, keepdim=True), 1.0)
+    K = BK // B
+    w = confidence_weights(logits.transpose(0, 1).reshape(T * BK, V), T * B, K, temperature)
+    return w.view(T, B, K).transpose(0, 1)
 
 
 def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, cfg: TreeConfig, greedy: bool,

@@ -286,3 +286,9 @@ def image(seed: int, size=(80, 64)):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def prompt(n_images):
+    """A request in the fixtures' language: n images separated by text, and the images."""
+    text = "".join(f"<image>\nPicture {i + 1} shows a street. " for i in range(n_images))
+    return text + "Describe what you see in detail.", [image(100 + i) for i in range(n_images)]

@@ -37,10 +37,7 @@ def engine():
     return Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32)
 
 
-def prompt(n_images):
-    """A prompt in the Llama-2 fixture's language, images separated by text."""
-    text = "".join(f"<image>\nPicture {i + 1} shows a street. " for i in range(n_images))
-    return text + "Describe what you see in detail.", [realistic.image(100 + i) for i in range(n_images)]
+prompt = realistic.prompt
 
 
 def word_prompt(n_images):

@@ -74,11 +74,6 @@ def prompt(n_images):
         [random_image(100 + i) for i in range(n_images)]
 
 
-def llama_prompt(n_images):
-    text = "".join(f"<image>\nPicture {i + 1} shows a street. " for i in range(n_images))
-    return text + "Describe what you see in detail.", [realistic.image(100 + i) for i in range(n_images)]
-
-
 @pytest.fixture(scope="module")
 def engine():
     # the Llama-2-style fixture (SentencePiece, llava-hf processor files) with its close draft:
@@ -91,7 +86,7 @@ def engine():
 def ar_reference(engine):
     out = {}
     for n in (1, 2):
-        text, imgs = llama_prompt(n)
+        text, imgs = realistic.prompt(n)
         out[n] = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=24),
                                  speculative=False).token_ids
     return out
@@ -111,7 +106,7 @@ def test_greedy_tree_equals_ar(engine, ar_reference, views, policy, tree):
     configure(engine, views, policy, tree)
     cfg = engine.tree
     for n in (1, 2):
-        text, imgs = llama_prompt(n)
+        text, imgs = realistic.prompt(n)
         out = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=24),
                               caption=["a red car on the street", "two people near 3 trees"][:n])
         assert out.token_ids == ar_reference[n]
@@ -124,7 +119,7 @@ def test_greedy_tree_equals_ar(engine, ar_reference, views, policy, tree):
 def test_trees_accept_more_than_chains(engine):
     """With the close draft, a 5-deep tree accepts more tokens per block than a 5-token chain
     of the same mixture (the tree holds the chain's path among its branches)."""
-    text, imgs = llama_prompt(1)
+    text, imgs = realistic.prompt(1)
     sp = SamplingParams(max_new_tokens=48, stop_at_eos=False)
     configure(engine, ("M", "T"), "hedge", None)
     engine.gamma = 5
