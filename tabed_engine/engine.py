@@ -293,11 +293,16 @@ class Engine:
                 ens.temperature if weight_temperature is False else weight_temperature,
                 ens.grid_step if grid_step is None else grid_step, self.max_len, self.pool_size, self.captioner)
             new_tree = self.tree if tree is False else parse_tree(tree)
-            self.gamma, self.views, self.ensemble, self.tree = gamma, views, ensemble, new_tree
             if view_tree is not None:
                 self.view_tree = bool(view_tree)
             if adaptive is not False:
+                if adaptive is not None and not isinstance(adaptive, bool):
+                    raise TypeError(f"adaptive must be None or a bool, got {type(adaptive).__name__}")
                 self._adaptive = adaptive
+                self.scheduler.cost.enabled = self.adaptive
+            if (gamma, views, ensemble, new_tree) == (self.gamma, self.views, self.ensemble, self.tree):
+                return                                   # the caches and graphs still fit
+            self.gamma, self.views, self.ensemble, self.tree = gamma, views, ensemble, new_tree
             max_batch = self.runner.max_batch
             self.runner = None                          # free the old caches before allocating
             self.runner = Runner(self, max_batch, self._cuda_graphs)
@@ -387,6 +392,9 @@ class Engine:
         (`StopIteration.value`) is the `GenerationOutput`. The loop body runs outside the
         engine's inference mode. The engine is held until the stream ends: finish it or call
         its `close()`."""
+        if _is_batch(prompt):
+            raise ValueError("stream() takes one prompt; stream_batch() streams a list of prompts (with images, "
+                             "sampling and captions one per prompt)")
         req = self._request(prompt, images, sampling, caption, speculative)
         return self._stream_one(req)
 

@@ -70,8 +70,8 @@ def _token_ids(prompt) -> list[int]:
         if t.dim() == 2 and t.shape[0] == 1:
             t = t[0]
         if t.dim() == 2:
-            raise ValueError(f"a token-id prompt must have shape [n] or [1, n], got {list(t.shape)}: "
-                             "batched generation is not supported yet; pass one prompt at a time")
+            raise ValueError(f"a token-id prompt must have shape [n] or [1, n], got {list(t.shape)} (several "
+                             "prompts go to generate() as a list)")
         if t.dim() != 1:
             raise ValueError(f"a token-id prompt must have shape [n] or [1, n], got {list(t.shape)}")
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
@@ -80,8 +80,8 @@ def _token_ids(prompt) -> list[int]:
     if not prompt:
         raise ValueError("prompt is empty")
     if any(isinstance(t, (list, tuple, str, torch.Tensor, np.ndarray)) for t in prompt):
-        raise ValueError("the prompt is a list of prompts; batched generation is not supported yet: "
-                         "pass one prompt (a string, chat messages or token ids) at a time")
+        raise ValueError("a prompt must be a string, chat messages or token ids, not a list of prompts "
+                         "(several prompts go to generate() as one list of prompts)")
     bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
     if bad is not None:
         raise TypeError(f"token ids must be ints, got {type(bad).__name__} {bad!r}")
@@ -133,8 +133,8 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
         images = [images]
     images = list(images or [])
     if any(isinstance(im, (list, tuple)) for im in images):
-        raise ValueError("images must be one list of images for one prompt; batched generation (a list "
-                         "of image lists) is not supported yet")
+        raise ValueError("images must be one list of images for one prompt (a list of image lists goes "
+                         "with a list of prompts)")
     pil = [_to_pil(im, i) for i, im in enumerate(images)]
     counts = [tokens_per_image] * len(pil) if isinstance(tokens_per_image, int) else list(tokens_per_image)
     if isinstance(prompt, (list, tuple)) and not prompt:

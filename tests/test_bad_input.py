@@ -71,10 +71,7 @@ BAD_REQUESTS = [
     ("negative token id", dict(prompt=[1, -3]), ValueError, "token ids"),
     ("float token ids", dict(prompt=[1.0, 2.0]), TypeError, "token ids"),
     ("float id tensor", dict(prompt=torch.tensor([[1.0, 2.0]])), TypeError, "integer"),
-    ("list of prompts", dict(prompt=["w1 w2", "w3"]), ValueError, "batched"),
-    ("list of id lists", dict(prompt=[[1, 2], [3, 4]]), ValueError, "batched"),
-    ("[2, n] id tensor", dict(prompt=torch.ones(2, 3, dtype=torch.long)), ValueError, "batched"),
-    ("image lists", dict(prompt=GOOD_TEXT, images=[[ONE]]), ValueError, "batched"),
+    ("image lists for one prompt", dict(prompt=GOOD_TEXT, images=[[ONE]]), ValueError, "list of prompts"),
     ("image type", dict(prompt="<image> w1", images=["x"]), TypeError, "image type"),
     ("float tensor 0..255", lambda im: dict(prompt=GOOD_TEXT, images=[_float255(im)]), ValueError,
      "divide by 255"),
@@ -103,6 +100,39 @@ def test_bad_request_then_engine_still_works(eng, img, ref, call, kwargs, exc, m
         kwargs["images"] = [[img]]
     with pytest.raises(exc, match=msg):
         getattr(eng, call)(**kwargs)          # stream() too raises at the call, before any next()
+    assert_usable(eng, img, ref)
+
+
+BAD_BATCHES = [
+    ("one image list for two prompts", dict(prompts=["w1 w2", "w3"], images=[ONE]), ValueError, "one per prompt"),
+    ("an id list out of vocab", dict(prompts=[[1, 2], [3, 10 ** 6]]), ValueError, "prompt 1: .*vocab"),
+    ("too few samplings", dict(prompts=torch.ones(2, 3, dtype=torch.long), sampling=[SamplingParams()]),
+     ValueError, "one per prompt"),
+    ("a bad sampling among them", dict(prompts=["w1", "w2"], sampling=[GOOD_SP, "greedy"]), TypeError,
+     "prompt 1: sampling"),
+    ("too few captions", dict(prompts=["w1", "w2"], captions=["c"]), ValueError, "one per prompt"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, msg", [c[1:] for c in BAD_BATCHES], ids=[c[0] for c in BAD_BATCHES])
+@pytest.mark.parametrize("call", ["generate", "stream_batch"])
+def test_bad_batch_then_engine_still_works(eng, img, ref, call, kwargs, exc, msg):
+    """A list call is checked whole, before any work; the error names the prompt."""
+    kwargs = dict(kwargs)
+    if kwargs.get("images") is not None:
+        kwargs["images"] = [[img] if x is ONE else x for x in kwargs["images"]]
+    prompts = kwargs.pop("prompts")
+    with pytest.raises(exc, match=msg):
+        getattr(eng, call)(prompts, **kwargs)
+    assert not eng.has_unfinished()
+    assert_usable(eng, img, ref)
+
+
+def test_one_prompt_calls_refuse_a_list(eng, img, ref):
+    with pytest.raises(ValueError, match="stream_batch"):
+        eng.stream(["w1", "w2"])
+    with pytest.raises(TypeError, match="captions="):
+        eng.generate(["w1", "w2"], caption="c")
     assert_usable(eng, img, ref)
 
 

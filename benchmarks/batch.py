@@ -1,0 +1,221 @@
+"""Many requests at once (continuous batching), LLaVA-1.5-7B shape with random weights.
+
+Sections:
+* `fixed`: for B in {1, 4, 16, 64} requests admitted together (one image + 40 words each,
+  128 new tokens): throughput (generated tokens / decode wall time, prefills excluded) and
+  per-request ms/token, for AR and for SD at fixed acceptance schedules tau in {1, 2.31, 4}
+  (`Engine.bench_accept_schedule`), the cost model on (the default); at tau = 1 also with
+  the cost model off (always speculating). The floor per step is (target weight bytes + the
+  batch's KV bytes at the mean context) / copy bandwidth measured in the same run.
+* `mixed`: requests of different prompt lengths and answer lengths arriving over time (a
+  Poisson process): throughput, p50 / p99 time to first token (from arrival) and inter-token
+  latency, AR against SD at tau = 2.31.
+
+    python benchmarks/batch.py --out DIR [--preset tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth_gbs, provenance  # noqa: E402
+from e2e import PRESETS, accept_schedule  # noqa: E402
+from e2e_common import build_hf_llava, default_dtype, lm_weight_bytes, log  # noqa: E402
+
+BATCHES = (1, 4, 16, 64)
+TAUS = (1.0, 2.31, 4.0)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
+
+
+class BatchBench:
+    def __init__(self, args):
+        self.args = args
+        self.p = dataclasses.replace(PRESETS[args.preset])
+        self.dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dt = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
+        self.R = {"provenance": provenance(self.dev), "preset": args.preset, "command": " ".join(sys.argv)}
+        self.batches = tuple(b for b in BATCHES if b <= args.max_batch)
+
+    def save(self):
+        os.makedirs(self.args.out, exist_ok=True)
+        with open(os.path.join(self.args.out, f"batch_{self.args.preset}.json"), "w") as f:
+            json.dump(self.R, f, indent=1, default=str)
+
+    def setup(self):
+        from tabed_engine import Engine
+        from tabed_engine.loader import lvlm_from_hf
+        from tabed_engine.tiny import build_processor, random_image, words
+
+        p, dev, dt = self.p, self.dev, self.dt
+        vocab = p.target["vocab_size"]
+        self.processor = build_processor(vocab, p.vision["image_size"], p.vision["patch_size"], "default")
+        image_token = self.processor.tokenizer.convert_tokens_to_ids("<image>")
+        hf_t = build_hf_llava(p.vision, p.target, dev, dt, p.init_std, 0, image_token)
+        hf_d = build_hf_llava(p.vision, p.draft, dev, dt, p.init_std, 1, image_token)
+        with torch.no_grad():
+            hf_d.model.vision_tower.load_state_dict(hf_t.model.vision_tower.state_dict())
+        with default_dtype(dt):
+            self.target, self.draft = lvlm_from_hf(hf_t, dev, dt), lvlm_from_hf(hf_d, dev, dt)
+        del hf_t, hf_d
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        self.eng = Engine(self.target, self.processor, draft=self.draft, device=dev, dtype=dt, views=("M", "T"),
+                          gamma=p.gamma, max_len=self.args.max_len, max_batch=self.args.max_batch)
+        self.words, self.image = words, random_image(0, p.vision["image_size"])
+        gbs = copy_bandwidth_gbs(dev, p.copy_bytes, reps=10) if dev.type == "cuda" else None
+        cfg = self.target.lm.cfg
+        self.kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dt.itemsize
+        self.wbytes = lm_weight_bytes(self.target)
+        self.gbs = gbs
+        return {"copy_GBs": gbs, "target_lm_weight_bytes": self.wbytes, "kv_bytes_per_token": self.kv_per_token,
+                "max_batch": self.eng.runner.max_batch, "max_len": self.eng.max_len, "gamma": p.gamma,
+                "views": list(self.eng.views), "policy": self.eng.ensemble.policy, "adaptive": self.eng.adaptive}
+
+    def prompt(self, i: int, n_words: int):
+        return "<image>\n " + self.words(1000 + i, n_words, self.p.target["vocab_size"])
+
+    def run_batch(self, B: int, n_new: int, speculative: bool) -> dict:
+        """B requests added at once; decode wall time from the step after the last admission."""
+        from tabed_engine import SamplingParams
+
+        eng = self.eng
+        sp = SamplingParams(max_new_tokens=n_new, stop_at_eos=False)
+        ids = [eng.add_request(self.prompt(i, self.p.text_tokens - 1), images=[self.image], sampling=sp,
+                               speculative=speculative) for i in range(B)]
+        outs, t_dec = {}, None
+        while eng.has_unfinished():
+            admitting = bool(eng.scheduler.waiting)
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.output
+            if admitting and not eng.scheduler.waiting and t_dec is None:
+                if self.dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t_dec = time.perf_counter()
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t_dec
+        outs = [outs[i] for i in ids]
+        n_tok = sum(len(o.token_ids) - 1 for o in outs)
+        itl = [(o.stats.time_total - o.stats.time_first_token) / (len(o.token_ids) - 1) * 1e3 for o in outs]
+        blocks = sum(o.stats.target_forwards for o in outs) / B
+        acc = [a for o in outs for a in o.stats.accepted_lengths]
+        return {"B": B, "prompt_tokens": outs[0].stats.prompt_tokens, "tokens_per_s": n_tok / wall, "decode_wall_s": wall,
+                "ms_per_token_per_request": wall / (n_tok / B) * 1e3,
+                "itl_ms_median": pct(itl, 50), "target_forwards_per_request": blocks,
+                "speculative_blocks_per_request": len(acc) / B,
+                "tau_measured": (sum(acc) / len(acc) + 1) if acc else None}
+
+    def fixed(self) -> dict:
+        eng, n_new = self.eng, self.p.new_tokens
+        out = {}
+        for B in self.batches:
+            eng.bench_accept_schedule = None
+            self.run_batch(B, 8, False)                                   # warm-up: capture graphs
+            ar = self.run_batch(B, n_new, False)
+            ctx = ar["prompt_tokens"] + n_new / 2
+            floor = (self.wbytes + B * ctx * self.kv_per_token) / (self.gbs * 1e9) * 1e3 if self.gbs else None
+            row = {"floor_ms_per_step": floor, "ar": ar}
+            ar_tps = ar["tokens_per_s"]
+            if floor:
+                ar["ratio_to_floor"] = ar["ms_per_token_per_request"] / floor
+            for tau in TAUS:
+                for adaptive in ((True, False) if tau == 1.0 else (True,)):
+                    eng.configure(adaptive=adaptive)
+                    eng.bench_accept_schedule = accept_schedule(tau, self.p.gamma)
+                    self.run_batch(B, 16, True)                           # warm-up
+                    r = self.run_batch(B, n_new, True)
+                    r["speedup_vs_ar"] = r["tokens_per_s"] / ar_tps
+                    row[f"sd_tau{tau}" + ("" if adaptive else "_always")] = r
+                    log(f"B={B} tau={tau} adaptive={adaptive}: {r['tokens_per_s']:.0f} tok/s "
+                        f"({r['speedup_vs_ar']:.2f}x AR)")
+            eng.configure(adaptive=None)
+            eng.bench_accept_schedule = None
+            out[f"B={B}"] = row
+            self.R["fixed"] = out
+            self.save()
+        return out
+
+    def mixed(self) -> dict:
+        """Poisson arrivals of requests with different prompt and answer lengths."""
+        from tabed_engine import SamplingParams
+
+        eng, args = self.eng, self.args
+        rng = random.Random(0)
+        reqs, t = [], 0.0
+        for i in range(args.mixed_requests):
+            t += rng.expovariate(args.rate)
+            reqs.append((t, self.prompt(i, rng.randint(8, 120)), rng.choice((16, 32, 64, 128, 256))))
+        out = {}
+        for mode, tau in (("ar", None), ("sd", 2.31)):
+            eng.bench_accept_schedule = accept_schedule(tau, self.p.gamma) if tau else None
+            pending, done = list(reqs), {}
+            t0 = time.perf_counter()
+            while pending or eng.has_unfinished():
+                now = time.perf_counter() - t0
+                while pending and pending[0][0] <= now:
+                    _, prompt, n = pending.pop(0)
+                    eng.add_request(prompt, images=[self.image], speculative=mode == "sd",
+                                    sampling=SamplingParams(max_new_tokens=n, stop_at_eos=False))
+                if not eng.has_unfinished():
+                    time.sleep(min(0.001, max(0.0, pending[0][0] - now)))
+                    continue
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o.output
+            wall = time.perf_counter() - t0
+            outs = list(done.values())
+            ttft = [o.stats.time_first_token * 1e3 for o in outs]
+            itl = [(o.stats.time_total - o.stats.time_first_token) / (len(o.token_ids) - 1) * 1e3
+                   for o in outs if len(o.token_ids) > 1]
+            out[mode] = {"requests": len(outs), "wall_s": wall,
+                         "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+                         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+                         "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99)}
+            log(f"mixed {mode}: {out[mode]}")
+        eng.bench_accept_schedule = None
+        out["arrival_rate_per_s"] = args.rate
+        return out
+
+    def run(self):
+        t0 = time.perf_counter()
+        self.R["setup"] = self.setup()
+        self.save()
+        self.R["fixed"] = self.fixed()
+        self.save()
+        self.R["mixed"] = self.mixed()
+        self.R["total_s"] = time.perf_counter() - t0
+        self.save()
+        log(f"done in {self.R['total_s']:.0f} s")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llava-1.5-7b")
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--mixed-requests", type=int, default=96)
+    ap.add_argument("--rate", type=float, default=40.0, help="mixed run: arrivals per second")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    BatchBench(args).run()
+
+
+if __name__ == "__main__":
+    main()
