@@ -1,0 +1,248 @@
+"""Many requests at once: batched generation equals each request alone and transformers
+(float32, greedy) whatever joins or leaves the batch, stop conditions cut each request as
+decoding one token at a time would, a failing request fails alone, the step loop and abort
+work, the cost model's choices, and sampling stays lossless per request in a batch."""
+import dataclasses
+import functools
+from collections import Counter
+
+import pytest
+import torch
+
+from realistic import image
+from shards import merge_when_complete, shared_dir
+from tabed_engine import Engine, SamplingParams
+from tabed_engine.scheduler import CostModel
+from test_real_checkpoints import N_NEW, PROMPTS, images, loaded, reference
+
+# per prompt: how many new tokens (several lengths: requests leave the batch at different blocks)
+LENGTHS = {"one_image": 16, "separated": 9, "adjacent": 13, "chat": 16, "chat_turns": 5, "text": 11}
+
+
+def engine(**kw):
+    target, draft, processor = loaded("llama")
+    kw = {"views": ("M", "T"), "max_len": 256, **kw}
+    return Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, **kw)
+
+
+def batch_inputs():
+    names = list(LENGTHS)
+    return (names, [PROMPTS[n][0] for n in names], [images(PROMPTS[n][1]) for n in names],
+            [SamplingParams(max_new_tokens=LENGTHS[n]) for n in names])
+
+
+def expected(name):
+    """transformers' greedy tokens, cut at the prompt's length (N_NEW tokens or fewer)."""
+    return reference("llama", name)[:LENGTHS[name]]
+
+
+@pytest.mark.parametrize("speculative,options", [
+    (False, {}),
+    (True, dict(policy="hedge")),
+    (True, dict(views=("M", "T", "P"), policy="w-grid", gamma=3)),
+    (True, dict(tree="4x2x2")),
+])
+def test_batch_equals_transformers(speculative, options):
+    """Six requests of different image counts (none, one, separated, adjacent), chat and text
+    prompts, and lengths through four slots: requests queue, join as others leave, and every
+    one equals transformers' greedy decoding of it alone."""
+    assert max(LENGTHS.values()) <= N_NEW
+    eng = engine(max_batch=4, **options)
+    names, prompts, imgs, sps = batch_inputs()
+    outs = eng.generate(prompts, images=imgs, sampling=sps, speculative=speculative)
+    for name, out in zip(names, outs):
+        assert out.token_ids == expected(name), name
+        assert out.finish_reason in ("stop", "length") and out.error is None
+        assert out.text == eng.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        if speculative:
+            assert len(out.stats.accepted_lengths) == out.stats.target_forwards
+    assert not eng.has_unfinished()
+
+
+class Scripted(CostModel):
+    """A cost model that follows a fixed pattern of modes (exercises every switch)."""
+
+    def __init__(self, pattern):
+        super().__init__(True)
+        self.pattern, self.i = pattern, 0
+
+    def choose(self, b, taus):
+        self.i += 1
+        return self.pattern[(self.i - 1) % len(self.pattern)]
+
+
+@pytest.mark.parametrize("pattern", [("ar", "ar", "ar", "sd"), ("sd", "ar", "sd", "sd", "ar", "ar")])
+def test_switching_between_ar_and_sd_is_lossless(pattern):
+    """Blocks decoded autoregressively leave the draft rows behind; the draft catches up before
+    its next block, and the tokens stay the target's."""
+    eng = engine(max_batch=8)
+    eng.scheduler.cost = Scripted(pattern)
+    names, prompts, imgs, sps = batch_inputs()
+    outs = eng.generate(prompts, images=imgs, sampling=sps)
+    for name, out in zip(names, outs):
+        assert out.token_ids == expected(name), name
+    assert any(o.stats.accepted_lengths for o in outs)          # speculative blocks ran
+    assert any(o.stats.target_forwards > len(o.stats.accepted_lengths) for o in outs)   # and AR steps
+
+
+def test_draft_rows_catch_up_after_ar_blocks():
+    """Draft = target and one view: after autoregressive blocks, the caught-up draft rows
+    predict exactly what the target does, so every speculative block accepts all γ drafts
+    (rows missing the AR tokens would draft from a wrong context)."""
+    target, _, processor = loaded("llama")
+    eng = Engine(target, processor, draft=target, device="cpu", dtype=torch.float32, views=("M",), gamma=3,
+                 max_len=256, max_batch=8)
+    eng.scheduler.cost = Scripted(("ar", "ar", "sd", "ar", "sd", "sd"))
+    names, prompts, imgs, _ = batch_inputs()
+    sps = [SamplingParams(max_new_tokens=40, stop_at_eos=False)] * len(names)
+    for out in eng.generate(prompts, images=imgs, sampling=sps):
+        full = [a for a in out.stats.accepted_lengths[:-1]]          # the last block may be cut
+        assert full and all(a == 3 for a in full), out.stats.accepted_lengths
+
+
+def test_cost_model_choices():
+    cm = CostModel(True, probe_every=4)
+    assert cm.choose(4, [0, 0]) == "sd"                # nothing measured: measure a block
+    cm.record("sd", 4, 0.012)
+    assert cm.choose(4, [1.0, 1.1]) == "ar"            # tau 1.05 < the prior ratio 1.25
+    cm.record("ar", 4, 0.010)                          # measured ratio 1.2
+    assert cm.choose(4, [1.3, 1.2]) == "sd"            # tau 1.25 > 1.2
+    assert cm.choose(4, [2.0, 0]) == "sd"              # an unmeasured request counts as the others' mean
+    modes = [cm.choose(4, [1.0]) for _ in range(10)]   # a useless draft: AR, probing every 4 steps
+    assert modes.count("sd") == 2 and modes[4] == "sd" and modes[9] == "sd", modes
+    assert CostModel(False).choose(4, [1.0]) == "sd"   # off: always speculate
+
+
+def test_stop_conditions_cut_each_request_as_one_token_at_a_time():
+    """stop strings, stop tokens and EOS inside a block: the request keeps exactly the tokens
+    one-at-a-time decoding would; the text ends before the stop string; streamed pieces never
+    show text past it and join to the final text."""
+    eng = engine(gamma=5)
+    name = "one_image"
+    prompt, n = PROMPTS[name]
+    full = eng.generate(prompt, images=images(n), sampling=SamplingParams(max_new_tokens=N_NEW,
+                                                                          stop_at_eos=False))
+    toks = full.token_ids
+    text = full.text
+    stop_tok = toks[6]
+    cut_tok = toks[: toks.index(stop_tok) + 1]
+    word = next(w for w in text.split()[2:] if len(w) >= 2)
+    stop_str = word[:2]
+    cut = text.index(stop_str)
+    sps = [SamplingParams(max_new_tokens=N_NEW, stop_at_eos=False, stop_token_ids=(stop_tok,)),
+           SamplingParams(max_new_tokens=N_NEW, stop_at_eos=False, stop=(stop_str, "\u00a7never")),
+           SamplingParams(max_new_tokens=7, stop_at_eos=False)]
+    outs = eng.generate([prompt] * 3, images=[images(n)] * 3, sampling=sps)
+    assert outs[0].token_ids == cut_tok and outs[0].finish_reason == "stop"
+    assert outs[1].text == text[:cut] and outs[1].finish_reason == "stop"
+    k = len(outs[1].token_ids)
+    assert outs[1].token_ids == toks[:k]
+    assert stop_str in eng.tokenizer.decode(toks[:k], skip_special_tokens=True)
+    assert stop_str not in eng.tokenizer.decode(toks[:k - 1], skip_special_tokens=True)
+    assert outs[2].token_ids == toks[:7] and outs[2].finish_reason == "length"
+    pieces = {}
+    for i, piece in eng.stream_batch([prompt] * 3, images=[images(n)] * 3, sampling=sps):
+        pieces[i] = pieces.get(i, "") + piece
+        assert stop_str not in pieces[i] or i != 1
+    assert [pieces.get(i, "") for i in range(3)] == [o.text for o in outs]
+
+
+def test_step_loop_abort_and_request_ids():
+    eng = engine(max_batch=2)
+    names, prompts, imgs, sps = batch_inputs()
+    ids = [eng.add_request(p, images=i, sampling=s) for p, i, s in zip(prompts, imgs, sps)]
+    with pytest.raises(ValueError, match="already"):
+        eng.add_request(prompts[0], images=imgs[0], request_id=ids[0])
+    victim = ids[2]                                         # queued behind the first two
+    eng.abort(victim)
+    done, text = {}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            text[o.request_id] = text.get(o.request_id, "") + o.new_text
+            if o.finished:
+                assert o.request_id not in done
+                done[o.request_id] = o.output
+    assert done[victim].finish_reason == "abort" and done[victim].token_ids == []
+    for rid, name in zip(ids, names):
+        if rid != victim:
+            assert done[rid].token_ids == expected(name), name
+            assert text[rid] == done[rid].text
+    # abort a running request
+    rid = eng.add_request(prompts[0], images=imgs[0], sampling=SamplingParams(max_new_tokens=16))
+    other = eng.add_request(prompts[5], images=imgs[5], sampling=sps[5])
+    outs = eng.step() + eng.step()
+    eng.abort(rid)
+    while eng.has_unfinished():
+        outs += eng.step()
+    final = {o.request_id: o.output for o in outs if o.finished}
+    assert final[rid].finish_reason == "abort" and 0 < len(final[rid].token_ids) < 16
+    assert final[other].token_ids == expected("text")
+
+
+def test_a_failing_request_fails_alone():
+    """A request whose prefill fails (here: the captioner raises on its image) ends with
+    finish_reason "error" and the message; the others in the batch finish as alone."""
+    bad = image(99, size=(41, 41))
+
+    def captioner(im):
+        if im.size == bad.size and im.tobytes() == bad.tobytes():
+            raise RuntimeError("captioner failed on this image")
+        return "a photo"
+
+    eng = engine(views=("M", "T", "C"), captioner=captioner)
+    prompt = PROMPTS["one_image"][0]
+    sp = SamplingParams(max_new_tokens=LENGTHS["one_image"])
+    outs = eng.generate([prompt, prompt, PROMPTS["text"][0]], images=[images(1), [bad], []],
+                        sampling=[sp, sp, SamplingParams(max_new_tokens=LENGTHS["text"])])
+    assert outs[1].finish_reason == "error" and "captioner failed" in outs[1].error
+    assert outs[0].token_ids == expected("one_image") and outs[2].token_ids == expected("text")
+    with pytest.raises(RuntimeError, match="captioner failed"):
+        eng.generate(prompt, images=[bad], sampling=sp)
+    assert eng.generate(prompt, images=images(1), sampling=sp).token_ids == expected("one_image")
+
+
+# ---------------------------------------------------------------- sampling in a batch
+SAMPLES, SHARDS = 6000, 4
+
+
+@functools.lru_cache(maxsize=None)
+def sampling_engine():
+    from test_speculative import draft_dir, target_dir
+    return Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.float32,
+                                  views=("M", "T"), policy="kld", gamma=2, max_batch=16)
+
+
+@pytest.fixture(scope="module")
+def exact_dist():
+    from test_speculative import SAMPLING, exact_first_tokens, target_dir, word_prompt
+    eng = Engine.from_pretrained(target_dir(), device="cpu", dtype=torch.float32)
+    text, imgs = word_prompt(1)
+    return exact_first_tokens(eng, text, imgs, SAMPLING, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_sampling_in_a_batch_is_lossless(shard, exact_dist, tmp_path_factory):
+    """Each call decodes 8 copies of the measured request together with 4 other requests (two
+    images, another text) in one batch; the measured request's first 3 tokens follow the exact
+    target distribution (and the check rejects a 3.5% shift of mass)."""
+    from test_speculative import SAMPLING, check_lossless, word_prompt
+
+    eng = sampling_engine()
+    text, imgs = word_prompt(1)
+    other, other_imgs = word_prompt(2)
+    n = SAMPLES // SHARDS
+    counts, accepted = Counter(), 0
+    for call in range(n // 8):
+        sp = dataclasses.replace(SAMPLING, seed=shard * 100000 + call)
+        outs = eng.generate([text] * 8 + [other] * 4, images=[imgs] * 8 + [other_imgs] * 4, sampling=sp)
+        for o in outs[:8]:
+            counts[tuple(o.token_ids)] += 1
+            accepted += sum(o.stats.accepted_lengths)
+    assert accepted > n * 0.15                       # drafts really were accepted
+    merged = merge_when_complete(shared_dir(tmp_path_factory, "lossless-batch"), shard, SHARDS,
+                                 Counter({",".join(map(str, k)): v for k, v in counts.items()}))
+    if merged is not None:
+        merged = Counter({tuple(int(t) for t in k.split(",")): v for k, v in merged.items()})
+        assert sum(merged.values()) == SAMPLES
+        check_lossless(merged, exact_dist, SAMPLES, shift=0.035)
