@@ -3,8 +3,8 @@
     python benchmarks/bench_history_update.py [--out benchmarks/results/history_update.json]
     TRITON_INTERPRET=1 python benchmarks/bench_history_update.py --smoke   # CPU, tiny, no claims
 
-Engine shapes: B = 1, gamma = 5 positions per block, capacity 5 * 129 slots with the cursor
-half way (322 recorded positions), K in {2, 4} views; policies w-grid (0.1 grid: G = 11 or
+Engine shapes: B = 1, gamma = 5 positions per block, capacity 5 * 129 slots with the row's
+cursor half way (322 recorded positions), K in {2, 4} views; policies w-grid (0.1 grid: G = 11 or
 286 weight vectors), hedge, kld. Columns (per call, medians):
   fused     tabed_engine.kernels.history_update
   eager     tabed_engine.ops.history_update.history_update_reference (the previous engine path)
@@ -41,7 +41,7 @@ def make_state(B, K, G, cap, cursor, P, device, gen):
               match=(torch.rand(B, G, cap, generator=gen) < 0.4).float(), gkl=torch.rand(B, G, cap, generator=gen))
     new = dict(div_new=torch.rand(B, K, P, generator=gen), match_new=(torch.rand(B, G, P, generator=gen) < 0.4).to(torch.uint8),
                gkl_new=torch.rand(B, G, P, generator=gen), n_acc=torch.full((B,), 2, dtype=torch.long),
-               cursor=torch.full((1,), cursor, dtype=torch.long))
+               cursor=torch.full((B,), cursor, dtype=torch.long))
     return ({k: v.to(device) for k, v in st.items()}, {k: v.to(device) for k, v in new.items()})
 
 

@@ -74,7 +74,7 @@ def test_history_update(bench, B, K, G):
     args = (torch.rand(B, K, P, device="cuda"),
             torch.zeros(B, G, P, dtype=torch.bool, device="cuda") if G else None,
             torch.rand(B, G, P, device="cuda") if G else None,
-            torch.full((B,), 2, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda"),
+            torch.full((B,), 2, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda"),
             torch.ones(B, C, dtype=torch.bool, device="cuda"), torch.rand(B, K, C, device="cuda"),
             torch.rand(B, G, C, device="cuda"), torch.rand(B, G, C, device="cuda"), grid)
     nbytes = B * C * (1 + 4 * K + 8 * G)              # the history it reads back

@@ -195,7 +195,8 @@ class Bench(E2EBench):
         if self.cuda:
             torch.cuda.empty_cache()
         self.engines = {K: Engine(target, self.processor, draft=draft, device=dev, dtype=dt, views=views,
-                                  policy=self.args.policy, gamma=p.gamma, max_len=p.max_len, timing=False)
+                                  policy=self.args.policy, gamma=p.gamma, max_len=p.max_len, timing=False,
+                                  max_batch=1)
                         for K, views in VIEW_SETS.items()}
         # "<image>\n" + words: the newline and the words are the text tokens (BOS apart)
         self.prompt = "<image>\n " + words(0, p.text_tokens - 1, vocab)
@@ -256,6 +257,7 @@ class Bench(E2EBench):
 
     def prefill_split(self) -> dict:
         from tabed_engine.prompt import prepare
+        from tabed_engine.runner import cache_rows
         from tabed_engine.speculative import prefill_draft
         from tabed_engine.views import build_views
 
@@ -281,7 +283,8 @@ class Bench(E2EBench):
                     add("prefill_target_total_ms", ms)
                     rows, ms = wall_ms(lambda: build_views(eng, prep, sel2, CAPTION), self.device)
                     add("build_views_ms", ms)
-                    _, ms = wall_ms(lambda: prefill_draft(eng, rows), self.device)
+                    dcache = cache_rows(eng.runner.dcache, 0, len(rows))
+                    _, ms = wall_ms(lambda: prefill_draft(eng.runner, rows, dcache), self.device)
                     add("prefill_draft_ms", ms)
             r = {k: statistics.median(v[1:]) for k, v in samples.items()}
             r["target_lm_prefill_ms"] = r["prefill_target_total_ms"] - r["vision_tower_ms"] - r["projector_ms"]
@@ -359,9 +362,8 @@ class Bench(E2EBench):
                         r["draft_graph_block_ms"], r["draft_graph_step_ms"] = ms, ms / g
                     elif key[0] == "verify":
                         r["verify_graph_ms"] = event_ms(cap.graph.replay, self.p.replay_reps, inner=10)
-                hist = [(key[4], cap) for key, cap in eng.graphs.graphs.items() if key[0] == "hist"]
-                hist_ms = event_ms(max(hist, key=lambda kc: kc[0])[1].graph.replay, self.p.replay_reps,
-                                   inner=10) if hist else 0.0
+                hist = [cap for key, cap in eng.graphs.graphs.items() if key[0] == "hist"]
+                hist_ms = event_ms(hist[0].graph.replay, self.p.replay_reps, inner=10) if hist else 0.0
                 mix_ms = self.mix_graph_ms(K, eng)
                 r["history_graph_ms"], r["ensemble_mix_graph_ms"] = hist_ms, mix_ms
                 if "verify_graph_ms" in r and "draft_graph_block_ms" in r:
@@ -388,7 +390,8 @@ class Bench(E2EBench):
         out = {}
         for shape in TREE_SHAPES:
             eng = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
-                         views=base.views, policy=self.args.policy, max_len=self.p.max_len, tree=shape)
+                         views=base.views, policy=self.args.policy, max_len=self.p.max_len, tree=shape,
+                         max_batch=1)
             depth, r = eng.tree.depth, {"nodes": eng.tree.nodes, "depth": eng.tree.depth}
             for tau, d in self.schedule_sweep(eng, [t for t in TREE_TAUS if t - 1 <= depth], depth):
                 r[f"tau={tau}"] = {"ms_per_token": d["ms_per_token"], "tau_realized": self.last_stats.block_efficiency,

@@ -5,16 +5,18 @@ kernels per block (index copies into the history, masked sums over it, the polic
 arithmetic); inside the block's CUDA graph each costs a dependent launch. Here one program
 per request b (for `w-grid`, one per request and slice of GS weight vectors, see below):
 
-1. writes the block's P positions into the history at slots cursor.. (valid flag, per-view
-   divergence, and for `w-grid` the per-weight-vector match and KL) - the same slots with
-   the same values on every call, so a replayed or warmed-up graph stays idempotent;
+1. writes the block's P positions into the history at the row's own slots cursor[b]..
+   (valid flag, per-view divergence, and for `w-grid` the per-weight-vector match and KL) -
+   the same slots with the same values on every call, so a replayed or warmed-up graph
+   stays idempotent;
 2. sums the divergences of the recorded positions that fall in the window (the last
-   `window` valid positions, 0 = all): the old slots [0, cursor) are read back from the
-   history in BLOCK_H tiles, the new ones are still in registers;
+   `window` valid positions, 0 = all): the row's old slots [0, cursor[b]) are read back from
+   the history in BLOCK_H tiles (a row admitted at a later block reads only its own, shorter
+   history), the new ones are still in registers;
 3. turns the sums into weights [K] by the policy (kld/tvd: softmax(-log D / t); hedge:
    1/KL on a single position, else softmax(-sum min(KL, clip) / t); w-grid: the grid row
    with the most argmax matches, ties to the lowest summed KL, then the lowest index) and
-   writes them; program 0 writes cursor + P.
+   writes them; the row's program (slice 0 of it) writes its new cursor, cursor[b] + P.
 
 `w-grid` with more than GRID_SLICE weight vectors runs on grid (B, NG): program (b, s)
 records and sums the match and KL rows of vectors s*GS .. s*GS + GS - 1 (slice 0 also
@@ -90,7 +92,7 @@ def _history_kernel(
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     sl = tl.program_id(1)  # slice of the grid's weight vectors (0 unless SPLIT)
-    cur = tl.load(cursor_ptr)
+    cur = tl.load(cursor_ptr + b)   # this row's first free slot
     n_acc = tl.load(n_acc_ptr + b)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -135,7 +137,7 @@ def _history_kernel(
         d = tl.sum(tl.where(inc_new[None, :], dnew, 0.0), axis=1)                   # [KP]
         dc = tl.sum(tl.where(inc_new[None, :], tl.minimum(dnew, clip), 0.0), axis=1)
 
-    # ---- 2. the recorded positions before this block, [0, cur)
+    # ---- 2. the row's recorded positions before this block, [0, cur)
     n_old = 0
     if HAS_WINDOW:
         for h0 in range(0, cur, BLOCK_H):
@@ -203,8 +205,8 @@ def _history_kernel(
         x = tl.where(kmask, x, float("-inf"))
         e = tl.exp(x - tl.max(x, axis=0))
         _store_weights(w_ptr, b, e / tl.sum(e, axis=0), ks, kmask, npos, K)
-    if (b == 0) & (sl == 0):
-        tl.store(new_cursor_ptr, cur + P)
+    if sl == 0:
+        tl.store(new_cursor_ptr + b, cur + P)
 
 
 @triton.jit
@@ -235,7 +237,7 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
             raise ValueError(f"{name} must be contiguous")
     if P < 1 or K < 1:
         raise ValueError(f"a block records at least one position of at least one view, got K={K}, P={P}")
-    if div.shape != (B, K, CAP) or valid.dtype != torch.bool or n_acc.shape != (B,) or cursor.shape != (1,):
+    if div.shape != (B, K, CAP) or valid.dtype != torch.bool or n_acc.shape != (B,) or cursor.shape != (B,):
         raise ValueError(f"history shapes do not match: div_new {tuple(div_new.shape)}, div {tuple(div.shape)}, "
                          f"valid {tuple(valid.shape)} {valid.dtype}, n_acc {tuple(n_acc.shape)}, "
                          f"cursor {tuple(cursor.shape)}")
@@ -245,7 +247,9 @@ def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match
     w = torch.empty(B, K, device=dev, dtype=torch.float32) if out is None else out
     if w.shape != (B, K) or w.dtype != torch.float32 or not w.is_contiguous():
         raise ValueError(f"out must be contiguous fp32 [{B}, {K}], got {w.dtype} {tuple(w.shape)}")
-    new_cursor = torch.empty(1, device=dev, dtype=torch.long)
+    if cursor.dtype != torch.long or not cursor.is_contiguous():
+        raise ValueError(f"cursor must be contiguous int64 [B], got {cursor.dtype}")
+    new_cursor = torch.empty(B, device=dev, dtype=torch.long)
     if plan is None:
         plan = history_plan(G)
     elif plan.G != G:

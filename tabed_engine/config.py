@@ -100,7 +100,12 @@ def check_real(name: str, value) -> float:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters;
-    seed None draws a fresh seed per generation (from the OS, not from torch's global RNG).
+    seed None draws a fresh seed per generation (from the OS, not from torch's global RNG); a
+    seeded request reproduces its tokens when it runs alone (in a batch the draws are shared with
+    the other requests: still distributed exactly as the target's, not reproducible).
+    stop: strings that end the generation (the text ends before the first one; the tokens up
+    to the one that completed it are kept). stop_token_ids: tokens that end it like EOS does.
+    stop_at_eos=False decodes past EOS (ignore_eos).
 
     Frozen and validated once here: the engine never re-checks a params object it was given.
     Derive variants with `dataclasses.replace(sp, seed=1)`."""
@@ -111,6 +116,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: Optional[int] = None
     stop_at_eos: bool = True
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
 
     def __post_init__(self):
         fix = partial(object.__setattr__, self)   # frozen: normalise numpy scalars to int/float
@@ -128,6 +135,14 @@ class SamplingParams:
                 raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if not isinstance(self.stop_at_eos, bool):
             raise TypeError(f"stop_at_eos must be a bool, got {type(self.stop_at_eos).__name__}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise TypeError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        fix("stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+        fix("stop_token_ids", tuple(check_int("stop_token_ids item", t, 0) for t in ids))
 
     @property
     def greedy(self) -> bool:

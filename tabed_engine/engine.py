@@ -2,31 +2,27 @@
 generate autoregressively or speculatively (TABED chain ensembles or draft trees)."""
 from __future__ import annotations
 
-import dataclasses
-import functools
 import inspect
-import re
+import itertools
 import secrets
 import threading
 import time
-from typing import Any, Callable, Generator, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import torch
 
 from .config import SamplingParams, check_int, check_real
-from .ensemble import EnsembleConfig, EnsembleState
+from .ensemble import EnsembleConfig
 from .loader import LoadedLVLM, load_lvlm, load_processor, read_config
-from .graphs import GraphCache
-from .outputs import GenerationOutput, GenerationStats
-from .model import KVCache
-from .prompt import Prepared, prepare
-from .sampling import pick_tokens
-from .speculative import run_speculative
+from .outputs import GenerationOutput
+from .prompt import prepare
+from .request import Request, RequestOutput
+from .runner import Runner, cache_rows
+from .scheduler import CostModel, Scheduler
 from .tree import parse_tree
 from .views import resolve_escape_token
 
 VIEW_NAMES = ("M", "T", "P", "C")
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # SentencePiece byte-fallback pieces
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -96,15 +92,6 @@ def _check_options(gamma, views, policy, window, weight_temperature, grid_step, 
                                         grid_step=grid_step, num_views=len(views))
 
 
-class _Request(NamedTuple):
-    """One validated request (what `_run` needs)."""
-
-    prep: Prepared
-    sp: SamplingParams
-    caption: Any
-    speculative: bool
-
-
 class Engine:
     """Speculative-decoding engine for LLaVA-family models.
 
@@ -117,9 +104,15 @@ class Engine:
                  escape_token: Optional[int] = None, pool_size: Optional[int] = None,
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
                  grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
-                 view_tree: bool = True):
+                 view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
+                 adaptive: Optional[bool] = None):
         self.gamma, self.views, self.ensemble = _check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
+        check_int("max_batch", max_batch, 1)
+        if not 0.0 < check_real("memory_fraction", memory_fraction) <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        if adaptive is not None and not isinstance(adaptive, bool):
+            raise TypeError(f"adaptive must be None or a bool, got {type(adaptive).__name__}")
         self.target, self.draft, self.processor = target, draft, processor
         weights = target.lm.embed_tokens.weight
         self.device = weights.device if device is None else resolve_device(device)
@@ -146,16 +139,15 @@ class Engine:
             if draft.image_token_id != target.image_token_id:
                 raise ValueError("draft and target use different image token ids")
         self.eos_ids = self._eos_ids()
-        # one static cache per (model, rows), kept for the engine's life: captured graphs
-        # hold pointers into them
-        self._caches: dict[tuple[str, int], KVCache] = {}
-        self._ens_states: dict = {}
-        # benchmark only: f(block_index) -> accepted drafts, overriding verification (NOT
-        # lossless); lets benchmarks run a fixed acceptance schedule with everything else real
-        self.bench_accept_schedule: Optional[Callable[[int], int]] = None
-        self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
-        # the static caches, ensemble states and graphs are shared by every call: one
-        # generation at a time (a stream holds the engine from its first next() to its end)
+        # the runner owns the caches (allocated on the first request), ensemble history and
+        # CUDA graphs; the scheduler the queue and the batch
+        self._cuda_graphs, self._adaptive = cuda_graphs, adaptive
+        self.runner = Runner(self, self._max_batch(max_batch, memory_fraction), cuda_graphs)
+        self.scheduler = Scheduler(self.runner, CostModel(self.adaptive))
+        self._ids = itertools.count()
+        self._undelivered: list[RequestOutput] = []   # step() outputs produced inside generate()
+        # the static caches, ensemble history and graphs are shared by every call: calls are
+        # served one at a time (a stream holds the engine from its first next() to its end)
         self._lock = threading.Lock()      # not an RLock: a stream may be closed by another thread
         self._holder: Optional[int] = None   # the thread running (or last resuming) the generation
         self._prepare_lock = threading.Lock()   # the fast tokenizer is not safe to share across threads
@@ -259,153 +251,261 @@ class Engine:
                 ids.add(int(e))
         return ids
 
-    # ------------------------------------------------------------------ caches
-    def target_cache(self, rows: int) -> KVCache:
-        return self._cache("target", self.target, rows)
+    def _max_batch(self, given: int, fraction: float) -> int:
+        """Batch slots: `given`, fewer when the caches of that many requests at max_len would
+        not fit in `fraction` of the GPU's free memory. Raises ValueError when not even one
+        does."""
+        per_token = lambda m: 2 * m.lm.cfg.num_layers * m.lm.cfg.num_kv_heads * m.lm.cfg.head_dim  # noqa: E731
+        K = len(self.views) if self.draft is not None else 0
+        row = (per_token(self.target) + (K * per_token(self.draft) if K else 0)) * self.max_len
+        row *= torch.finfo(self.dtype).bits // 8
+        if self.device.type != "cuda":
+            return given
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fit = int(free * fraction // row)
+        if fit < 1:
+            raise ValueError(f"the KV cache of one request ({row / 2**30:.2f} GiB at max_len {self.max_len}) does "
+                             f"not fit in {fraction:.0%} of the GPU's free memory ({free / 2**30:.2f} GiB): "
+                             "lower max_len")
+        return min(given, fit)
 
-    def draft_cache(self, rows: int) -> KVCache:
-        return self._cache("draft", self.draft, rows)
+    @property
+    def adaptive(self) -> bool:
+        """Whether the cost model may decode a block autoregressively instead of speculating.
+        `adaptive=None` (default): where CUDA graphs make block times steady (the GPU)."""
+        if self._adaptive is not None:
+            return self._adaptive
+        return self.runner.graphs is not None
 
-    def _cache(self, which: str, model: LoadedLVLM, rows: int) -> KVCache:
-        c = self._caches.get((which, rows))
-        if c is None:
-            with torch.inference_mode(False):   # normal tensors: usable in and out of inference mode
-                c = self._caches[(which, rows)] = KVCache(model.lm.cfg, rows, self.max_len, self.device,
-                                                          self.dtype)
-        c.lengths.zero_()
-        return c
+    def configure(self, *, views=None, policy=None, window=None, gamma=None, tree=False,
+                  weight_temperature=False, grid_step=None, view_tree=None, adaptive=False):
+        """Change speculation options between generations (the loaded models stay; caches and
+        graphs are rebuilt for the next request). Arguments as the constructor's; those not
+        given keep their values (tree=None means chains). Raises RuntimeError while requests
+        are queued or running."""
+        with self._lock:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("configure() needs an idle engine: requests are queued or running")
+            ens = self.ensemble
+            gamma, views, ensemble = _check_options(
+                self.gamma if gamma is None else gamma, self.views if views is None else views,
+                ens.policy if policy is None else policy, ens.window if window is None else window,
+                ens.temperature if weight_temperature is False else weight_temperature,
+                ens.grid_step if grid_step is None else grid_step, self.max_len, self.pool_size, self.captioner)
+            new_tree = self.tree if tree is False else parse_tree(tree)
+            self.gamma, self.views, self.ensemble, self.tree = gamma, views, ensemble, new_tree
+            if view_tree is not None:
+                self.view_tree = bool(view_tree)
+            if adaptive is not False:
+                self._adaptive = adaptive
+            max_batch = self.runner.max_batch
+            self.runner = None                          # free the old caches before allocating
+            self.runner = Runner(self, max_batch, self._cuda_graphs)
+            self.scheduler = Scheduler(self.runner, CostModel(self.adaptive))
 
-    def ensemble_state(self, batch: int, positions: int):
-        """The (reset) ensemble history for `batch` requests and at least `positions` recorded
-        positions; kept per capacity (a power of two) so captured graphs stay valid."""
-        cap = 1 << max(6, (positions - 1).bit_length())
-        key = (batch, cap, dataclasses.astuple(self.ensemble))
-        st = self._ens_states.get(key)
-        if st is None:
-            with torch.inference_mode(False):
-                st = self._ens_states[key] = EnsembleState(self.ensemble, batch, cap, self.device)
-        st.reset()
-        return st
+    @property
+    def graphs(self):
+        """The captured CUDA graphs (None without them)."""
+        return self.runner.graphs
 
-    def run_graph(self, key, fn, inputs: dict, kv_len: Optional[int] = None):
-        """fn(**inputs) as a captured CUDA graph (per key) on the GPU; eagerly with a bucketed
-        attention span (`kv_len`) elsewhere."""
-        if self.graphs is not None:
-            return self.graphs.run(key, fn, inputs)
-        return fn(**inputs, kv_len=kv_len)
+    @property
+    def bench_accept_schedule(self) -> Optional[Callable[[int], int]]:
+        """Benchmark only: f(block index) -> accepted drafts, overriding verification (NOT
+        lossless); lets benchmarks run a fixed acceptance schedule with everything else real."""
+        return self.runner.bench_accept_schedule
 
-    def kv_bucket(self, needed: int) -> int:
-        """Attend over a bucketed cache prefix (fewer bytes than S_max, few distinct shapes)."""
-        return min(self.max_len, -(-needed // 128) * 128)
+    @bench_accept_schedule.setter
+    def bench_accept_schedule(self, fn):
+        self.runner.bench_accept_schedule = fn
 
     # ------------------------------------------------------------------ public API
-    # Thread safety: calls from several threads are served one at a time (each waits for the
-    # engine), so every caller gets exactly its sequential answer. A stream holds the engine
-    # from its first next() until it ends or is closed (or garbage-collected); a generate()
-    # or another stream started meanwhile in the thread that runs the open stream would wait
-    # for itself, so it raises RuntimeError instead (finish or close the stream first).
-    def generate(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
-                 caption=None, speculative: bool = True) -> GenerationOutput:
-        """Generate a completion.
+    # Thread safety: `add_request` and `abort` may be called from any thread. `step`,
+    # `generate` and `stream` are served one at a time (each waits for the engine), so every
+    # caller gets exactly its answer; a stream holds the engine from its first next() until it
+    # ends or is closed (or garbage-collected); a call made meanwhile from the thread that runs
+    # the open stream would wait for itself, so it raises RuntimeError instead.
+    def add_request(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None, caption=None,
+                    speculative: bool = True, request_id: Optional[str] = None) -> str:
+        """Queue one request for `step()`; returns its id. The input is checked and tokenized
+        here (ValueError/TypeError naming the problem; the engine stays usable)."""
+        req = self._request(prompt, images, sampling, caption, speculative, request_id)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: admit waiting requests (prefill; their first tokens are the
+        output) or run one block for the running batch. Returns a `RequestOutput` for every
+        request that got tokens or finished."""
+        self._check_holder()
+        with self._lock:
+            outs, self._undelivered = self._undelivered, []
+            return outs + self.scheduler.step()
+
+    def abort(self, request_id: str) -> None:
+        """Finish a queued or running request at the next step (finish_reason "abort")."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued or running (or has output not yet returned by step)."""
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
+
+    def generate(self, prompt: Any, images=None, sampling=None, caption=None, speculative: bool = True,
+                 captions=None):
+        """Generate completions.
 
         prompt: a string with one `<image>` per image, a list of chat messages (rendered by
         the processor's chat template), or token ids (a list of ints or an integer tensor of
-        shape [n] or [1, n]) with the image token where each image goes. One prompt per call.
+        shape [n] or [1, n]) with the image token where each image goes; or a LIST of such
+        prompts (a list of strings, of message lists or of token-id lists, or a tensor
+        [n_prompts, n]), decoded together as one batch.
         images: one image per placeholder, each a PIL image, or a numpy array or tensor
-        (HWC or CHW, 1/3/4 channels) of uint8 values 0..255 or float values in [0, 1].
-        caption: the C view's caption (a string, or one per image). speculative=False (or no
-        draft) decodes autoregressively. Returns token ids, text and `GenerationStats`.
-        Raises ValueError/TypeError on bad input (the engine stays usable) and RuntimeError
-        when called while this thread has a stream of this engine open.
+        (HWC or CHW, 1/3/4 channels) of uint8 values 0..255 or float values in [0, 1]; for a
+        list of prompts, one such list per prompt (or None).
+        sampling: a `SamplingParams`, or one per prompt.
+        caption: the C view's caption (a string, or one per image); `captions`: one per prompt.
+        speculative=False (or no draft) decodes autoregressively.
+        Returns a `GenerationOutput` (token ids, text, stats, finish_reason), or a list of
+        them in prompt order. Raises ValueError/TypeError on bad input before any work (the
+        engine stays usable); a list call returns a failed request's output with
+        finish_reason "error" while the others finish, a single call raises RuntimeError.
         """
-        steps = self._steps(self._request(prompt, images, sampling, caption, speculative), stepwise=False)
-        tokens: list[int] = []
-        try:
-            while True:
-                tokens += next(steps)
-        except StopIteration as stop:
-            stats = stop.value
-        return GenerationOutput(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), stats)
+        batch = _is_batch(prompt)
+        reqs = self._requests(prompt, images, sampling, caption, captions, speculative, batch)
+        for _ in self._drive(reqs):
+            pass
+        outs = [r.output() for r in reqs]
+        if not batch:
+            if outs[0].finish_reason == "error":
+                raise RuntimeError(f"generation failed: {outs[0].error}")
+            return outs[0]
+        return outs
 
     def stream(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
                caption=None, speculative: bool = True) -> Generator[str, None, GenerationOutput]:
-        """Like `generate`, but yields text pieces as tokens are accepted. The input is
-        checked here, at the call; the generator's return value (`StopIteration.value`) is
-        the `GenerationOutput`. The loop body runs outside the engine's inference mode. The
-        engine is held until the stream ends: finish it or call its `close()`."""
-        return self._text(self._steps(self._request(prompt, images, sampling, caption, speculative),
-                                      stepwise=True))
+        """Like `generate` for one prompt, but yields text pieces as tokens are accepted. The
+        input is checked here, at the call; the generator's return value
+        (`StopIteration.value`) is the `GenerationOutput`. The loop body runs outside the
+        engine's inference mode. The engine is held until the stream ends: finish it or call
+        its `close()`."""
+        req = self._request(prompt, images, sampling, caption, speculative)
+        return self._stream_one(req)
+
+    def stream_batch(self, prompts: Sequence, images=None, sampling=None, captions=None,
+                     speculative: bool = True) -> Iterator[tuple[int, str]]:
+        """Decode several prompts as one batch, yielding (prompt index, text piece) as tokens
+        are accepted; each prompt's pieces join to its final text. Arguments as `generate`
+        with a list of prompts. The engine is held until the iterator ends or is closed."""
+        reqs = self._requests(prompts, images, sampling, None, captions, speculative, True)
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+
+        def pieces():
+            for o in self._drive(reqs):
+                if o.new_text:
+                    yield index[o.request_id], o.new_text
+        return pieces()
+
+    def prefill_target(self, prep):
+        """Diagnostics and benchmarks: prefill a prepared prompt (`tabed_engine.prompt.prepare`)
+        into slot 0 of an idle engine. Returns (the slot's cache, logits of the last prompt
+        position [1, V], the target's selected image features or None)."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("prefill_target() needs an idle engine")
+        r = self.runner
+        r.allocate()
+        r.pending = None
+        cache = cache_rows(r.tcache, 0, 1)
+        logits, sel = r.prefill_target(prep, cache)
+        return cache, logits, sel
 
     # ------------------------------------------------------------------ internals
-    def _text(self, steps) -> Generator[str, None, GenerationOutput]:
-        """Text pieces that join to the final text: the text of the tokens before a trailing
-        run of byte-fallback pieces (`<0xCB>`: bytes decode as a group, and an incomplete
-        group turns the bytes before it into U+FFFD too) is shown once it no longer ends in
-        U+FFFD, and the rest at the end."""
-        tokens: list[int] = []
-        shown = ""
-        try:
-            while True:
-                try:
-                    new = next(steps)
-                except StopIteration as stop:
-                    stats = stop.value
-                    break
-                tokens += new
-                stable = len(tokens)
-                while stable and _BYTE_PIECE.fullmatch(self.tokenizer.convert_ids_to_tokens(tokens[stable - 1]) or ""):
-                    stable -= 1
-                text = self.tokenizer.decode(tokens[:stable], skip_special_tokens=True)
-                if len(text) > len(shown) and text.startswith(shown) and not text.endswith("\ufffd"):
-                    yield text[len(shown):]
-                    shown = text
-        finally:
-            steps.close()          # a stream closed early releases the engine now
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if len(text) > len(shown) and text.startswith(shown):
-            yield text[len(shown):]
-        return GenerationOutput(tokens, text, stats)
+    def _stream_one(self, req: Request) -> Generator[str, None, GenerationOutput]:
+        for o in self._drive([req]):
+            if o.new_text:
+                yield o.new_text
+        out = req.output()
+        if out.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {out.error}")
+        return out
 
-    def _steps(self, req: _Request, stepwise: bool) -> Generator[list[int], None, GenerationStats]:
-        """The request's token blocks, holding the engine throughout. stepwise (streams): in
-        inference mode only while the engine computes, not while the caller runs between
-        blocks; else (generate, no caller code between blocks) in one inference-mode context
-        (entering it per token would cost ~5 us a token in the AR loop)."""
-        me = threading.get_ident()
-        if self._holder == me:
+    def _check_holder(self):
+        if self._holder == threading.get_ident():
             raise RuntimeError("this thread is already running a generation of this engine (an open "
                                "stream(): finish it or call its close() before starting another; the "
                                "engine runs one generation at a time)")
+
+    def _drive(self, reqs: list[Request]) -> Iterator[RequestOutput]:
+        """Step the engine until `reqs` finish, yielding their outputs; holds the engine
+        throughout (outputs of other callers' requests are kept for their `step()`). Closing
+        the iterator early aborts the requests."""
+        self._check_holder()
         self._lock.acquire()
         try:
-            run = self._run(req)
-            if not stepwise:
-                with torch.inference_mode():
-                    return (yield from run)
-            while True:
+            for r in reqs:
+                self.scheduler.add(r)
+            left = {r.request_id for r in reqs}
+            mine = set(left)
+            while left:
                 self._holder = threading.get_ident()   # a stream may be resumed by another thread
-                with torch.inference_mode():
-                    try:
-                        new = next(run)
-                    except StopIteration as stop:
-                        return stop.value
-                yield new
+                for o in self.scheduler.step():
+                    if o.request_id not in mine:
+                        self._undelivered.append(o)
+                        continue
+                    if o.finished:
+                        left.discard(o.request_id)
+                    yield o
         finally:
+            self.scheduler.drop([r for r in reqs if not r.finished])
             self._holder = None
             self._lock.release()
 
-    def _request(self, prompt, images, sampling, caption, speculative) -> _Request:
+    def _requests(self, prompt, images, sampling, caption, captions, speculative, batch) -> list[Request]:
+        """Validate every request of a call before any work. Raises ValueError/TypeError naming
+        the prompt's index for a list call."""
+        if not batch:
+            if captions is not None:
+                raise TypeError("captions= is for a list of prompts; pass caption= with one prompt")
+            return [self._request(prompt, images, sampling, caption, speculative)]
+        if caption is not None:
+            raise TypeError("caption= is for one prompt; pass captions= (one per prompt) with a list of prompts")
+        prompts = list(prompt) if not isinstance(prompt, torch.Tensor) else [p for p in prompt]
+        n = len(prompts)
+
+        def per_prompt(name, value, single):
+            if value is None or single(value):
+                return [value] * n
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                raise ValueError(f"{name} must be one value for all prompts or a list of {n} (one per prompt)")
+            return list(value)
+        imgs = [None] * n if images is None else images
+        if not isinstance(imgs, (list, tuple)) or len(imgs) != n:
+            raise ValueError(f"images must be a list of {n} image lists (one per prompt, None or [] for none)")
+        sps = per_prompt("sampling", sampling, lambda v: isinstance(v, SamplingParams))
+        caps = per_prompt("captions", captions, lambda v: False)
+        reqs = []
+        for i in range(n):
+            try:
+                reqs.append(self._request(prompts[i], imgs[i], sps[i], caps[i], speculative))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        return reqs
+
+    def _request(self, prompt, images, sampling, caption, speculative, request_id=None) -> Request:
         """Validate one request and tokenize it (no device work). Raises ValueError/TypeError."""
         sp = SamplingParams() if sampling is None else sampling
         if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams (one per call), got {type(sp).__name__}")
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
         if not isinstance(speculative, bool):
             raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         with self._prepare_lock:
             prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image)
         vocab = self.target.lm.cfg.vocab_size
         if max(prep.ids) >= vocab:
             raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the model's vocabulary ({vocab})")
         need = len(prep.ids) + sp.max_new_tokens + self.lookahead + 2
         if need > self.max_len:
             raise ValueError(f"prompt ({len(prep.ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
@@ -422,103 +522,19 @@ class Engine:
         elif use_sd and "C" in self.views and self.captioner is None and prep.num_images > 0:
             raise ValueError("view 'C' needs a caption per image: pass caption= to generate() / stream() "
                              "(CLI: --caption) or give the engine a captioner")
-        return _Request(prep, sp, caption, use_sd)
-
-    def _run(self, req: _Request):
-        """The request's decoding loop (a generator of token blocks returning the stats)."""
-        # the engine's own generator, seeded from the OS when unseeded: torch's global RNG
+        # the request's own generator, seeded from the OS when unseeded: torch's global RNG
         # (the user's) is neither reseeded nor advanced
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(req.sp.seed if req.sp.seed is not None else secrets.randbits(63))
-        if req.speculative:
-            return (yield from run_speculative(self, req.prep, req.sp, gen, req.caption))
-        return (yield from self._run_ar(req.prep, req.sp, gen))
-
-    def sync(self):
-        if self.timing and self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def encode_images(self, model: LoadedLVLM, prep: Prepared) -> Optional[torch.Tensor]:
-        """Projected image features [n_images, tokens, hidden] for `model`."""
-        if prep.pixel_values is None:
-            return None
-        return model.vision(prep.pixel_values.to(self.device))
-
-    @staticmethod
-    def embed(model: LoadedLVLM, ids: list[int], spans, feats) -> torch.Tensor:
-        """Token embeddings [len(ids), hidden] with image features placed at each span."""
-        dev = model.lm.embed_tokens.weight.device
-        x = model.lm.embed_tokens(torch.tensor(ids, device=dev))
-        for i, (start, n) in enumerate(spans):
-            if feats[i].shape[0] != n:
-                raise ValueError(f"image {i} has {feats[i].shape[0]} features for {n} image tokens")
-            x[start:start + n] = feats[i].to(x.dtype)
-        return x
-
-    def prefill_target(self, prep: Prepared):
-        """Encode images, prefill the target's cache (1 row) and return
-        (cache, logits of the last prompt position [1, V], pre-projector image features)."""
-        lm, n = self.target.lm, len(prep.ids)
-        sel = None if prep.pixel_values is None else \
-            self.target.vision.select(prep.pixel_values.to(self.device))
-        feats = None if sel is None else self.target.vision.project(sel)
-        cache = self.target_cache(1)
-        x = self.embed(self.target, prep.ids, prep.image_spans, feats)
-        pos = torch.arange(n, device=self.device)[None]
-        logits = lm(cache, pos, embeds=x[None], logits_index=torch.tensor([[n - 1]], device=self.device),
-                    kv_len=self.kv_bucket(n), fresh=True)[:, -1]
-        cache.lengths += n
-        return cache, logits, sel
-
-    def _run_ar(self, prep: Prepared, sp: SamplingParams, gen):
-        """Autoregressive decoding, pipelined one step deep: step t + 1 is queued on the device
-        (its input token never leaves the device) before the host waits for token t, so the
-        GPU does not idle while the host reads a token and launches the next step. When token
-        t turns out to be EOS, the queued step is discarded (its KV lands past the sequence;
-        the tokens are those of the unpipelined loop, and the sampler's draws for emitted
-        tokens come in the same order)."""
-        stats = GenerationStats(speculative=False, prompt_tokens=len(prep.ids))
-        t0 = time.perf_counter()
-        cache, logits, _ = self.prefill_target(prep)
-        if self.timing:
-            self.sync()
-            stats.time_prefill = time.perf_counter() - t0
-        step_fn = functools.partial(decode_step, self.target.lm, cache)
-        length = len(prep.ids)
-        cuda = self.device.type == "cuda"
-        host = torch.empty(1, dtype=torch.long, pin_memory=cuda)
-        ready = torch.cuda.Event() if cuda else None
-        tok = pick_tokens(logits, sp, gen)              # [1], on the device
-        for step in range(sp.max_new_tokens):
-            host.copy_(tok, non_blocking=True)
-            if ready is not None:
-                ready.record()
-            last = step == sp.max_new_tokens - 1
-            if not last:                                # queue step + 1 before waiting for token step
-                logits = self.run_graph(("ar", 1), step_fn, {"tok": tok[:, None], "lens": cache.lengths},
-                                        kv_len=self.kv_bucket(length + 1))
-                cache.lengths += 1
-                length += 1
-                nxt = pick_tokens(logits, sp, gen)
-            if ready is not None:
-                ready.synchronize()                     # the step's one host wait
-            t = int(host[0])
-            if step == 0:
-                stats.time_first_token = time.perf_counter() - t0
-            stats.new_tokens += 1
-            yield [t]
-            if last or (sp.stop_at_eos and t in self.eos_ids):
-                break
-            stats.target_forwards += 1
-            tok = nxt
-        self.sync()
-        stats.time_total = time.perf_counter() - t0
-        return stats
+        gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(rid, prep, sp, caption, use_sd, gen, self.tokenizer, frozenset(self.eos_ids))
 
 
-def decode_step(lm, cache: KVCache, tok: torch.Tensor, lens: torch.Tensor,
-                kv_len: Optional[int] = None) -> torch.Tensor:
-    """One autoregressive step: tok [R, 1] written at slots lens [R]; returns logits [R, V].
-    Idempotent in its inputs (the caller advances the lengths), as a captured graph's
-    warm-up run must be."""
-    return lm(cache, lens.long()[:, None], input_ids=tok, lengths=lens, kv_len=kv_len)[:, -1]
+def _is_batch(prompt) -> bool:
+    """Whether `prompt` is a list of prompts: a list of strings, of message lists or of token-id
+    lists, or a 2-D tensor with more than one row."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() == 2 and prompt.shape[0] > 1
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    return all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt)

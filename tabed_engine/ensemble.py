@@ -82,7 +82,8 @@ class EnsembleState:
         G = 0 if self.grid is None else self.grid.shape[0]
         self.match = torch.zeros(batch, G, capacity, device=device)       # mixture argmax == target's
         self.gkl = torch.zeros(batch, G, capacity, device=device)          # KL(p || mixture)
-        self.cursor = torch.zeros(1, dtype=torch.long, device=device)      # next free slot
+        # each row's next free slot: requests join a continuous batch at different blocks
+        self.cursor = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.uniform = torch.full((batch, K), 1.0 / K, device=device)
 
     @property
@@ -98,6 +99,13 @@ class EnsembleState:
     def reset(self):
         self.valid.zero_()
         self.cursor.zero_()
+
+    def reset_rows(self, rows: slice):
+        """Empty the history of `rows` (requests admitted there start at slot 0; their next
+        weights are uniform until a position is recorded); the other rows keep theirs. In
+        place, no host sync."""
+        self.valid[rows] = False
+        self.cursor[rows] = 0
 
     def step(self, p_logits, q_logits, n_acc, cursor, temperature: float = 1.0, p_lse=None, q_lse=None,
              all_positions: Optional[bool] = None):

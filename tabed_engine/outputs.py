@@ -25,8 +25,9 @@ class GenerationStats:
     # first block then drafted the mixture with weights[0])
     view_tree_view: Optional[str] = None
     views: tuple[str, ...] = ()
+    time_queued: float = 0.0          # from add_request to the start of the request's prefill
     time_prefill: float = 0.0
-    time_first_token: float = 0.0     # from the prefill's start to the first new token on the host
+    time_first_token: float = 0.0     # from add_request to the first new token on the host
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_ensemble: float = 0.0
@@ -49,8 +50,12 @@ class GenerationStats:
 
 @dataclass
 class GenerationOutput:
-    """One request's result: generated token ids, their decoded text, and the stats."""
+    """One request's result: generated token ids, their decoded text, the stats, and why it
+    ended: "stop" (EOS, a stop token or a stop string), "length" (max_new_tokens), "abort"
+    (`Engine.abort`) or "error" (then `error` says what went wrong)."""
 
     token_ids: list[int]
     text: str
     stats: GenerationStats
+    finish_reason: str = "length"
+    error: Optional[str] = None

@@ -1,7 +1,8 @@
-"""One speculative block (chain), repeated: batched multi-view drafting with an adaptive
-ensemble, one target verification of γ+1 tokens, lossless acceptance, history update.
-With greedy decoding, several views and a divergence policy, the first block is a view
-tree instead (`view_tree_block`): every view's own chain verified in one target forward.
+"""The fixed-shape pieces of a speculative block (chain): batched multi-view drafting with an
+adaptive ensemble, one target verification of γ+1 tokens with lossless acceptance; the
+runner (`tabed_engine.runner`) strings them together for a batch. With greedy decoding,
+several views and a divergence policy, a lone request's first block is a view tree instead
+(`view_tree_block`): every view's own chain verified in one target forward.
 
 Row bookkeeping: every row's sequence is its prompt (the view's prompt for draft rows)
 followed by the G generated tokens. A row's KV cache holds at least all but its last two
@@ -11,51 +12,31 @@ identical KV for the first is harmless) and later steps feed one; the target ver
 """
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
 
-from .ensemble import confidence_weights, history_step
-from .outputs import GenerationStats
+from .ensemble import confidence_weights
 from .ops.chain_verify import chain_verify
 from .ops.ensemble_mix import ensemble_mix
-from .sampling import pick_tokens, target_probs
-from .tree import node_depth_tensor, tree_draft, tree_history, tree_verify
-from .views import build_views
+from .sampling import target_probs
 
 
-class _Timer:
-    """Per-phase wall times, only with `Engine(timing=True)` (each lap synchronizes the device,
-    which stops the host from queueing ahead: off by default)."""
-
-    def __init__(self, eng, stats):
-        self.eng, self.stats, self.t = eng, stats, time.perf_counter()
-
-    def lap(self, field: str):
-        if not self.eng.timing:
-            return
-        self.eng.sync()
-        now = time.perf_counter()
-        setattr(self.stats, field, getattr(self.stats, field) + now - self.t)
-        self.t = now
-
-
-def prefill_draft(eng, rows):
-    """Prefill all view rows in one ragged batch. Returns the cache, per-row prompt lengths
-    [R] and each row's logits for the first generated token [R, V] (its last position)."""
+def prefill_draft(eng, rows, cache):
+    """Prefill all view rows into `cache` (one row per view) in one ragged batch. Returns the
+    per-row prompt lengths [R] and each row's logits for the first generated token [R, V]
+    (its last position)."""
     draft, dev = eng.draft, eng.device
     lens = [len(r.ids) for r in rows]
     Tm = max(lens)
     x = torch.zeros(len(rows), Tm, draft.lm.cfg.hidden_size, device=dev, dtype=eng.dtype)
     for i, r in enumerate(rows):
         x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.feats)
-    cache = eng.draft_cache(len(rows))
     pos = torch.arange(Tm, device=dev)[None].expand(len(rows), Tm)
     lens = torch.tensor(lens, device=dev)
     logits = draft.lm(cache, pos, embeds=x, logits_index=(lens - 1)[:, None], kv_len=eng.kv_bucket(Tm),
                       fresh=True)[:, 0]
-    return cache, lens, logits
+    return lens, logits
 
 
 def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, gamma: int,
@@ -234,209 +215,6 @@ def view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state, *, K:
     return new, n, k, p_views, q_views
 
 
-def run_speculative(eng, prep, sp, gen, caption):
-    """Generator yielding lists of accepted tokens; returns GenerationStats."""
-    stats = GenerationStats(speculative=True, prompt_tokens=len(prep.ids), views=eng.views)
-    timer = _Timer(eng, stats)
-    t_start = timer.t
-    dev, gamma, K, B = eng.device, eng.gamma, len(eng.views), 1
-    V = eng.draft.lm.cfg.vocab_size
-    tree = eng.tree
-    # tokens a block may write past the committed ones (target nodes; draft rows: fed nodes)
-    lookahead = eng.lookahead
-    depth = gamma if tree is None else tree.depth
-
-    tcache, logits, target_sel = eng.prefill_target(prep)
-    first = pick_tokens(logits, sp, gen)                                   # [B]
-    rows = build_views(eng, prep, target_sel, caption)
-    longest = max(len(r.ids) for r in rows)
-    if longest + sp.max_new_tokens + lookahead + 2 > eng.max_len:
-        raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
-                         f"{eng.max_len}")
-    dcache, view_len, first_q = prefill_draft(eng, rows)
-    timer.lap("time_prefill")
-
-    greedy = sp.greedy
-    temp = 1.0 if greedy else sp.temperature   # draft softmax and divergence temperature
-    state = eng.ensemble_state(B, depth * (sp.max_new_tokens + 1))
-    if tree is None:
-        hist_fn = partial(history_step, state, temperature=temp)
-    else:
-        hist_fn = partial(tree_history, state, depth=tree.depth, temperature=temp)
-    hist_key = ("hist", B, K, gamma, tree, state.capacity, greedy, temp, id(state))
-    w = state.uniform
-    if state.adaptive:
-        # the prefill already verified one position: the target's distribution of the first
-        # token. Recording each view's divergence there gives the first block adapted weights
-        # (one position of history instead of none; uniform when the policy is not adaptive).
-        w, new_cursor = state.step(logits[:, None], first_q.view(B, K, 1, V), torch.zeros_like(first[:B]),
-                                   state.cursor, temperature=temp)
-        state.cursor.copy_(new_cursor)
-    confidence = eng.ensemble.policy == "confidence" and K > 1
-    # the history's TV takes the target's and the views' normalisers from the verification
-    # and the draft loop (one pass over the logits instead of two)
-    norms = state.uses_normalisers and tree is None
-    if tree is None:
-        draft_fn = partial(draft_block, eng.draft.lm, dcache, B=B, K=K, gamma=gamma, greedy=greedy,
-                           temperature=temp, confidence=confidence)
-        verify_fn = partial(verify_block, eng.target.lm, tcache, sp=sp, normalisers=norms)
-        noise_per_block = gamma * B * V
-    else:
-        draft_fn = partial(tree_draft, eng.draft.lm, dcache, B=B, K=K, cfg=tree, greedy=greedy,
-                           temperature=temp, confidence=confidence)
-        verify_fn = partial(tree_verify, eng.target.lm, tcache, dcache, sp=sp, K=K, depth=tree.depth,
-                            node_depth=node_depth_tensor(tree, dev),
-                            probs_fn=partial(target_probs, sp=sp))
-        noise_per_block = tree.depth * B * tree.width * V
-    verify_key = ("verify", B, gamma, tree, greedy, sp.temperature, sp.top_k, sp.top_p, norms)
-    # the block's one host read (accepted count, next token, drafted tokens), into pinned
-    # memory on the GPU so the history update can be queued before the host waits
-    head = torch.empty(2 + depth, dtype=torch.long, pin_memory=dev.type == "cuda")
-    head_ready = torch.cuda.Event() if dev.type == "cuda" else None
-    draft_key = ("draft", B, K, gamma, tree, greedy, temp, confidence)
-    dlens = None            # the draft rows' lengths at the start of the queued block
-    seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=dev)
-    offset = torch.zeros(1, dtype=torch.long, device=dev)
-    schedule = eng.bench_accept_schedule
-
-    # each block's weights for request 0, recorded on the device (a host read per block would
-    # be a second synchronisation) and read back once at the end; with a non-adaptive policy
-    # the weights never change and nothing is recorded
-    w_rec = torch.empty(sp.max_new_tokens, K, device=dev) if state.adaptive else None
-
-    out = [int(first[0])]
-    stats.time_first_token = time.perf_counter() - t_start
-    yield list(out)
-    prompt_tail = [r.ids[-1] for r in rows]   # per row: the token before the first generated one
-    n_prompt = len(prep.ids)
-    block = 0
-    # the first block's view tree (see view_tree_block): greedy, several views, a divergence
-    # policy (w-grid scores mixtures, which a tree of single-view chains does not give), and
-    # room in the target cache for up to K·γ tree nodes
-    use_tree = (eng.view_tree and tree is None and greedy and K > 1 and schedule is None
-                and eng.ensemble.policy in ("kld", "tvd", "hedge")
-                and n_prompt + K * gamma + 2 <= eng.max_len)
-    def queue_draft(inp2, lens, g_next):
-        """The next block's draft (one graph): γ chain steps or one tree; g_next bounds the
-        tokens it follows."""
-        nonlocal dlens
-        dlens = lens
-        res = eng.run_graph(draft_key, draft_fn, dict(inp2=inp2, lens=lens, w=w, seed=seed, offset=offset),
-                            kv_len=eng.kv_bucket(longest + g_next + lookahead))
-        offset.add_(noise_per_block)
-        timer.lap("time_draft")
-        return res
-
-    # the draft of block b+1 is queued before the host waits for block b's result (its inputs
-    # are computed on the device from the accepted count), so the GPU does not idle while the
-    # host reads the block, yields its tokens and launches the next graphs
-    pending = None
-    while not _finished(eng, sp, out):
-        G = len(out)
-        if pending is None:   # no earlier block queued this one's draft: its inputs from the host
-            prev = [out[-2]] * K if G >= 2 else prompt_tail
-            inp2 = torch.tensor([[p, out[-1]] for p in prev], device=dev)     # [B*K, 2]
-            lens = view_len + (G - 2)                                          # [B*K]
-        if use_tree and block == 0:   # ---- first block: every view's chain, one tree verification
-            new, n, k, p_views, q_views = view_tree_block(eng, dcache, tcache, inp2, lens, out, n_prompt, state,
-                                                          K=K, gamma=gamma, longest=longest)
-            stats.view_tree_view = eng.views[k]
-            stats.target_forwards += 1
-            w_rec[block].copy_(w[0])                                         # before w is replaced
-            w, new_cursor = state.step_views(p_views, q_views, state.cursor, temperature=temp)
-            state.cursor.copy_(new_cursor)
-            timer.lap("time_verify")
-        else:
-            # ---- draft: γ steps, all views as rows of one batch per step
-            if pending is None:
-                pending = queue_draft(inp2, lens, G)
-            if tree is not None:
-                tokens, parents, node_q, fed_logits, fedpos = pending
-            else:
-                drafted, q_logits, mixture, q_lse = pending
-            pending = None
-
-            # ---- verify: target forward on [last, d_1..d_γ] (or the tree's nodes) and acceptance
-            # (one graph)
-            tlens = torch.full((B,), n_prompt + G - 1, dtype=torch.int32, device=dev)
-            if tree is not None:
-                inputs = dict(tokens=tokens, parents=parents, tlens=tlens, dlens=dlens, fedpos=fedpos)
-                if not greedy:
-                    inputs.update(node_q=node_q, uniforms=torch.rand(B, tree.nodes + 1, generator=gen, device=dev))
-                tlogits, path, n_acc, nxt, packed = eng.run_graph(verify_key, verify_fn, inputs,
-                                                                  kv_len=eng.kv_bucket(n_prompt + G + tree.nodes))
-                d_last = tokens.gather(1, path.gather(1, n_acc[:, None]))   # [B, 1]: d_n, or the root
-            else:
-                vin = torch.cat([torch.full((B, 1), out[-1], device=dev, dtype=torch.long), drafted], dim=1)
-                inputs = dict(vin=vin, tlens=tlens)
-                if not greedy:
-                    inputs.update(mixture=mixture, uniforms=torch.rand(B, gamma + 1, generator=gen, device=dev))
-                tlogits, n_acc, nxt, packed, t_lse = eng.run_graph(verify_key, verify_fn, inputs,
-                                                                   kv_len=eng.kv_bucket(n_prompt + G + gamma + 1))
-                d_last = vin.gather(1, n_acc[:, None])
-            if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
-                n_acc = torch.full_like(n_acc, min(int(schedule(block)), depth))
-                if tree is None:
-                    nxt = tlogits[torch.arange(B, device=dev), n_acc].argmax(-1)
-                    packed = pack_head(n_acc, nxt, drafted)
-                else:
-                    path, d_last, nxt, packed = forced_tree_path(tokens, parents, tlogits, int(n_acc[0]), tree)
-            head.copy_(packed[0], non_blocking=True)
-            if head_ready is not None:
-                head_ready.record()
-            stats.target_forwards += 1
-            timer.lap("time_verify")
-
-            # ---- history: divergences at the block's positions (the accepted ones + the first
-            # rejected; all drafted ones with hedge) and the next block's weights (one graph on the
-            # GPU, queued before the host waits)
-            if state.adaptive:
-                # after the verification is queued: on the GPU, nothing between the host's wait
-                # and the verification launch but what that launch needs
-                w_rec[block].copy_(w[0])                                     # before w is replaced
-                if tree is not None:
-                    h_in = dict(tlogits=tlogits, fed_logits=fed_logits, path=path, n_acc=n_acc, fedpos=fedpos,
-                                cursor=state.cursor)
-                else:
-                    h_in = dict(tlogits=tlogits, q_logits=q_logits, n_acc=n_acc, cursor=state.cursor)
-                    if norms:
-                        h_in.update(t_lse=t_lse, q_lse=q_lse)
-                w, new_cursor = eng.run_graph(hist_key, hist_fn, h_in)
-                state.cursor.copy_(new_cursor)
-            timer.lap("time_ensemble")
-
-            # ---- the next block's draft, unless this block certainly ends the generation: its
-            # last two tokens are (d_n, next) (or (last, next) when nothing was accepted) and its
-            # rows are n + 1 tokens further
-            # eager (no graphs) reads the accepted count now: it costs nothing on the CPU (one
-            # sync per block on CUDA without graphs), bounds the next draft's attention span by
-            # the exact length and skips a draft the generation will not use; graphs ignore the
-            # span and queue the draft unless the block certainly ends the generation
-            n_now = int(n_acc[0]) if eng.graphs is None else None
-            if G + 1 + (n_now or 0) < sp.max_new_tokens:
-                step = (n_acc + 1).repeat_interleave(K)
-                inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
-                g_next = G + 1 + (lookahead if n_now is None else n_now)
-                pending = queue_draft(inp2, view_len + (G - 2) + step, g_next)
-
-            if head_ready is not None:
-                head_ready.synchronize()                                     # the block's one host sync
-            n, t_next, *d = head.tolist()
-            new = d[:n] + [t_next]
-        stats.accepted_lengths.append(n)
-        new = _truncate(eng, sp, out, new)
-        out += new
-        block += 1
-        yield new
-        timer.lap("time_other")
-    stats.new_tokens = len(out)
-    w_blocks = w_rec[:block].tolist() if w_rec is not None else [state.uniform[0].tolist()] * block
-    stats.weights = [[round(x, 4) for x in row] for row in w_blocks]
-    eng.sync()
-    stats.time_total = time.perf_counter() - t_start
-    return stats
-
-
 def forced_tree_path(tokens, parents, tlogits, n: int, tree):
     """Benchmark only: the path to the first node at depth n (its ancestors are all expanded
     nodes), as if the target had accepted it. Returns (path [B, N], its last token [B, 1],
@@ -452,18 +230,3 @@ def forced_tree_path(tokens, parents, tlogits, n: int, tree):
     n_acc = torch.full((B,), n, dtype=torch.long, device=tokens.device)
     path_tok = tokens.gather(1, path[:, 1:tree.depth + 1].clamp_min(0))
     return path, tokens.gather(1, last), nxt, torch.cat([n_acc[:, None], nxt[:, None], path_tok], 1)
-
-
-def _truncate(eng, sp, out, new):
-    """Cut a block's tokens at EOS (inclusive) and at max_new_tokens, exactly as AR would."""
-    room = sp.max_new_tokens - len(out)
-    new = new[:room]
-    if sp.stop_at_eos:
-        for i, t in enumerate(new):
-            if t in eng.eos_ids:
-                return new[: i + 1]
-    return new
-
-
-def _finished(eng, sp, out) -> bool:
-    return len(out) >= sp.max_new_tokens or (sp.stop_at_eos and out[-1] in eng.eos_ids)

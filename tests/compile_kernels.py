@@ -156,7 +156,7 @@ def _exercise():
         G = 3 if policy == POLICY_GRID else 0
         history_update.history_update(
             torch.rand(Bh, K, P), torch.zeros(Bh, G, P, dtype=torch.bool) if G else None,
-            torch.rand(Bh, G, P) if G else None, torch.tensor([1]), torch.zeros(1, dtype=torch.long),
+            torch.rand(Bh, G, P) if G else None, torch.tensor([1]), torch.zeros(Bh, dtype=torch.long),
             torch.zeros(Bh, C, dtype=torch.bool), torch.zeros(Bh, K, C), torch.zeros(Bh, G, C),
             torch.zeros(Bh, G, C), grid if G else None, policy=policy, window=0, temperature=1.0, clip=1.0,
             all_positions=policy == POLICY_HEDGE)
@@ -164,7 +164,7 @@ def _exercise():
     for window in (0, 2):
         history_update.history_update(
             torch.rand(Bh, K, P), torch.zeros(Bh, G, P, dtype=torch.bool), torch.rand(Bh, G, P), torch.tensor([1]),
-            torch.zeros(1, dtype=torch.long), torch.zeros(Bh, C, dtype=torch.bool), torch.zeros(Bh, K, C),
+            torch.zeros(Bh, dtype=torch.long), torch.zeros(Bh, C, dtype=torch.bool), torch.zeros(Bh, K, C),
             torch.zeros(Bh, G, C), torch.zeros(Bh, G, C), torch.rand(G, K), policy=POLICY_GRID, window=window,
             temperature=1.0, clip=1.0, all_positions=False)
 

@@ -24,10 +24,7 @@ def engine():
 
 
 def _configure(engine, views, policy="w-grid", gamma=4):
-    from tabed_engine.ensemble import EnsembleConfig
-
-    engine.views, engine.gamma = views, gamma
-    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views))
+    engine.configure(views=views, policy=policy, gamma=gamma)
 
 
 def assert_same_or_fp_tie(engine, text, imgs, a, b, tol=1e-4):

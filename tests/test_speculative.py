@@ -16,6 +16,7 @@ from models import model_dir
 from shards import merge_when_complete, shared_dir
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.ensemble import POLICIES
+from tabed_engine.model import KVCache
 from tabed_engine.tiny import random_image, words
 
 VOCAB = 173
@@ -64,12 +65,8 @@ def twin():
 
 
 def configure(engine, views, policy, gamma, window=0):
-    """Reconfigure a module-scoped engine in place (the ensemble state is cached per config)."""
-    from tabed_engine.ensemble import EnsembleConfig
-
-    engine.views = views
-    engine.gamma = gamma
-    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views), window=window)
+    """Reconfigure a module-scoped engine in place."""
+    engine.configure(views=views, policy=policy, gamma=gamma, window=window)
     return engine
 
 
@@ -152,6 +149,7 @@ def test_first_block_weights_come_from_the_prefill_position(engine):
     """Before the first block, each view's KL from the target's distribution of the first
     token (free from the two prefills) is the history's first entry: kld weights ∝ 1/KL."""
     from tabed_engine.prompt import prepare
+    from tabed_engine.runner import cache_rows
     from tabed_engine.speculative import prefill_draft
     from tabed_engine.views import build_views
 
@@ -161,7 +159,8 @@ def test_first_block_weights_come_from_the_prefill_position(engine):
     with torch.inference_mode():
         prep = prepare(eng.processor, text, imgs, eng.target.image_token_id, eng.tokens_per_image)
         _, p_logits, sel = eng.prefill_target(prep)
-        _, _, q_logits = prefill_draft(eng, build_views(eng, prep, sel, None))
+        _, q_logits = prefill_draft(eng.runner, build_views(eng, prep, sel, None),
+                                    cache_rows(eng.runner.dcache, 0, 2))
     logp = p_logits.double().log_softmax(-1)
     kl = (logp.exp() * (logp - q_logits.double().log_softmax(-1))).sum(-1)    # [K]
     expect = (1 / kl) / (1 / kl).sum()
@@ -196,14 +195,14 @@ def exact_first_tokens(eng, text, imgs, sp, n_tok):
 
     prep = prepare(eng.processor, text, imgs, eng.target.image_token_id, eng.tokens_per_image)
     feats = eng.target.vision(prep.pixel_values)
-    base = eng.embed(eng.target, prep.ids, prep.image_spans, feats)
+    base = eng.runner.embed(eng.target, prep.ids, prep.image_spans, feats)
     dist = {(): 1.0}
     for _ in range(n_tok):
         nxt = {}
         for seq, pr in dist.items():
             x = torch.cat([base, eng.target.lm.embed_tokens(torch.tensor(seq, dtype=torch.long))]) \
                 if seq else base
-            cache = eng.target_cache(1)
+            cache = KVCache(eng.target.lm.cfg, 1, eng.max_len, eng.device, eng.dtype)
             pos = torch.arange(x.shape[0])[None]
             logits = eng.target.lm(cache, pos, embeds=x[None])[:, -1]
             p = target_probs(logits, sp)[0].detach()
@@ -338,7 +337,7 @@ def test_hedge_weights_exponentiate_clipped_kl_over_all_drafted_positions():
     w, cur = st.step(p1, q1, n_acc, st.cursor)
     loss = d0.clamp(max=HEDGE_CLIP) + kl(p1, q1).clamp(max=HEDGE_CLIP).sum(-1)
     assert torch.allclose(w.double(), torch.softmax(-loss, -1), atol=1e-5)
-    assert int(cur) == 1 + P and bool(st.valid[:, :1 + P].all())
+    assert cur.tolist() == [1 + P] * B and bool(st.valid[:, :1 + P].all())
 
 
 def test_target_probs_writes_the_unrestricted_normaliser():
@@ -376,7 +375,7 @@ def test_history_step_with_normalisers_matches_without(temperature):
         out.append((w, cur, st.div.clone()))
     torch.testing.assert_close(out[0][0], out[1][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out[0][2], out[1][2], atol=1e-6, rtol=1e-5)
-    assert int(out[0][1]) == int(out[1][1]) == gamma and (out[1][2][:, :, :2] > 0.05).all()
+    assert out[0][1].tolist() == out[1][1].tolist() == [gamma] * B and (out[1][2][:, :, :2] > 0.05).all()
     assert not EnsembleState(EnsembleConfig(policy="kld", num_views=K), B, 16, "cpu").uses_normalisers
 
 

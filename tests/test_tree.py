@@ -93,11 +93,7 @@ def ar_reference(engine):
 
 
 def configure(engine, views, policy, tree):
-    from tabed_engine.ensemble import EnsembleConfig
-
-    engine.views = views
-    engine.ensemble = EnsembleConfig(policy=policy, num_views=len(views))
-    engine.tree = parse_tree(tree)
+    engine.configure(views=views, policy=policy, tree=tree)
 
 
 @pytest.mark.parametrize("views,policy,tree", list(itertools.product(
@@ -122,7 +118,7 @@ def test_trees_accept_more_than_chains(engine):
     text, imgs = realistic.prompt(1)
     sp = SamplingParams(max_new_tokens=48, stop_at_eos=False)
     configure(engine, ("M", "T"), "hedge", None)
-    engine.gamma = 5
+    engine.configure(gamma=5)
     chain = engine.generate(text, images=imgs, sampling=sp).stats.block_efficiency
     configure(engine, ("M", "T"), "hedge", "5x4x2")
     tree = engine.generate(text, images=imgs, sampling=sp).stats.block_efficiency

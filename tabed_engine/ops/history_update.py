@@ -3,9 +3,13 @@
 The history of B requests holds `capacity` slots: valid [B, C] bool, the per-view
 divergence div [B, K, C] (KL, or TV for `tvd`), and for `w-grid` per weight vector of the
 grid [G, K] whether the mixture's argmax matched the target's, match [B, G, C], and the
-mixture's KL, gkl [B, G, C]. A block's P positions go to slots cursor .. cursor + P - 1;
-positions 0..n_acc[b] are valid (all P with `all_positions`). The weights use the last
-`window` valid positions (0 = all):
+mixture's KL, gkl [B, G, C]. Every row has its own write cursor, cursor [B] (the row's first
+free slot; requests of a continuously batched step joined at different blocks): row b's P
+positions go to slots cursor[b] .. cursor[b] + P - 1, and positions 0..n_acc[b] are valid
+(all P with `all_positions`; none when n_acc[b] = -1). Only a row's slots before
+cursor[b] + P count: a request admitted into a row starts it at slot 0 (`valid[b]` cleared,
+see `EnsembleState.reset_rows`), whatever the row held beyond. The weights use the row's
+last `window` valid positions (0 = all):
 
 * div policies (kld, tvd): w = softmax(-log D / t), D the summed divergence;
 * hedge: on a single recorded position w = softmax(-log D) (1/KL), after that
@@ -24,20 +28,22 @@ def history_update_reference(div_new, match_new, gkl_new, n_acc, cursor, valid, 
                              policy, window, temperature, clip, all_positions):
     """Plain-PyTorch history update (ground truth for tests; CPU path of the engine)."""
     B, K, P = div_new.shape
-    idx = cursor + torch.arange(P, device=cursor.device)                  # [P]
+    C = valid.shape[1]
+    idx = cursor[:, None] + torch.arange(P, device=cursor.device)        # [B, P]: each row's slots
     new_valid = torch.arange(P, device=n_acc.device)[None] <= n_acc[:, None]
     if all_positions:
         new_valid = torch.ones_like(new_valid)
-    valid.index_copy_(1, idx, new_valid)
-    div.index_copy_(2, idx, div_new.float())
+    valid.scatter_(1, idx, new_valid)
+    div.scatter_(2, idx[:, None].expand(B, K, P), div_new.float())
     if policy == POLICY_GRID:
-        match.index_copy_(2, idx, match_new.float())
-        gkl.index_copy_(2, idx, gkl_new.float())
-    # the last `window` valid positions (all when window = 0)
-    m = valid
+        gidx = idx[:, None].expand(B, grid.shape[0], P)
+        match.scatter_(2, gidx, match_new.float())
+        gkl.scatter_(2, gidx, gkl_new.float())
+    # a row's recorded slots end at its new cursor; of them the last `window` valid (all when 0)
+    m = valid & (torch.arange(C, device=valid.device) < (cursor + P)[:, None])
     if window:
-        from_end = valid.flip(-1).cumsum(-1).flip(-1)                        # valid at or after each slot
-        m = valid & (from_end <= window)
+        from_end = m.flip(-1).cumsum(-1).flip(-1)                            # valid at or after each slot
+        m = m & (from_end <= window)
     m = m[:, None]                                                         # [B, 1, C]
     npos = m.flatten(1).sum(-1, keepdim=True)                              # [B, 1]
     if policy == POLICY_GRID:
@@ -61,19 +67,22 @@ def history_update_reference(div_new, match_new, gkl_new, n_acc, cursor, valid, 
 
 def history_update(div_new, match_new, gkl_new, n_acc, cursor, valid, div, match, gkl, grid, *,
                    policy, window, temperature=1.0, clip=1.0, all_positions=False):
-    """Record one block in the history (in place) and return (weights [B, K] fp32, cursor + P).
+    """Record one block in the history (in place) and return (weights [B, K] fp32, cursor + P [B]).
 
     div_new [B, K, P] fp32 divergences of the block; match_new [B, G, P] bool/uint8 and
     gkl_new [B, G, P] fp32 (w-grid only, else None); n_acc [B] int64 accepted drafts (the
-    positions 0..n_acc are recorded); cursor [1] int64 first free slot. History tensors as in
-    the module docstring (contiguous); grid [G, K] fp32 (w-grid only). policy: POLICY_DIV,
-    POLICY_GRID or POLICY_HEDGE. No host sync: capturable in a CUDA graph, and idempotent
-    in its inputs (rewrites the same slots).
+    positions 0..n_acc are recorded); cursor [B] int64 each row's first free slot (the caller
+    guarantees cursor[b] + P <= capacity). History tensors as in the module docstring
+    (contiguous); grid [G, K] fp32 (w-grid only). policy: POLICY_DIV, POLICY_GRID or
+    POLICY_HEDGE. No host sync: capturable in a CUDA graph, and idempotent in its inputs
+    (rewrites the same slots).
     """
     if policy not in (POLICY_DIV, POLICY_GRID, POLICY_HEDGE):
         raise ValueError(f"unknown history policy {policy!r}")
     if window < 0 or temperature <= 0:
         raise ValueError(f"window must be >= 0 and temperature > 0, got {window}, {temperature}")
+    if cursor.shape != n_acc.shape or cursor.shape != div_new.shape[:1]:   # a [1] cursor would broadcast
+        raise ValueError(f"cursor must be [B] (one per row), got {tuple(cursor.shape)} for B = {div_new.shape[0]}")
     # every policy and grid size: a large w-grid (K = 4 on a 0.1 grid: 286 vectors) is split
     # over several programs per request (see tabed_engine.kernels.history_update)
     if div_new.is_cuda:

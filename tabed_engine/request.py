@@ -1,0 +1,142 @@
+"""One request's state (nano-vllm's `Sequence`): its prompt, sampling parameters, generated
+tokens, where its rows live in the batch, what the draft rows hold, stop conditions, text
+pieces for streaming and stats. The scheduler owns requests; the runner reads and updates
+the fields it needs."""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .config import SamplingParams
+from .outputs import GenerationOutput, GenerationStats
+from .prompt import Prepared
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # SentencePiece byte-fallback pieces
+
+
+@dataclass
+class RequestOutput:
+    """What one `Engine.step()` produced for one request: the new tokens and the text piece
+    they add (pieces of a request join to its final text), and when the request finished, its
+    `GenerationOutput`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    output: Optional[GenerationOutput] = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A request from `add_request` to its end. `tokens` are the generated tokens so far;
+    `slot` its row in the target batch (draft rows slot*K .. slot*K + K - 1) while it runs."""
+
+    request_id: str
+    prep: Prepared
+    sp: SamplingParams
+    caption: Any
+    speculative: bool
+    generator: torch.Generator
+    tokenizer: Any
+    eos_ids: frozenset
+    arrival: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    slot: Optional[int] = None
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    aborted: bool = False
+    # draft rows: each view's prompt length and last prompt token, and how many generated
+    # tokens their KV holds (the rows must hold all but the last two before a draft block)
+    view_len: list[int] = field(default_factory=list)
+    prompt_tail: list[int] = field(default_factory=list)
+    draft_valid: int = 0
+    blocks: int = 0                       # speculative blocks run
+    tau: float = 0.0                      # running tokens per block (cost model); 0 = none yet
+    stats: GenerationStats = None
+    _shown: str = ""                      # text already returned as pieces
+    _text: Optional[str] = None           # final text once a stop string cut it
+
+    def __post_init__(self):
+        if self.stats is None:
+            self.stats = GenerationStats(speculative=self.speculative, prompt_tokens=len(self.prep.ids))
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prep.ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def sampling_key(self) -> tuple:
+        """Requests of one batch share this: how target tokens are picked and whether a draft runs."""
+        sp = self.sp
+        return (self.speculative, sp.greedy, sp.temperature, sp.top_k, sp.top_p)
+
+    def append(self, new: list[int]) -> list[int]:
+        """Add a block's tokens, cut exactly where decoding one token at a time would stop
+        (max_new_tokens, EOS or a stop token inclusive, a stop string); sets `finish_reason`.
+        Returns the tokens kept."""
+        sp = self.sp
+        new = new[: sp.max_new_tokens - len(self.tokens)]
+        for i, t in enumerate(new):
+            if (sp.stop_at_eos and t in self.eos_ids) or t in sp.stop_token_ids:
+                new = new[: i + 1]
+                self.finish_reason = "stop"
+                break
+        if sp.stop:
+            for i in range(len(new)):
+                text = self.tokenizer.decode(self.tokens + new[: i + 1], skip_special_tokens=True)
+                cut = min((j for j in (text.find(s) for s in sp.stop) if j >= 0), default=-1)
+                if cut >= 0:
+                    new = new[: i + 1]
+                    self._text = text[:cut]
+                    self.finish_reason = "stop"
+                    break
+        self.tokens += new
+        if self.finish_reason is None and len(self.tokens) >= sp.max_new_tokens:
+            self.finish_reason = "length"
+        return new
+
+    def text(self) -> str:
+        if self._text is not None:
+            return self._text
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def piece(self) -> str:
+        """The text added since the last piece. While running: the text of the tokens before a
+        trailing run of byte-fallback pieces (bytes decode as a group, and an incomplete group
+        turns the bytes before it into U+FFFD), once it does not end in U+FFFD, less the
+        characters that may still turn into a stop string; at the end, everything left."""
+        if self.finished:
+            text = self.text()
+        else:
+            stable = len(self.tokens)
+            while stable and _BYTE_PIECE.fullmatch(self.tokenizer.convert_ids_to_tokens(self.tokens[stable - 1]) or ""):
+                stable -= 1
+            text = self.tokenizer.decode(self.tokens[:stable], skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                return ""
+            hold = max((len(s) for s in self.sp.stop), default=1) - 1
+            text = text[: len(text) - hold]
+        if len(text) <= len(self._shown) or not text.startswith(self._shown):
+            return ""
+        out, self._shown = text[len(self._shown):], text
+        return out
+
+    def finish(self, reason: str, error: Optional[str] = None):
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.error = error if error is not None else self.error
+
+    def output(self) -> GenerationOutput:
+        st = self.stats
+        st.new_tokens = len(self.tokens)
+        st.time_total = time.perf_counter() - self.arrival
+        return GenerationOutput(list(self.tokens), self.text(), st, self.finish_reason or "abort", self.error)

@@ -1,0 +1,466 @@
+"""The runner: owns the static KV caches (one target row per batch slot, K draft rows per
+slot), the ensemble history, the CUDA graphs (one per batch bucket and step) and the step
+functions: a request's prefill into its slot, an autoregressive step and a speculative block
+for the running batch.
+
+A block's inputs come from the requests' host state (`Request.tokens` and lengths), or,
+when the batch did not change since the last block, from that block's device outputs: the
+next block's first half (the draft, or the next AR forward) is queued before the host waits
+for the current one, so the device does not idle while the host reads a block, emits its
+tokens and launches the next graphs. Rows of finished or empty slots compute garbage that
+nobody reads; their lengths stay put (`active` masks every device-side update).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from functools import partial
+from typing import Optional
+
+import torch
+
+from .ensemble import EnsembleState, history_step
+from .graphs import GraphCache
+from .model import KVCache
+from .prompt import Prepared
+from .request import Request
+from .sampling import pick_tokens, target_probs
+from .speculative import (catch_up_forward, draft_block, forced_tree_path, pack_head, prefill_draft,
+                          verify_block, view_tree_block)
+from .tree import node_depth_tensor, tree_draft, tree_history, tree_verify
+from .views import build_views
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket_of(n: int, max_batch: int) -> int:
+    """The smallest batch bucket holding n slots (graphs are captured per bucket)."""
+    return min(next((b for b in BUCKETS if b >= n), n), max_batch)
+
+
+def cache_rows(cache: KVCache, start: int, stop: int) -> KVCache:
+    """Rows [start, stop) of a cache as a cache sharing its memory (same addresses on every
+    call, so graphs captured on a view stay valid)."""
+    view = copy.copy(cache)
+    view.k, view.v, view.lengths = cache.k[:, start:stop], cache.v[:, start:stop], cache.lengths[start:stop]
+    return view
+
+
+def state_rows(state: EnsembleState, start: int, stop: int) -> EnsembleState:
+    """Rows [start, stop) of an ensemble history as a history sharing its memory."""
+    view = copy.copy(state)
+    view.B = stop - start
+    for name in ("valid", "div", "match", "gkl", "cursor", "uniform"):
+        setattr(view, name, getattr(state, name)[start:stop])
+    return view
+
+
+def decode_step(lm, cache: KVCache, tok: torch.Tensor, lens: torch.Tensor,
+                kv_len: Optional[int] = None) -> torch.Tensor:
+    """One autoregressive step: tok [R, 1] written at slots lens [R]; returns logits [R, V].
+    Idempotent in its inputs (the caller advances the lengths), as a captured graph's
+    warm-up run must be."""
+    return lm(cache, lens.long()[:, None], input_ids=tok, lengths=lens, kv_len=kv_len)[:, -1]
+
+
+class Runner:
+    """Caches, graphs and steps for up to `max_batch` requests at once."""
+
+    def __init__(self, eng, max_batch: int, cuda_graphs: bool):
+        self.eng = eng                      # static configuration: models, views, γ, tree, options
+        self.device, self.dtype, self.max_len = eng.device, eng.dtype, eng.max_len
+        self.target, self.draft = eng.target, eng.draft
+        self.K = len(eng.views) if eng.draft is not None else 1
+        self.max_batch = max_batch
+        self.depth = eng.gamma if eng.tree is None else eng.tree.depth
+        self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
+        self.pending: Optional[dict] = None   # the next block's queued first half
+        self._views: dict = {}
+        self._allocated = False
+        self.bench_accept_schedule = None
+
+    # ------------------------------------------------------------------ memory
+    def allocate(self):
+        """The static caches and per-slot state (on first use: loading stays fast)."""
+        if self._allocated:
+            return
+        dev, B, K = self.device, self.max_batch, self.K
+        with torch.inference_mode(False):   # normal tensors: usable in and out of inference mode
+            self.tcache = KVCache(self.target.lm.cfg, B, self.max_len, dev, self.dtype)
+            self.dcache = self.state = None
+            if self.draft is not None:
+                self.dcache = KVCache(self.draft.lm.cfg, B * K, self.max_len, dev, self.dtype)
+                # a request records at most depth positions a block, one block a token
+                cap = 1 << (self.depth * (self.max_len + 2) - 1).bit_length()
+                self.state = EnsembleState(self.eng.ensemble, B, cap, dev)
+            self.w = torch.full((B, K), 1.0 / K, device=dev)
+            self.active = torch.zeros(B, dtype=torch.long, device=dev)
+            self.seed = torch.zeros(1, dtype=torch.long, device=dev)
+            self.offset = torch.zeros(1, dtype=torch.long, device=dev)
+        self._allocated = True
+
+    def views(self, b: int):
+        """(target cache, draft cache, ensemble history) of slots [0, b)."""
+        v = self._views.get(b)
+        if v is None:
+            K = self.K
+            v = self._views[b] = (cache_rows(self.tcache, 0, b),
+                                  cache_rows(self.dcache, 0, b * K) if self.dcache is not None else None,
+                                  state_rows(self.state, 0, b) if self.state is not None else None)
+        return v
+
+    # ------------------------------------------------------------------ helpers
+    def run_graph(self, key, fn, inputs: dict, kv_len: Optional[int] = None):
+        """fn(**inputs) as a captured CUDA graph (per key) on the GPU; eagerly with a bucketed
+        attention span (`kv_len`) elsewhere."""
+        if self.graphs is not None:
+            return self.graphs.run(key, fn, inputs)
+        return fn(**inputs, kv_len=kv_len)
+
+    def kv_bucket(self, needed: int) -> int:
+        """Attend over a bucketed cache prefix (fewer bytes than S_max, few distinct shapes)."""
+        return min(self.max_len, -(-needed // 128) * 128)
+
+    def to_device(self, values, dtype=torch.long) -> torch.Tensor:
+        """A host list as a device tensor without a device sync (pinned, non-blocking)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def sync(self):
+        if self.eng.timing and self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ prefill
+    def embed(self, model, ids: list[int], spans, feats) -> torch.Tensor:
+        """Token embeddings [len(ids), hidden] with image features placed at each span."""
+        x = model.lm.embed_tokens(torch.tensor(ids, device=self.device))
+        for i, (start, n) in enumerate(spans):
+            if feats[i].shape[0] != n:
+                raise ValueError(f"image {i} has {feats[i].shape[0]} features for {n} image tokens")
+            x[start:start + n] = feats[i].to(x.dtype)
+        return x
+
+    def prefill_target(self, prep: Prepared, cache: KVCache):
+        """Encode the images and prefill one target row; returns (logits of the last prompt
+        position [1, V], pre-projector image features)."""
+        n = len(prep.ids)
+        sel = None if prep.pixel_values is None else \
+            self.target.vision.select(prep.pixel_values.to(self.device))
+        feats = None if sel is None else self.target.vision.project(sel)
+        x = self.embed(self.target, prep.ids, prep.image_spans, feats)
+        pos = torch.arange(n, device=self.device)[None]
+        logits = self.target.lm(cache, pos, embeds=x[None], logits_index=torch.tensor([[n - 1]], device=self.device),
+                                kv_len=self.kv_bucket(n), fresh=True)[:, -1]
+        return logits, sel
+
+    def prefill(self, req: Request, slot: int):
+        """Prefill `req` into `slot` (target row and, speculating, its K draft rows) and pick
+        its first token. One host read (the first token)."""
+        self.allocate()
+        t0 = time.perf_counter()
+        req.stats.time_queued = t0 - req.arrival
+        req.slot = slot
+        sp, K = req.sp, self.K
+        logits, sel = self.prefill_target(req.prep, cache_rows(self.tcache, slot, slot + 1))
+        first = pick_tokens(logits, sp, req.generator)                         # [1]
+        if req.speculative:
+            rows = build_views(self.eng, req.prep, sel, req.caption)
+            longest = max(len(r.ids) for r in rows)
+            if longest + sp.max_new_tokens + self.eng.lookahead + 2 > self.max_len:
+                raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
+                                 f"{self.max_len}")
+            view_len, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K))
+            req.view_len = [len(r.ids) for r in rows]
+            req.prompt_tail = [r.ids[-1] for r in rows]
+            req.draft_valid = 0
+            self.state.reset_rows(slice(slot, slot + 1))
+            self.w[slot] = 1.0 / K
+            if self.state.adaptive:
+                # the prefill already verified one position: the target's distribution of the
+                # first token. Each view's divergence there gives the first block adapted weights.
+                st = state_rows(self.state, slot, slot + 1)
+                w, cursor = st.step(logits[:, None], first_q.view(1, K, 1, -1), torch.zeros_like(first),
+                                    st.cursor, temperature=1.0 if sp.greedy else sp.temperature)
+                st.cursor.copy_(cursor)
+                self.w[slot] = w[0]
+        self.pending = None               # the batch changed: the queued half is stale
+        req.append([int(first[0])])
+        now = time.perf_counter()
+        req.stats.time_prefill = now - t0
+        req.stats.time_first_token = now - req.arrival
+
+    # ------------------------------------------------------------------ steps
+    def _slots_key(self, reqs):
+        return tuple(None if r is None or r.finished else r.request_id for r in reqs)
+
+    def _pending_for(self, mode: str, b: int, reqs) -> Optional[dict]:
+        """The queued half if it was queued for this mode, bucket and these requests (slots whose
+        request finished since are fine: their rows are garbage nobody reads)."""
+        p, self.pending = self.pending, None
+        if p is None or p["mode"] != mode or p["b"] != b:
+            return None
+        now = self._slots_key(reqs)
+        if any(n is not None and n != then for n, then in zip(now, p["slots"])):
+            return None
+        return p
+
+    def _target_inputs(self, reqs, b):
+        """Host-built (committed target lengths [b] int32, last tokens [b], active [b])."""
+        tl, last, act = [], [], []
+        for r in reqs[:b]:
+            live = r is not None and not r.finished
+            tl.append(r.n_prompt + len(r.tokens) - 1 if live else 0)
+            last.append(r.tokens[-1] if live else 0)
+            act.append(1 if live else 0)
+        self.active[:b].copy_(self.to_device(act))
+        return self.to_device(tl, torch.int32), self.to_device(last), max(tl)
+
+    def ar_step(self, reqs: list, b: int, sp, gen) -> list[list[int]]:
+        """One autoregressive step for slots [0, b): returns each slot's new tokens (empty for
+        empty or finished slots)."""
+        tcache, _, _ = self.views(b)
+        step_fn = partial(decode_step, self.target.lm, tcache)
+        p = self._pending_for("ar", b, reqs)
+        if p is None:
+            tl, last, longest = self._target_inputs(reqs, b)
+            logits = self.run_graph(("ar", b), step_fn, {"tok": last[:, None], "lens": tl},
+                                    kv_len=self.kv_bucket(longest + 1))
+            tok = pick_tokens(logits, sp, gen)
+        else:
+            tok, tl, longest = p["tok"], p["tl"], p["longest"]
+        host = torch.empty(b, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        host.copy_(tok, non_blocking=True)
+        ready = self._record()
+        # queue the next step before waiting for this one (its input never leaves the device)
+        if not all(r is None or r.finished or len(r.tokens) + 1 >= r.sp.max_new_tokens for r in reqs[:b]):
+            tl2 = torch.clamp(tl + self.active[:b].int(), max=self.max_len - 1)
+            logits = self.run_graph(("ar", b), step_fn, {"tok": tok[:, None], "lens": tl2},
+                                    kv_len=self.kv_bucket(longest + 2))
+            self.pending = dict(mode="ar", b=b, slots=self._slots_key(reqs), tok=pick_tokens(logits, sp, gen),
+                                tl=tl2, longest=longest + 1)
+        self._wait(ready)
+        toks = host.tolist()
+        out = []
+        for i, r in enumerate(reqs[:b]):
+            if r is None or r.finished:
+                out.append([])
+                continue
+            r.stats.target_forwards += 1
+            out.append(r.append([toks[i]]))
+        return out
+
+    def _record(self):
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    @staticmethod
+    def _wait(ev):
+        if ev is not None:
+            ev.synchronize()                 # the block's one host wait
+
+    def catch_up(self, reqs, b):
+        """Feed the draft rows the tokens generated while the batch decoded autoregressively
+        (a draft block needs them to hold all but the last two), one ragged forward."""
+        K = self.K
+        need = [(r, r.tokens[r.draft_valid: len(r.tokens) - 2]) for r in reqs[:b]
+                if r is not None and not r.finished and r.draft_valid < len(r.tokens) - 2]
+        if not need:
+            return
+        T = max(len(t) for _, t in need)
+        toks = [[0] * T for _ in range(b * K)]
+        lens = [0] * (b * K)
+        for r, t in need:
+            for k in range(K):
+                toks[r.slot * K + k] = t + [t[-1]] * (T - len(t))
+                lens[r.slot * K + k] = r.view_len[k] + r.draft_valid
+            r.draft_valid = len(r.tokens) - 2
+        _, dcache, _ = self.views(b)
+        catch_up_forward(self.draft.lm, dcache, self.to_device(toks), self.to_device(lens),
+                         kv_len=self.kv_bucket(max(lens) + T))
+
+    def _draft_inputs(self, reqs, b):
+        """Host-built draft inputs: each row's last two tokens [b*K, 2] and length [b*K]."""
+        K = self.K
+        inp2, dl = [[0, 0]] * (b * K), [0] * (b * K)
+        for r in reqs[:b]:
+            if r is None or r.finished:
+                continue
+            G = len(r.tokens)
+            prev = [r.tokens[-2]] * K if G >= 2 else r.prompt_tail
+            for k in range(K):
+                inp2[r.slot * K + k] = [prev[k], r.tokens[-1]]
+                dl[r.slot * K + k] = r.view_len[k] + G - 2
+        return self.to_device(inp2), self.to_device(dl)
+
+    def sd_block(self, reqs: list, b: int, sp, gen) -> list[list[int]]:
+        """One speculative block (chain or tree) for slots [0, b): draft, verify, history.
+        Returns each slot's new tokens."""
+        eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
+        gamma, depth, V = eng.gamma, self.depth, self.draft.lm.cfg.vocab_size
+        tcache, dcache, state = self.views(b)
+        greedy = sp.greedy
+        temp = 1.0 if greedy else sp.temperature   # draft softmax and divergence temperature
+        confidence = eng.ensemble.policy == "confidence" and K > 1
+        norms = state.uses_normalisers and tree is None
+        live = [r for r in reqs[:b] if r is not None and not r.finished]
+        longest = max(max(r.view_len) for r in live)
+        G_max = max(len(r.tokens) for r in live)
+        schedule = self.bench_accept_schedule
+        timer = _Timer(self, live)
+
+        first = [r for r in live if r.blocks == 0]
+        if (b == 1 and first and eng.view_tree and tree is None and greedy and K > 1 and schedule is None
+                and eng.ensemble.policy in ("kld", "tvd", "hedge")
+                and live[0].n_prompt + K * gamma + 2 <= self.max_len):
+            return self._view_tree(live[0], timer)
+
+        if tree is None:
+            draft_fn = partial(draft_block, self.draft.lm, dcache, B=b, K=K, gamma=gamma, greedy=greedy,
+                               temperature=temp, confidence=confidence)
+            verify_fn = partial(verify_block, self.target.lm, tcache, sp=sp, normalisers=norms)
+            hist_fn = partial(history_step, state, temperature=temp)
+            noise = gamma * b * V
+        else:
+            draft_fn = partial(tree_draft, self.draft.lm, dcache, B=b, K=K, cfg=tree, greedy=greedy,
+                               temperature=temp, confidence=confidence)
+            verify_fn = partial(tree_verify, self.target.lm, tcache, dcache, sp=sp, K=K, depth=tree.depth,
+                                node_depth=node_depth_tensor(tree, dev), probs_fn=partial(target_probs, sp=sp))
+            hist_fn = partial(tree_history, state, depth=tree.depth, temperature=temp)
+            noise = tree.depth * b * tree.width * V
+        draft_key = ("draft", b, K, gamma, tree, greedy, temp, confidence)
+        verify_key = ("verify", b, gamma, tree, greedy, sp.temperature, sp.top_k, sp.top_p, norms)
+        hist_key = ("hist", b, K, gamma, tree, greedy, temp)
+
+        def queue_draft(inp2, dl, g_next):
+            res = self.run_graph(draft_key, draft_fn,
+                                 dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset),
+                                 kv_len=self.kv_bucket(longest + g_next + eng.lookahead))
+            self.offset.add_(noise)
+            return res
+
+        p = self._pending_for("sd", b, reqs)
+        if p is None:
+            self.catch_up(reqs, b)
+            inp2, dl = self._draft_inputs(reqs, b)
+            res = queue_draft(inp2, dl, G_max)
+        else:
+            res, dl = p["res"], p["dl"]
+        timer.lap("time_draft")
+
+        tl, last, t_max = self._target_inputs(reqs, b)
+        if tree is not None:
+            tokens, parents, node_q, fed_logits, fedpos = res
+            inputs = dict(tokens=tokens, parents=parents, tlens=tl, dlens=dl, fedpos=fedpos)
+            if not greedy:
+                inputs.update(node_q=node_q, uniforms=torch.rand(b, tree.nodes + 1, generator=gen, device=dev))
+            tlogits, path, n_acc, nxt, packed = self.run_graph(verify_key, verify_fn, inputs,
+                                                               kv_len=self.kv_bucket(t_max + 1 + tree.nodes))
+            d_last = tokens.gather(1, path.gather(1, n_acc[:, None]))   # [b, 1]: d_n, or the root
+        else:
+            drafted, q_logits, mixture, q_lse = res
+            vin = torch.cat([last[:, None], drafted], dim=1)
+            inputs = dict(vin=vin, tlens=tl)
+            if not greedy:
+                inputs.update(mixture=mixture, uniforms=torch.rand(b, gamma + 1, generator=gen, device=dev))
+            tlogits, n_acc, nxt, packed, t_lse = self.run_graph(verify_key, verify_fn, inputs,
+                                                               kv_len=self.kv_bucket(t_max + 1 + gamma + 1))
+            d_last = vin.gather(1, n_acc[:, None])
+        if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
+            n = min(int(schedule(live[0].blocks)), depth)
+            n_acc = torch.full_like(n_acc, n)
+            if tree is None:
+                nxt = tlogits[torch.arange(b, device=dev), n_acc].argmax(-1)
+                packed = pack_head(n_acc, nxt, drafted)
+            else:
+                path, d_last, nxt, packed = forced_tree_path(tokens, parents, tlogits, n, tree)
+        cuda = dev.type == "cuda"
+        head = torch.empty(b, 2 + depth, dtype=torch.long, pin_memory=cuda)
+        w_host = torch.empty(b, K, pin_memory=cuda)
+        head.copy_(packed, non_blocking=True)
+        w_host.copy_(self.w[:b], non_blocking=True)   # this block's weights, before they are replaced
+        ready = self._record()
+        timer.lap("time_verify")
+
+        if state.adaptive:
+            if tree is not None:
+                h_in = dict(tlogits=tlogits, fed_logits=fed_logits, path=path, n_acc=n_acc, fedpos=fedpos,
+                            cursor=state.cursor)
+            else:
+                h_in = dict(tlogits=tlogits, q_logits=q_logits, n_acc=n_acc, cursor=state.cursor)
+                if norms:
+                    h_in.update(t_lse=t_lse, q_lse=q_lse)
+            w, cursor = self.run_graph(hist_key, hist_fn, h_in)
+            act = self.active[:b].bool()
+            self.w[:b].copy_(torch.where(act[:, None], w, self.w[:b]))
+            state.cursor.copy_(torch.where(act, cursor, state.cursor))   # empty slots stay put
+        timer.lap("time_ensemble")
+
+        # the next block's draft, unless every request certainly ends with this block: its
+        # rows' last two tokens are (d_n, next) and they are n + 1 tokens further on
+        if any(len(r.tokens) + 1 < r.sp.max_new_tokens for r in live):
+            step = ((n_acc + 1) * self.active[:b]).repeat_interleave(K)
+            inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
+            dl2 = torch.clamp(dl + step, max=self.max_len - eng.lookahead - 2)
+            self.pending = dict(mode="sd", b=b, slots=self._slots_key(reqs), dl=dl2,
+                                res=queue_draft(inp2, dl2, G_max + 1 + eng.lookahead))
+        self._wait(ready)
+        heads, ws = head.tolist(), w_host.tolist()
+        out = []
+        for i, r in enumerate(reqs[:b]):
+            if r is None or r.finished:
+                out.append([])
+                continue
+            n, t_next, *d = heads[i]
+            r.stats.accepted_lengths.append(n)
+            r.stats.target_forwards += 1
+            r.stats.weights.append([round(x, 4) for x in ws[i]])
+            r.blocks += 1
+            r.tau = n + 1 if r.tau == 0 else 0.7 * r.tau + 0.3 * (n + 1)
+            out.append(r.append(d[:n] + [t_next]))
+            r.draft_valid = len(r.tokens) - 2
+        timer.lap("time_other")
+        return out
+
+    def _view_tree(self, r: Request, timer) -> list[list[int]]:
+        """The first block of a lone greedy request with several views: every view's own chain
+        verified as one tree (`speculative.view_tree_block`)."""
+        K, gamma = self.K, self.eng.gamma
+        tcache, dcache, state = self.views(1)
+        inp2, dl = self._draft_inputs([r], 1)
+        new, n, k, p_views, q_views = view_tree_block(self, dcache, tcache, inp2, dl, r.tokens, r.n_prompt, state,
+                                                      K=K, gamma=gamma, longest=max(r.view_len))
+        r.stats.view_tree_view = self.eng.views[k]
+        r.stats.target_forwards += 1
+        r.stats.accepted_lengths.append(n)
+        r.stats.weights.append([round(x, 4) for x in self.w[0].tolist()])
+        w, cursor = state.step_views(p_views, q_views, state.cursor, temperature=1.0)
+        state.cursor.copy_(cursor)
+        self.w[:1].copy_(w)
+        r.blocks += 1
+        r.tau = n + 1
+        timer.lap("time_verify")
+        kept = r.append(new)
+        r.draft_valid = len(r.tokens) - 2
+        return [kept]
+
+
+class _Timer:
+    """Per-phase wall times, only with `Engine(timing=True)` (each lap synchronizes the device,
+    which stops the host from queueing ahead: off by default); added to every live request."""
+
+    def __init__(self, runner, live):
+        self.runner, self.live, self.t = runner, live, time.perf_counter()
+
+    def lap(self, field: str):
+        if not self.runner.eng.timing:
+            return
+        self.runner.sync()
+        now = time.perf_counter()
+        for r in self.live:
+            setattr(r.stats, field, getattr(r.stats, field) + now - self.t)
+        self.t = now
