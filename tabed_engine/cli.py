@@ -98,6 +98,8 @@ def add_serve_parser(sub):
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     s.add_argument("--model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the target directory's name)")
+    s.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together at most (default: the engine's, 16, fewer where memory is short)")
     s.add_argument("--max-tokens-default", type=int, default=128,
                    help="max_tokens of a request that gives none (default 128)")
     s.add_argument("--image-root", default=None, metavar="DIR",
@@ -115,10 +117,12 @@ def serve_main(args) -> int:
     from . import Engine
 
     name = args.model_name or os.path.basename(os.path.normpath(args.target))
+    kw = engine_kwargs(args)
+    if args.max_batch is not None:
+        kw["max_batch"] = args.max_batch
     try:
         engine = Engine.from_pretrained(args.target, args.draft,
-                                        log=lambda s: print(s, end="", file=sys.stderr, flush=True),
-                                        **engine_kwargs(args))
+                                        log=lambda s: print(s, end="", file=sys.stderr, flush=True), **kw)
     except (ValueError, TypeError, OSError) as e:
         return _error(e)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

@@ -73,6 +73,8 @@ class ServerMetrics:
                                   "block.", [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16])
         self.tau = Histogram("tabed_block_efficiency", "Per speculative request: tokens per target "
                              "forward (tau).", [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0])
+        self.step_outputs = Histogram("tabed_step_requests", "Requests that got tokens or finished per "
+                                      "engine step (about the batch size).", [1, 2, 4, 8, 16, 32, 64, 128])
         self.running = 0
 
     def finished(self, out, arrival: float, first: float | None, last: float):
@@ -96,6 +98,6 @@ class ServerMetrics:
         lines = ["# HELP tabed_requests_running Requests in the engine now.",
                  "# TYPE tabed_requests_running gauge", f"tabed_requests_running {self.running}"]
         for m in (self.requests, self.rejected, self.prompt_tokens, self.completion_tokens, self.ttft,
-                  self.itl, self.latency, self.accepted, self.tau):
+                  self.itl, self.latency, self.accepted, self.tau, self.step_outputs):
             lines += m.render()
         return "\n".join(lines) + "\n"

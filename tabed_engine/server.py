@@ -110,6 +110,7 @@ class EngineLoop:
                 self._loop.call_soon_threadsafe(self._deliver, outputs, time.perf_counter())
 
     def _deliver(self, outputs, now: float):
+        self.metrics.step_outputs.observe(len(outputs))
         for out in outputs:
             track = self._tracked.get(out.request_id)
             if track is None:

@@ -71,7 +71,7 @@ def server(tmp_path_factory):
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "tabed_engine.cli", "serve", "--target", os.path.join(DEMO, "target"),
            "--draft", os.path.join(DEMO, "draft"), "--device", "cpu", "--dtype", "float32",
-           "--port", str(port), "--model-name", MODEL]
+           "--port", str(port), "--model-name", MODEL, "--max-batch", "8"]    # 16 clients: some wait
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
@@ -186,6 +186,24 @@ def test_stream_pieces_join_to_the_whole_answer(server, engine):
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert text == engine.generate(TEXT_PROMPT, sampling=SamplingParams(max_new_tokens=8)).text
+
+
+def test_stop_strings_and_seeded_sampling_equal_engine_generate(server, engine):
+    """`stop` ends the answer before the stop string (streamed or not); a seeded sampled request
+    (alone in the engine) reproduces the in-process answer for the same seed."""
+    ex = examples("S1", 1, seed=9)[0]
+    ref = engine.generate(ex.messages(), images=ex.images,
+                          sampling=SamplingParams(max_new_tokens=40, stop=(" column", "zebra")))
+    assert ref.finish_reason == "stop" and " column" not in ref.text and ref.text
+    whole = chat(server, openai_messages(ex), 40, stop=[" column", "zebra"]).choices[0]
+    streamed = chat(server, openai_messages(ex), 40, stop=[" column", "zebra"], stream=True)
+    assert (whole.message.content, whole.finish_reason) == (ref.text, "stop")
+    assert "".join(ev.choices[0].delta.content or "" for ev in streamed if ev.choices) == ref.text
+    sampled = [server.openai.completions.create(model=MODEL, prompt=TEXT_PROMPT, temperature=1.5, seed=seed,
+                                                max_tokens=12).choices[0].text for seed in (1, 2, 1)]
+    refs = [engine.generate(TEXT_PROMPT, sampling=SamplingParams(max_new_tokens=12, temperature=1.5, seed=s)).text
+            for s in (1, 2)]
+    assert sampled == [refs[0], refs[1], refs[0]]
 
 
 def test_local_image_path_equals_data_url(server, tmp_path):
@@ -314,8 +332,9 @@ def _round(server, jobs, refs, clients):
 
 @pytest.mark.slow
 def test_concurrent_clients_each_get_their_own_answer(server, engine):
-    """16 concurrent clients × 2 requests, two rounds: every answer equals its own prompt's
-    in-process greedy answer, the server's memory does not grow from round to round."""
+    """16 concurrent clients × 2 requests, two rounds, against a batch of at most 8: every
+    answer equals its own prompt's in-process greedy answer, steps serve several requests at
+    once, the server's memory does not grow from round to round."""
     exs = [ex for sc in ("S1", "S2", "S3", "S4", "S5") for ex in examples(sc, 7, seed=11)][:32]
     assert len({(ex.prompt, tuple(ex.captions)) for ex in exs}) == len(exs)     # distinct requests
     refs = [(ex, greedy(engine, ex, 16)) for ex in exs]
@@ -332,3 +351,6 @@ def test_concurrent_clients_each_get_their_own_answer(server, engine):
     assert server.metric("tabed_requests_total{finish_reason=\"stop\"}") + \
         server.metric("tabed_requests_total{finish_reason=\"length\"}") - done == 2 * len(refs)
     assert rss[1] - rss[0] < 16 * 1024, rss
+    steps = server.http.get("/metrics").text
+    single = float(re.search(r'^tabed_step_requests_bucket{le="1"} (\S+)$', steps, re.M).group(1))
+    assert server.metric("tabed_step_requests_count") > single, "no engine step served two requests at once"
