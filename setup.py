@@ -99,7 +99,9 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "scipy", "triton>=3.0", "sentencepiece", "protobuf"],
+        "serve": ["starlette", "uvicorn"],     # `tabed-engine serve`, the OpenAI-compatible server
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "scipy", "triton>=3.0", "sentencepiece", "protobuf",
+                 "starlette", "uvicorn", "openai", "httpx"],
     },
     entry_points={"console_scripts": ["tabed-engine=tabed_engine.cli:main"]},
     **_extension_kwargs(),

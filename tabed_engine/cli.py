@@ -1,4 +1,5 @@
-"""Command line: `tabed-engine generate --target DIR [--draft DIR] [--image PATH] --prompt TEXT`."""
+"""Command line: `tabed-engine generate --target DIR [--draft DIR] [--image PATH] --prompt TEXT`
+and `tabed-engine serve --target DIR [--draft DIR] [--port N]` (an OpenAI-compatible server)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,37 @@ EXAMPLE = """example (the bundled synthetic-world pair; its tokenizer knows only
 """
 
 
+def add_engine_options(p: argparse.ArgumentParser):
+    """The checkpoint, speculation and device options that `generate` and `serve` share."""
+    p.add_argument("--target", required=True, help="local HF LLaVA checkpoint directory of the target model")
+    p.add_argument("--draft", help="local HF LLaVA checkpoint directory of the draft model "
+                                   "(omit for plain autoregressive decoding)")
+    p.add_argument("--views", default="M,T", help="draft views, comma separated subset of M,T,P,C (default M,T)")
+    p.add_argument("--policy", default="hedge",
+                   help="ensemble policy: uniform, kld, tvd, w-grid, hedge (default), confidence")
+    p.add_argument("--window", type=int, default=0, help="history window in positions (0 = all)")
+    p.add_argument("--gamma", type=int, default=5, help="draft tokens per block (default 5)")
+    p.add_argument("--tree", default=None, metavar="DxWxB",
+                   help="draft a tree per block instead of a chain: depth x width x branch, e.g. 5x4x2 "
+                        "('default' = 5x4x2); the target verifies all its nodes in one forward")
+    p.add_argument("--no-view-tree", action="store_true",
+                   help="draft the first block as a mixture chain instead of verifying every view's own chain "
+                        "as a branch of one tree (kld/tvd/hedge, greedy, several views)")
+    p.add_argument("--escape-token", type=int, default=None, metavar="ID",
+                   help="token id that stands for each image in the T view (default: the tokenizer's "
+                        "newline token; with none, the T view drops the image tokens)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+
+
+def engine_kwargs(args) -> dict:
+    """Engine.from_pretrained keyword arguments (besides the directories) from those options."""
+    return dict(device=args.device, dtype=args.dtype, views=args.views, policy=args.policy, window=args.window,
+                gamma=args.gamma, view_tree=not args.no_view_tree, escape_token=args.escape_token,
+                tree=args.tree)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tabed-engine",
                                 description="Speculative decoding for LLaVA-family vision-language models.")
@@ -21,9 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "With --draft, decoding is speculative (lossless: the output follows "
                                    "the target's distribution). Progress and a summary go to stderr; bad "
                                    "input prints one 'error: ...' line and exits with status 2.")
-    g.add_argument("--target", required=True, help="local HF LLaVA checkpoint directory of the target model")
-    g.add_argument("--draft", help="local HF LLaVA checkpoint directory of the draft model "
-                                   "(omit for plain autoregressive decoding)")
+    add_engine_options(g)
     g.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="image file; repeat for several images")
     g.add_argument("--prompt", required=True,
@@ -38,32 +68,67 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample only among the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    g.add_argument("--views", default="M,T", help="draft views, comma separated subset of M,T,P,C (default M,T)")
-    g.add_argument("--policy", default="hedge",
-                   help="ensemble policy: uniform, kld, tvd, w-grid, hedge (default), confidence")
-    g.add_argument("--window", type=int, default=0, help="history window in positions (0 = all)")
-    g.add_argument("--gamma", type=int, default=5, help="draft tokens per block (default 5)")
-    g.add_argument("--tree", default=None, metavar="DxWxB",
-                   help="draft a tree per block instead of a chain: depth x width x branch, e.g. 5x4x2 "
-                        "('default' = 5x4x2); the target verifies all its nodes in one forward")
-    g.add_argument("--no-view-tree", action="store_true",
-                   help="draft the first block as a mixture chain instead of verifying every view's own chain "
-                        "as a branch of one tree (kld/tvd/hedge, greedy, several views)")
     g.add_argument("--caption", action="append", default=None, metavar="TEXT",
                    help="image caption for the C view (needed with --views containing C); repeat once per "
                         "image, or give one for every image")
-    g.add_argument("--escape-token", type=int, default=None, metavar="ID",
-                   help="token id that stands for each image in the T view (default: the tokenizer's "
-                        "newline token; with none, the T view drops the image tokens)")
     g.add_argument("--timing", action="store_true",
                    help="measure per-phase times (synchronizes the device after every phase: slower)")
-    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--no-speculative", action="store_true", help="decode autoregressively even with --draft")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, stats) at the end instead of streaming text")
+    add_serve_parser(sub)
     return p
+
+
+SERVE_EXAMPLE = """example (the bundled pair; then see the README's "Serving" section for curl and openai):
+  tabed-engine serve --target tabed_engine/assets/demo/target --draft tabed_engine/assets/demo/draft --port 8000
+"""
+
+
+def add_serve_parser(sub):
+    """`tabed-engine serve`: the engine behind an OpenAI-compatible HTTP API."""
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EXAMPLE,
+                       description="Serve POST /v1/chat/completions (text and image_url parts: data: URLs or "
+                                   "local file paths, never fetched from the network), POST /v1/completions, "
+                                   "GET /v1/models, GET /health and GET /metrics (Prometheus). Needs the "
+                                   "serve extra: pip install 'tabed_engine[serve]'.")
+    add_engine_options(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the target directory's name)")
+    s.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together at most (default: the engine's, 16, fewer where memory is short)")
+    s.add_argument("--max-tokens-default", type=int, default=128,
+                   help="max_tokens of a request that gives none (default 128)")
+    s.add_argument("--image-root", default=None, metavar="DIR",
+                   help="accept local image paths only inside DIR (default: any file the server can read)")
+
+
+def serve_main(args) -> int:
+    """Load the engine and serve it until interrupted."""
+    import os
+
+    try:
+        from .server import serve
+    except ImportError as e:
+        return _error(f"{e}: the server needs the serve extra (pip install 'tabed_engine[serve]')")
+    from . import Engine
+
+    name = args.model_name or os.path.basename(os.path.normpath(args.target))
+    kw = engine_kwargs(args)
+    if args.max_batch is not None:
+        kw["max_batch"] = args.max_batch
+    try:
+        engine = Engine.from_pretrained(args.target, args.draft,
+                                        log=lambda s: print(s, end="", file=sys.stderr, flush=True), **kw)
+    except (ValueError, TypeError, OSError) as e:
+        return _error(e)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(engine, host=args.host, port=args.port, model_name=name,
+          default_max_tokens=args.max_tokens_default, image_root=args.image_root)
+    return 0
 
 
 def _error(e) -> int:
@@ -114,6 +179,8 @@ def unknown_words(tokenizer, text: str) -> list[str]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve_main(args)
     from PIL import Image
 
     from . import Engine, SamplingParams
@@ -129,11 +196,9 @@ def main(argv=None) -> int:
     try:
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
+        engine = Engine.from_pretrained(args.target, args.draft,
                                         log=lambda s: print(s, end="", file=sys.stderr, flush=True),
-                                        views=args.views, policy=args.policy, window=args.window,
-                                        gamma=args.gamma, view_tree=not args.no_view_tree,
-                                        escape_token=args.escape_token, timing=args.timing, tree=args.tree)
+                                        timing=args.timing, **engine_kwargs(args))
         prompt = build_prompt(engine.processor, args.prompt, len(images), raw=args.raw, chat=args.chat)
         unknown = unknown_words(engine.tokenizer, prompt)
         if unknown:

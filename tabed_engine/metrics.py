@@ -1,0 +1,103 @@
+"""The server's Prometheus metrics, written in the text exposition format (no dependency)."""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+
+class Counter:
+    """A monotonically increasing count, optionally split by one label."""
+
+    def __init__(self, name: str, help: str, label: str = ""):
+        self.name, self.help, self.label = name, help, label
+        self.values: dict[str, float] = defaultdict(float)
+
+    def inc(self, amount: float = 1.0, value: str = ""):
+        self.values[value] += amount
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        for v, n in sorted(self.values.items()) or [("", 0.0)]:
+            labels = f'{{{self.label}="{v}"}}' if self.label and v else ""
+            lines.append(f"{self.name}{labels} {n:g}")
+        return lines
+
+
+class Histogram:
+    """Observations counted into cumulative `le` buckets, with their sum and count."""
+
+    def __init__(self, name: str, help: str, buckets: list[float]):
+        self.name, self.help, self.buckets = name, help, sorted(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)    # the last one: above every bucket
+        self.sum = 0.0
+
+    def observe(self, x: float):
+        self.counts[bisect.bisect_left(self.buckets, x)] += 1
+        self.sum += x
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for le, n in zip(self.buckets + [float("inf")], self.counts):
+            total += n
+            lines.append(f'{self.name}_bucket{{le="{"+Inf" if le == float("inf") else f"{le:g}"}"}} {total}')
+        lines += [f"{self.name}_sum {self.sum:g}", f"{self.name}_count {total}"]
+        return lines
+
+
+_SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+class ServerMetrics:
+    """Everything /metrics reports. Updated from the event loop's thread only."""
+
+    def __init__(self):
+        self.requests = Counter("tabed_requests_total", "Finished requests by finish reason.", "finish_reason")
+        self.rejected = Counter("tabed_rejected_requests_total", "Requests refused with an HTTP error, "
+                                "by status.", "status")
+        self.prompt_tokens = Counter("tabed_prompt_tokens_total", "Prompt tokens of finished requests "
+                                     "(image tokens included).")
+        self.completion_tokens = Counter("tabed_completion_tokens_total", "Generated tokens.")
+        self.ttft = Histogram("tabed_time_to_first_token_seconds", "From a request's arrival to its "
+                              "first generated token.", _SECONDS)
+        self.itl = Histogram("tabed_inter_token_latency_seconds", "Per request: time from its first "
+                             "to its last token over the tokens in between.",
+                             [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0])
+        self.latency = Histogram("tabed_request_latency_seconds", "From a request's arrival to its "
+                                 "last token.", _SECONDS)
+        self.accepted = Histogram("tabed_accepted_length", "Drafted tokens accepted per speculative "
+                                  "block.", [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16])
+        self.tau = Histogram("tabed_block_efficiency", "Per speculative request: tokens per target "
+                             "forward (tau).", [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0])
+        self.step_outputs = Histogram("tabed_step_requests", "Requests that got tokens or finished per "
+                                      "engine step (about the batch size).", [1, 2, 4, 8, 16, 32, 64, 128])
+        self.running = 0
+
+    def finished(self, out, arrival: float, first: float | None, last: float):
+        """Record one finished request (`out`: its GenerationOutput; times from perf_counter)."""
+        self.requests.inc(value=out.finish_reason)
+        s = out.stats
+        self.prompt_tokens.inc(s.prompt_tokens)
+        self.completion_tokens.inc(len(out.token_ids))
+        if first is None:
+            return
+        self.ttft.observe(first - arrival)
+        self.latency.observe(last - arrival)
+        if len(out.token_ids) > 1:
+            self.itl.observe((last - first) / (len(out.token_ids) - 1))
+        if s.speculative and s.target_forwards:
+            for a in s.accepted_lengths:
+                self.accepted.observe(a)
+            self.tau.observe(s.block_efficiency)
+
+    def render(self) -> str:
+        lines = ["# HELP tabed_requests_running Requests in the engine now.",
+                 "# TYPE tabed_requests_running gauge", f"tabed_requests_running {self.running}"]
+        for m in (self.requests, self.rejected, self.prompt_tokens, self.completion_tokens, self.ttft,
+                  self.itl, self.latency, self.accepted, self.tau, self.step_outputs):
+            lines += m.render()
+        return "\n".join(lines) + "\n"
