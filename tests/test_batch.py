@@ -207,8 +207,9 @@ SAMPLES, SHARDS = 6000, 4
 
 @functools.lru_cache(maxsize=None)
 def sampling_engine():
-    from test_speculative import draft_dir, target_dir
-    return Engine.from_pretrained(target_dir(), draft_dir(), device="cpu", dtype=torch.float32,
+    from models import model_dir
+    from test_speculative import target_dir
+    return Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device="cpu", dtype=torch.float32,
                                   views=("M", "T"), policy="kld", gamma=2, max_batch=16)
 
 
@@ -246,3 +247,26 @@ def test_sampling_in_a_batch_is_lossless(shard, exact_dist, tmp_path_factory):
         merged = Counter({tuple(int(t) for t in k.split(",")): v for k, v in merged.items()})
         assert sum(merged.values()) == SAMPLES
         check_lossless(merged, exact_dist, SAMPLES, shift=0.035)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculative", [False, True])
+def test_batch_on_the_gpu_equals_alone(speculative):
+    """CUDA graphs per batch bucket, the pipelined next block, rows leaving and joining: each
+    request of a batch (float32) equals it alone, up to float ties (kernels for different row
+    counts sum in different orders)."""
+    from models import model_dir
+    from test_gpu_engine import assert_same_or_fp_tie
+    from test_speculative import word_prompt
+
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
+                                 dtype=torch.float32, max_batch=4, max_len=512)
+    reqs = [word_prompt(n) for n in (1, 0, 2, 1, 2, 0)]
+    sps = [SamplingParams(max_new_tokens=m, stop_at_eos=False) for m in (30, 12, 25, 7, 40, 18)]
+    alone = [eng.generate(t, images=i, sampling=sp, speculative=speculative).token_ids
+             for (t, i), sp in zip(reqs, sps)]
+    outs = eng.generate([t for t, _ in reqs], images=[i for _, i in reqs], sampling=sps, speculative=speculative)
+    for (t, i), a, o in zip(reqs, alone, outs):
+        assert len(o.token_ids) == len(a)
+        assert_same_or_fp_tie(eng, t, i, a, o.token_ids)
+    assert len(eng.graphs) > 0
