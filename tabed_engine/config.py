@@ -101,8 +101,9 @@ def check_real(name: str, value) -> float:
 class SamplingParams:
     """How to pick tokens. temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters;
     seed None draws a fresh seed per generation (from the OS, not from torch's global RNG); a
-    seeded request reproduces its tokens when it runs alone (in a batch the draws are shared with
-    the other requests: still distributed exactly as the target's, not reproducible).
+    seeded request reproduces its tokens when it runs alone; in a batch the draws of later tokens
+    are shared with the other requests (seeded by the batch's first request: a batch call with
+    seeds reproduces; each request is still distributed exactly as the target's).
     stop: strings that end the generation (the text ends before the first one; the tokens up
     to the one that completed it are kept). stop_token_ids: tokens that end it like EOS does.
     stop_at_eos=False decodes past EOS (ignore_eos).

@@ -183,10 +183,13 @@ class Scheduler:
             admitted.append(head)
             try:
                 self.runner.prefill(head, slot)
-                if first_in_batch and head.speculative:
-                    self.runner.seed.copy_(torch.randint(0, 2 ** 62, (1,), generator=head.generator,
-                                                         device=self.runner.device))
+                if first_in_batch:
+                    # the batch's draws follow its first request's seed: a seeded batch call
+                    # reproduces (the runner's noise seed, the batch generator)
+                    seed = torch.randint(0, 2 ** 62, (2,), generator=head.generator, device=self.runner.device)
+                    self.runner.seed.copy_(seed[:1])
                     self.runner.offset.zero_()
+                    self._batch_gen.manual_seed(int(seed[1]))
             except Exception as e:                   # this request fails alone
                 self.runner.pending = None
                 head.finish("error", f"{type(e).__name__}: {e}")

@@ -202,7 +202,7 @@ def test_a_failing_request_fails_alone():
 
 
 # ---------------------------------------------------------------- sampling in a batch
-SAMPLES, SHARDS = 6000, 4
+SAMPLES, SHARDS = 6400, 4          # 200 calls of 8 measured requests per shard
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,8 +235,8 @@ def test_sampling_in_a_batch_is_lossless(shard, exact_dist, tmp_path_factory):
     n = SAMPLES // SHARDS
     counts, accepted = Counter(), 0
     for call in range(n // 8):
-        sp = dataclasses.replace(SAMPLING, seed=shard * 100000 + call)
-        outs = eng.generate([text] * 8 + [other] * 4, images=[imgs] * 8 + [other_imgs] * 4, sampling=sp)
+        sps = [dataclasses.replace(SAMPLING, seed=(shard * 1000 + call) * 12 + i) for i in range(12)]
+        outs = eng.generate([text] * 8 + [other] * 4, images=[imgs] * 8 + [other_imgs] * 4, sampling=sps)
         for o in outs[:8]:
             counts[tuple(o.token_ids)] += 1
             accepted += sum(o.stats.accepted_lengths)
