@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
-#   (stages: env build test kernels bench layer-kernels profile e2e batch e2e-demo world)
+#   (stages: env build test kernels bench layer-kernels profile e2e batch serve e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -67,6 +67,10 @@ for stage in "$@"; do
     batch)
       # many requests at once: B in 1/4/16/64, AR vs SD at fixed tau, mixed arrivals
       timeout 560 $PY benchmarks/batch.py --out "$OUT" 2>&1 | tail -40
+      ;;
+    serve)
+      # the HTTP layer against the engine called directly: N = 1/4/16 streams, AR and SD at tau 2.31
+      timeout 400 $PY benchmarks/serve.py --out "$OUT" 2>&1 | tail -30
       ;;
     e2e-demo)
       # bundled trained pair, real acceptance (no override), S1-S5 x 10 prompts
