@@ -265,23 +265,30 @@ class Runner:
 
     def catch_up(self, reqs, b):
         """Feed the draft rows the tokens generated while the batch decoded autoregressively
-        (a draft block needs them to hold all but the last two), one ragged forward."""
+        (a draft block needs them to hold all but the last two): ragged forwards of at most 64
+        tokens, padded to a power of two (few shapes to compile); the padding lands in slots
+        the next draft block writes before it reads them."""
         K = self.K
-        need = [(r, r.tokens[r.draft_valid: len(r.tokens) - 2]) for r in reqs[:b]
-                if r is not None and not r.finished and r.draft_valid < len(r.tokens) - 2]
-        if not need:
-            return
-        T = max(len(t) for _, t in need)
-        toks = [[0] * T for _ in range(b * K)]
-        lens = [0] * (b * K)
-        for r, t in need:
-            for k in range(K):
-                toks[r.slot * K + k] = t + [t[-1]] * (T - len(t))
-                lens[r.slot * K + k] = r.view_len[k] + r.draft_valid
-            r.draft_valid = len(r.tokens) - 2
+        need = {r.slot: r.tokens[r.draft_valid: len(r.tokens) - 2] for r in reqs[:b]
+                if r is not None and not r.finished and r.draft_valid < len(r.tokens) - 2}
         _, dcache, _ = self.views(b)
-        catch_up_forward(self.draft.lm, dcache, self.to_device(toks), self.to_device(lens),
-                         kv_len=self.kv_bucket(max(lens) + T))
+        while need:
+            n = min(64, max(len(t) for t in need.values()))
+            top = max(max(reqs[s_].view_len) + reqs[s_].draft_valid for s_ in need)
+            T = 1 << (n - 1).bit_length()
+            if top + T > self.max_len:            # no room for the padding: the exact length
+                T = n
+            toks, lens = [[0] * T for _ in range(b * K)], [0] * (b * K)
+            for slot, t in need.items():
+                r = reqs[slot]
+                chunk = t[:n]
+                for k in range(K):
+                    toks[slot * K + k] = chunk + [chunk[-1]] * (T - len(chunk))
+                    lens[slot * K + k] = r.view_len[k] + r.draft_valid
+                r.draft_valid += len(chunk)
+            catch_up_forward(self.draft.lm, dcache, self.to_device(toks), self.to_device(lens),
+                             kv_len=self.kv_bucket(max(lens) + T))
+            need = {s_: t[n:] for s_, t in need.items() if len(t) > n}
 
     def _draft_inputs(self, reqs, b):
         """Host-built draft inputs: each row's last two tokens [b*K, 2] and length [b*K]."""
@@ -313,6 +320,7 @@ class Runner:
         schedule = self.bench_accept_schedule
         timer = _Timer(self, live)
 
+        p = self._pending_for("sd", b, reqs)      # taken now: whatever runs, it is used or stale
         first = [r for r in live if r.blocks == 0]
         if (b == 1 and first and eng.view_tree and tree is None and greedy and K > 1 and schedule is None
                 and eng.ensemble.policy in ("kld", "tvd", "hedge")
@@ -343,7 +351,6 @@ class Runner:
             self.offset.add_(noise)
             return res
 
-        p = self._pending_for("sd", b, reqs)
         if p is None:
             self.catch_up(reqs, b)
             inp2, dl = self._draft_inputs(reqs, b)
@@ -431,6 +438,7 @@ class Runner:
         verified as one tree (`speculative.view_tree_block`)."""
         K, gamma = self.K, self.eng.gamma
         tcache, dcache, state = self.views(1)
+        self.catch_up([r], 1)               # after autoregressive blocks the draft rows lag
         inp2, dl = self._draft_inputs([r], 1)
         new, n, k, p_views, q_views = view_tree_block(self, dcache, tcache, inp2, dl, r.tokens, r.n_prompt, state,
                                                       K=K, gamma=gamma, longest=max(r.view_len))

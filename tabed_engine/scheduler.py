@@ -133,10 +133,12 @@ class Scheduler:
             for r in live:
                 r.finish("error", f"{type(e).__name__}: {e}")
             new = [[] for _ in reqs]
+        # a block's cost: the time since the previous block ended (steady state: the device's
+        # time per block; after a switch it includes the catch-up and the discarded queued half)
         now = time.perf_counter()
-        if self._last is not None and self._last[:2] == (mode, b):
-            self.cost.record(mode, b, now - self._last[2])
-        self._last = (mode, b, now)
+        if self._last is not None and self._last[0] == b:
+            self.cost.record(mode, b, now - self._last[1])
+        self._last = (b, now)
         for r, toks in zip(reqs, new):
             if r is not None and (toks or r.finished):
                 outputs.append(self._output(r, toks))

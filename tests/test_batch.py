@@ -85,6 +85,18 @@ def test_switching_between_ar_and_sd_is_lossless(pattern):
     assert any(o.stats.target_forwards > len(o.stats.accepted_lengths) for o in outs)   # and AR steps
 
 
+@pytest.mark.parametrize("name", ["one_image", "chat"])
+def test_first_speculative_block_after_ar_blocks(name):
+    """A lone request's first speculative block (the view tree) after autoregressive ones:
+    the draft rows catch up first."""
+    eng = engine()
+    eng.scheduler.cost = Scripted(("ar",) * 5 + ("sd",))
+    prompt, n = PROMPTS[name]
+    out = eng.generate(prompt, images=images(n), sampling=SamplingParams(max_new_tokens=LENGTHS[name]))
+    assert out.token_ids == expected(name)
+    assert out.stats.view_tree_view is not None
+
+
 def test_draft_rows_catch_up_after_ar_blocks():
     """Draft = target and one view: after autoregressive blocks, the caught-up draft rows
     predict exactly what the target does, so every speculative block accepts all γ drafts
