@@ -16,7 +16,8 @@ For 1 and 3 images (640x480, 500x375, 480x640 random photos):
   `VisionEncoder.select` (a CUDA-graph replay plus the copies in and out); CUDA events.
 * floor: 2 x the multiply-adds of the patch embedding and the layers the selection needs
   (23 of 24; LayerNorm, softmax and GELU left out), at the TFLOP/s of an 8192^3 bf16 matrix
-  product measured in the same run; achieved TFLOP/s of each tower.
+  product measured in the same run; achieved TFLOP/s of each tower. The device-to-device copy
+  bandwidth of the run is recorded too (`copy_gbs`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import event_ms, provenance, wall_ms  # noqa: E402
+from _common import copy_bandwidth_gbs, event_ms, provenance, wall_ms  # noqa: E402
 from e2e import CLIP_L336, PRESETS  # noqa: E402
 from e2e_common import build_hf_llava  # noqa: E402
 
@@ -125,7 +126,8 @@ def run(args) -> dict:
                     "layers_run": layers_run, "image_sizes_wh": IMAGE_SIZES, "repeats": reps,
                     "image_processor": type(ip).__name__, "processor_backend": pixel_plan(ip).backend,
                     "hf_attn_implementation": getattr(vc, "_attn_implementation", None)},
-         "method": __doc__.split("\n\n", 2)[2], "gemm_tflops": ceiling, "flops_per_image": flops1}
+         "method": __doc__.split("\n\n", 2)[2], "gemm_tflops": ceiling, "flops_per_image": flops1,
+         "copy_gbs": copy_bandwidth_gbs(device, 1 << 30 if device.type == "cuda" else 64 << 20)}
     for n in (1, 3):
         imgs = images(n, args.tiny)
         proc = lambda: ip(imgs, return_tensors="pt")["pixel_values"].to(device, dtype)  # noqa: E731
@@ -165,7 +167,8 @@ def markdown(R: dict) -> str:
     pv = R["provenance"]
     lines = [f"## ttft_vision — {pv['device']}",
              f"torch {pv['torch']}, transformers {pv['transformers']}, CUDA {pv['cuda']}, {pv['date_utc']}, "
-             f"commit {pv['git']['commit'][:10]}; bf16 GEMM ceiling {R['gemm_tflops'] or 0:.0f} TFLOP/s; "
+             f"commit {pv['git']['commit'][:10]}; bf16 GEMM ceiling {R['gemm_tflops'] or 0:.0f} TFLOP/s, "
+             f"copy {R['copy_gbs']:.0f} GB/s; "
              f"processor {R['config']['image_processor']} ({R['config']['processor_backend']})", "",
              "| images | host preprocess | device preprocess (host part) | tower HF | ours eager | ours graph "
              "| floor | graph TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
