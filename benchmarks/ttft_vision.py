@@ -72,7 +72,8 @@ def float_resize_pixels(imgs, plan, device):
         x = torch.nn.functional.interpolate(x, size=(rh, rw), mode="bicubic", antialias=True)[0]
         y0, ny, _, _ = _crop_axis(rh, plan.crop[0], plan.backend)
         x0, nx, _, _ = _crop_axis(rw, plan.crop[1], plan.backend)
-        out.append(_normalize(x[:, y0:y0 + ny, x0:x0 + nx].clamp(0, 255).round(), plan, device))
+        x = x[:, y0:y0 + ny, x0:x0 + nx].clamp(0, 255).round()
+        out.append(_normalize(x, plan, torch.empty(x.shape, device=device)))
     return torch.stack(out)
 
 

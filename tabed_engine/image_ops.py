@@ -177,8 +177,9 @@ class _MatrixCache:
     def __init__(self, max_bytes: int = 64 << 20):
         self.max_bytes, self.bytes, self.items = max_bytes, 0, OrderedDict()
 
-    def get(self, in_size: int, out_size: int, start: int, count: int, backend: str, device) -> tuple:
-        """([in_size, count] float64 matrix of output pixels start..start+count, fixed-point bits)."""
+    def get(self, in_size: int, out_size: int, start: int, count: int, backend: str, device) -> torch.Tensor:
+        """[in_size, count] float64 matrix of output pixels start..start+count: the fixed-point
+        coefficients over 2^bits (exact: a power of two), so x @ m is the accumulator over 2^bits."""
         key = (in_size, out_size, start, count, backend, device)
         hit = self.items.get(key)
         if hit is not None:
@@ -188,20 +189,21 @@ class _MatrixCache:
         xmin, k = xmin[start:start + count], k[start:start + count]
         m = np.zeros((in_size, count))
         rows = np.minimum(xmin[:, None] + np.arange(k.shape[1]), in_size - 1)   # taps past the edge are 0
-        np.add.at(m, (rows, np.arange(count)[:, None]), k)
-        self.items[key] = hit = (torch.from_numpy(m).to(device), bits)
+        np.add.at(m, (rows, np.arange(count)[:, None]), k / (1 << bits))
+        self.items[key] = hit = torch.from_numpy(m).to(device)
         self.bytes += m.nbytes
         while self.bytes > self.max_bytes and len(self.items) > 1:
-            self.bytes -= self.items.popitem(last=False)[1][0].nbytes
+            self.bytes -= self.items.popitem(last=False)[1].nbytes
         return hit
 
 
 _matrices = _MatrixCache()
 
 
-def _fixed_point(acc: torch.Tensor, bits: int) -> torch.Tensor:
-    """Round a fixed-point accumulator to uint8 values as both backends do (in place)."""
-    return acc.add_(1 << (bits - 1)).div_(1 << bits).floor_().clamp_(0, 255)
+def _fixed_point(acc: torch.Tensor) -> torch.Tensor:
+    """Round a fixed-point accumulator (over 2^bits) to uint8 values as both backends do: add
+    half, shift right, clip (in place)."""
+    return acc.add_(0.5).floor_().clamp_(0, 255)
 
 
 # ---------------------------------------------------------------- one image
@@ -246,13 +248,12 @@ def _resize_crop(img: torch.Tensor, plan: PixelPlan, vertical_first: Optional[bo
     x = img.permute(2, 0, 1).to(torch.float64, memory_format=torch.contiguous_format)   # [3, H, W]
     for axis in ("v", "h") if vertical_first else ("h", "v"):
         if axis == "h" and rw != w:
-            m, bits = _matrices.get(w, rw, x0, nx, plan.backend, x.device)
-            x = _fixed_point(x @ m, bits)                                    # [3, *, nx]
+            x = _fixed_point(x @ _matrices.get(w, rw, x0, nx, plan.backend, x.device))                                  # [3, *, nx]
         elif axis == "h":
             x = x[:, :, x0:x0 + nx]
         elif rh != h:
-            m, bits = _matrices.get(h, rh, y0, ny, plan.backend, x.device)
-            x = _fixed_point(torch.matmul(m.t(), x), bits)                   # [3, ny, *]
+            m = _matrices.get(h, rh, y0, ny, plan.backend, x.device)
+            x = _fixed_point(torch.matmul(m.t(), x))                 # [3, ny, *]
         else:
             x = x[:, y0:y0 + ny]
     if (ny, nx) == (oh, ow):
@@ -295,16 +296,19 @@ def _affine(plan: PixelPlan, device: torch.device):
     return mean.view(3, 1, 1).to(device), std.view(3, 1, 1).to(device)
 
 
-def _normalize(x: torch.Tensor, plan: PixelPlan, device) -> torch.Tensor:
-    """Resized uint8 values (float64) -> float32 pixel values, in the backend's arithmetic."""
-    affine = _affine(plan, device)
+def _normalize(x: torch.Tensor, plan: PixelPlan, out: torch.Tensor) -> torch.Tensor:
+    """Resized uint8 values (float64) -> pixel values in float32, in the backend's arithmetic,
+    written into `out` (its dtype: the float32 result rounded once)."""
+    affine = _affine(plan, out.device)
     if plan.backend == "pil":       # numpy: astype(float64) * scale -> float32, then (x - mean) / std
         x = (x * plan.rescale).float() if plan.rescale is not None else x.float()
-        return x if affine is None else x.sub_(affine[0]).div_(affine[1])
-    x = x.float()                   # torchvision: (x - mean / scale) / (std / scale), or x * scale
-    if affine is not None:
-        return x.sub_(affine[0]).div_(affine[1])
-    return x.mul_(plan.rescale) if plan.rescale is not None else x
+    else:                           # torchvision: (x - mean / scale) / (std / scale), or x * scale
+        x = x.float()
+        if affine is None and plan.rescale is not None:
+            return torch.mul(x, plan.rescale, out=out)
+    if affine is None:
+        return out.copy_(x)
+    return torch.div(x.sub_(affine[0]), affine[1], out=out)
 
 
 def _upload(image, index: int, device) -> torch.Tensor:
@@ -362,5 +366,5 @@ def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype 
         raise ValueError(f"out must be [{len(pixels)}, 3, {h}, {w}] on {device}, got "
                          f"{list(out.shape)} on {out.device}")
     for i, p in enumerate(pixels):
-        out[i].copy_(_normalize(_resize_crop(p, plan), plan, device))
+        _normalize(_resize_crop(p, plan), plan, out[i])
     return out
