@@ -7,7 +7,8 @@ what it cannot do); where it cannot, the processor (the CPU path) stays the way 
 
 Bit-exact, not approximately equal: both processor backends resize uint8 pixels in fixed
 point, so a float resize (torch's `interpolate(mode="bicubic", antialias=True)` on float
-input) differs from them by up to 27 of 255 levels (upsampled noise, results/ttft_vision.md).
+input) differs from them by whole levels (22 of 255 on the benchmark's photos, more on
+upsampled noise: results/ttft_vision_h200.json, float_resize_vs_processor_max_abs).
 Here each axis is one matmul with the integer fixed-point coefficients in float64 (pixels
 < 2^8 times coefficients < 2^23, sums < 2^31: exact in any summation order), then the same
 rounding and clipping to uint8 as the processor, the two passes in the processor's order:
@@ -314,7 +315,7 @@ def _normalize(x: torch.Tensor, plan: PixelPlan, out: torch.Tensor) -> torch.Ten
 def _upload(image, index: int, device) -> torch.Tensor:
     """One image as uint8 [H, W, 3] on the device: the only host work. From pageable memory:
     on an H200 host, PIL -> numpy 0.26 ms + upload 0.10 ms for 640x480, where staging it
-    in pinned memory first cost 0.47 ms (results/ttft_vision_h200.md)."""
+    in pinned memory first cost 0.47 ms (benchmarks/results/README.md, 2026-11-28)."""
     if isinstance(image, torch.Tensor):
         a = image
     elif isinstance(image, np.ndarray):
