@@ -27,6 +27,7 @@ from torch import nn
 
 from .config import LMConfig
 from .model import LlamaLM
+from .vision import VisionEncoder
 
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -243,8 +244,8 @@ def _targets(lm: "LlamaLM", vision: "VisionEncoder") -> dict[tuple[str, str], to
         for part, n in zip(_FUSED[fused], rows[fused]):
             out["lm", f"{pre}.{part}.{kind}"] = t[start:start + n]
             start += n
-    for name, t in vision.tower.state_dict().items():
-        out["vision", name[len("vision_model."):] if name.startswith("vision_model.") else name] = t
+    for name, t in vision.checkpoint_targets().items():
+        out["vision", name] = t
     for name, t in vision.projector.state_dict().items():
         out["proj", name] = t
     return out
@@ -400,40 +401,6 @@ def stream_file(entries: list[TensorEntry], dests: list[Optional[torch.Tensor]],
 
 
 # ---------------------------------------------------------------- modules
-
-class VisionEncoder(nn.Module):
-    """The checkpoint's vision tower + projector (transformers modules; run once per image)."""
-
-    def __init__(self, hf_config, feature_layer, strategy: str):
-        super().__init__()
-        from transformers import AutoModel
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
-
-        if strategy not in ("default", "full"):
-            raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}")
-        self.tower = AutoModel.from_config(hf_config.vision_config)
-        self.projector = LlavaMultiModalProjector(hf_config)
-        self.feature_layer = feature_layer
-        self.strategy = strategy
-
-    @torch.no_grad()
-    def select(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Tower features before the projector [n, tokens_per_image, vision_hidden]."""
-        out = self.tower(pixel_values.to(self.projector.linear_1.weight.dtype), output_hidden_states=True)
-        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
-        feats = [out.hidden_states[i] for i in layers]
-        if self.strategy == "default":
-            feats = [f[:, 1:] for f in feats]
-        return torch.cat(feats, dim=-1)
-
-    @torch.no_grad()
-    def project(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.projector(feats)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [n, 3, H, W] -> projected features [n, tokens_per_image, lm_hidden]."""
-        return self.project(self.select(pixel_values))
-
 
 @dataclass
 class LoadedLVLM:

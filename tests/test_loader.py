@@ -36,8 +36,7 @@ def assert_same_weights(loaded, ref):
             assert own[k].dtype == v.dtype and torch.equal(own[k], v), k
     if tied:
         assert loaded.lm.lm_head.weight is loaded.lm.embed_tokens.weight
-    tower = {k[len("vision_model."):] if k.startswith("vision_model.") else k: v
-             for k, v in loaded.vision.tower.state_dict().items()}
+    tower = loaded.vision.checkpoint_targets()   # checkpoint key -> its tensor (or rows) in the tower
     assert set(tower) == set(vis_ref)
     for k, v in vis_ref.items():
         assert torch.equal(tower[k], v), k

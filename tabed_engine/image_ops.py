@@ -1,0 +1,371 @@
+"""Image preprocessing on the device, equal to the checkpoint's CLIP image processor.
+
+`device_pixels(images, image_processor, device, dtype)` returns the processor's
+`pixel_values` computed on `device`; the host only uploads each image's uint8 pixels.
+`supports(image_processor)` says whether it can (`pixel_plan` raises a ValueError naming
+what it cannot do); where it cannot, the processor (the CPU path) stays the way in.
+
+Bit-exact, not approximately equal: both processor backends resize uint8 pixels in fixed
+point, so a float resize (torch's `interpolate(mode="bicubic", antialias=True)` on float
+input) differs from them by whole levels (22 of 255 on the benchmark's photos, more on
+upsampled noise: results/ttft_vision_h200.json, float_resize_vs_processor_max_abs).
+Here each axis is one matmul with the integer fixed-point coefficients in float64 (pixels
+< 2^8 times coefficients < 2^23, sums < 2^31: exact in any summation order), then the same
+rounding and clipping to uint8 as the processor, the two passes in the processor's order:
+
+* PIL backend (`CLIPImageProcessor` in transformers 4.x, `CLIPImageProcessorPil` in 5.x):
+  Pillow's `ImagingResample` (bicubic a = -0.5, support scaled by the downscale factor,
+  coefficients rounded to 22 fractional bits). Pillow <= 12 always resamples horizontally
+  first; Pillow 13 vertically first when the height loses more than twice the pixels the
+  width loses (a tall image shrunk): the installed Pillow's order is probed once.
+* torchvision backend (`CLIPImageProcessorFast` in 4.x, `CLIPImageProcessor` in 5.x with
+  torchvision installed; it resizes on the CPU): torch's uint8 antialiased bicubic kernel,
+  int16 coefficients with the precision chosen from the largest weight, horizontal first.
+
+Then center crop (zero padding where the crop is larger, offset rounded as each backend
+rounds it), rescale and normalise in float32 with the backend's own operation order (the
+torchvision backend folds the rescale into mean and std). Only the resized rows and columns
+the crop keeps are computed.
+
+Supported: `CLIPImageProcessor` / `CLIPImageProcessorFast` / `CLIPImageProcessorPil` with
+bicubic resampling, `size` {shortest_edge} or {height, width}, any crop, rescale and
+normalisation; `do_pad` only where it is a no-op (all images cropped to one size). Not
+supported, so the processor runs: other processor classes (LLaVA's pad-to-square
+`LlavaImageProcessor`, SigLIP, ...), other filters (bilinear: torchvision's CPU rounding
+depends on the CPU's instruction set), `longest_edge` / `max_height` sizes. Images: RGB PIL
+images (what `prompt._to_pil` returns) or uint8 HWC RGB arrays / tensors (on any device);
+`do_convert_rgb` is then a no-op.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+_CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil")
+_SIZE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width",
+              "min_pixels", "max_pixels")
+
+
+@dataclass(frozen=True)
+class PixelPlan:
+    """What the processor does to each image, read from its configuration."""
+
+    backend: str                              # "pil" | "torchvision": whose rounding to follow
+    resize: Optional[tuple]                   # ("shortest_edge", s) | ("exact", h, w) | None
+    crop: Optional[tuple[int, int]]           # (h, w) | None
+    rescale: Optional[float]
+    mean: Optional[tuple[float, ...]]         # normalisation, None: off
+    std: Optional[tuple[float, ...]]
+
+    def __post_init__(self):
+        if self.backend not in ("pil", "torchvision"):
+            raise ValueError(f"unknown image processor backend {self.backend!r}")
+
+
+def _size(s) -> dict:
+    """A size setting (dict in transformers 4.x, SizeDict in 5.x) as a dict of its set keys."""
+    if s is None:
+        return {}
+    get = s.get if isinstance(s, dict) else (lambda k: getattr(s, k, None))
+    return {k: get(k) for k in _SIZE_KEYS if get(k) is not None}
+
+
+def pixel_plan(image_processor) -> PixelPlan:
+    """The processor's preprocessing as a `PixelPlan`; ValueError naming what is unsupported."""
+    ip = image_processor
+    name = type(ip).__name__
+    if name not in _CLASSES:
+        raise ValueError(f"{name} is not a CLIP image processor")
+    bases = {c.__name__ for c in type(ip).__mro__}   # 4.x: BaseImageProcessor(Fast); 5.x: the backends
+    if bases & {"TorchvisionBackend", "BaseImageProcessorFast"}:
+        backend = "torchvision"
+    elif bases & {"PilBackend", "BaseImageProcessor"}:
+        backend = "pil"
+    else:
+        raise ValueError(f"{name} derives from no transformers image processor base class")
+    if getattr(ip, "backend", backend) != backend:
+        raise ValueError(f"{name} says its backend is {ip.backend!r}, its base class says {backend!r}")
+    if backend == "pil":
+        _pillow_order()
+    resize = None
+    if ip.do_resize:
+        resample = getattr(ip.resample, "value", ip.resample)
+        if resample not in (3, "bicubic"):
+            raise ValueError(f"resample {ip.resample!r}: only bicubic is reproduced")
+        size = _size(ip.size)
+        if set(size) == {"shortest_edge"}:
+            resize = ("shortest_edge", int(size["shortest_edge"]))
+        elif set(size) == {"height", "width"}:
+            resize = ("exact", int(size["height"]), int(size["width"]))
+        else:
+            raise ValueError(f"size {size}: only shortest_edge or height and width are reproduced")
+    crop = None
+    if ip.do_center_crop:
+        cs = _size(ip.crop_size)
+        if set(cs) != {"height", "width"}:
+            raise ValueError(f"crop_size {cs}: expected height and width")
+        crop = (int(cs["height"]), int(cs["width"]))
+    if getattr(ip, "do_pad", None) and crop is None and (resize is None or resize[0] != "exact"):
+        raise ValueError("do_pad pads images of different sizes to one; not reproduced")
+    mean = std = None
+    if ip.do_normalize:
+        mean, std = (tuple(float(v) for v in (x if isinstance(x, (list, tuple)) else [x] * 3))
+                     for x in (ip.image_mean, ip.image_std))
+        if len(mean) != 3 or len(std) != 3:
+            raise ValueError(f"image_mean {mean} / image_std {std}: expected 3 channels")
+    return PixelPlan(backend, resize, crop, float(ip.rescale_factor) if ip.do_rescale else None, mean, std)
+
+
+def supports(image_processor) -> bool:
+    """Whether `device_pixels` reproduces this processor (else use the processor)."""
+    try:
+        pixel_plan(image_processor)
+        return True
+    except (ValueError, AttributeError):
+        return False
+
+
+# ---------------------------------------------------------------- resampling coefficients
+
+def _cubic_pil(x):
+    a = np.abs(x)      # Pillow's bicubic_filter, a = -0.5, in its operation order
+    return np.where(a < 1.0, (1.5 * a - 2.5) * a * a + 1,
+                    np.where(a < 2.0, (((a - 5) * a + 8) * a - 4) * -0.5, 0.0))
+
+
+def _cubic_torch(x):
+    a, A = np.abs(x), -0.5   # torch's aa cubic filter: cubic_convolution1/2
+    return np.where(a < 1.0, ((A + 2) * a - (A + 3)) * a * a + 1,
+                    np.where(a < 2.0, ((A * a - 5 * A) * a + 8 * A) * a - 4 * A, 0.0))
+
+
+@functools.lru_cache(maxsize=256)
+def _coefficients(in_size: int, out_size: int, backend: str):
+    """Per output pixel: first input pixel, fixed-point taps [out, ksize] (float64 holding
+    integers), and the fixed-point precision in bits; computed as the backend computes them."""
+    scale = in_size / out_size
+    fscale = max(scale, 1.0)
+    support = 2.0 * fscale
+    ksize = int(math.ceil(support)) * 2 + 1
+    center = (np.arange(out_size, dtype=np.float64) + 0.5) * scale
+    xmin = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)
+    xcount = np.clip(np.minimum(np.trunc(center + support + 0.5).astype(np.int64), in_size) - xmin, 0, ksize)
+    cubic = _cubic_pil if backend == "pil" else _cubic_torch
+    k = np.zeros((out_size, ksize))
+    total = np.zeros(out_size)
+    for t in range(ksize):          # tap by tap: the backends sum the weights in this order
+        k[:, t] = np.where(t < xcount, cubic((t + xmin - center + 0.5) * (1.0 / fscale)), 0.0)
+        total = total + k[:, t]
+    k = np.where(total[:, None] != 0.0, k / np.where(total == 0.0, 1.0, total)[:, None], k)
+    if backend == "pil":
+        bits = 22
+    else:   # the most bits that keep the largest weight in int16
+        bits = next((b for b in range(22) if int(0.5 + k.max() * (1 << (b + 1))) >= 1 << 15), 22)
+    v = k * (1 << bits)
+    return xmin, np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)), bits
+
+
+class _MatrixCache:
+    """Resampling matrices on the device by (sizes, kept range, backend, device), least recently
+    used first out past `max_bytes`: a repeated image size costs no host work or upload."""
+
+    def __init__(self, max_bytes: int = 64 << 20):
+        self.max_bytes, self.bytes, self.items = max_bytes, 0, OrderedDict()
+
+    def get(self, in_size: int, out_size: int, start: int, count: int, backend: str, device) -> torch.Tensor:
+        """[in_size, count] float64 matrix of output pixels start..start+count: the fixed-point
+        coefficients over 2^bits (exact: a power of two), so x @ m is the accumulator over 2^bits."""
+        key = (in_size, out_size, start, count, backend, device)
+        hit = self.items.get(key)
+        if hit is not None:
+            self.items.move_to_end(key)
+            return hit
+        xmin, k, bits = _coefficients(in_size, out_size, backend)
+        xmin, k = xmin[start:start + count], k[start:start + count]
+        m = np.zeros((in_size, count))
+        rows = np.minimum(xmin[:, None] + np.arange(k.shape[1]), in_size - 1)   # taps past the edge are 0
+        np.add.at(m, (rows, np.arange(count)[:, None]), k / (1 << bits))
+        self.items[key] = hit = torch.from_numpy(m).to(device)
+        self.bytes += m.nbytes
+        while self.bytes > self.max_bytes and len(self.items) > 1:
+            self.bytes -= self.items.popitem(last=False)[1].nbytes
+        return hit
+
+
+_matrices = _MatrixCache()
+
+
+def _fixed_point(acc: torch.Tensor) -> torch.Tensor:
+    """Round a fixed-point accumulator (over 2^bits) to uint8 values as both backends do: add
+    half, shift right, clip (in place)."""
+    return acc.add_(0.5).floor_().clamp_(0, 255)
+
+
+# ---------------------------------------------------------------- one image
+
+def _resized_size(h: int, w: int, resize) -> tuple[int, int]:
+    if resize is None:
+        return h, w
+    if resize[0] == "exact":
+        return resize[1], resize[2]
+    s = resize[1]   # transformers' get_resize_output_image_size(default_to_square=False)
+    short, long = (w, h) if w <= h else (h, w)
+    new_long = int(s * long / short)
+    return (new_long, s) if w <= h else (s, new_long)
+
+
+def _crop_axis(size: int, crop: Optional[int], backend: str) -> tuple[int, int, int, int]:
+    """(first kept pixel, kept count, offset in the output, output size) along one axis."""
+    if crop is None:
+        return 0, size, 0, size
+    if crop <= size:
+        return (size - crop) // 2, crop, 0, crop
+    pad = crop - size   # zero padding: numpy's center_crop rounds the offset up, torchvision's down
+    return 0, size, (pad + 1) // 2 if backend == "pil" else pad // 2, crop
+
+
+def _output_size(h: int, w: int, plan: PixelPlan) -> tuple[int, int]:
+    rh, rw = _resized_size(h, w, plan.resize)
+    crop = plan.crop or (None, None)
+    return _crop_axis(rh, crop[0], plan.backend)[3], _crop_axis(rw, crop[1], plan.backend)[3]
+
+
+def _resize_crop(img: torch.Tensor, plan: PixelPlan, vertical_first: Optional[bool] = None) -> torch.Tensor:
+    """uint8 [H, W, 3] on the device -> resized, cropped pixel values [3, h, w] (float64 ints).
+    vertical_first: the pass order (None: the order the backend uses for these sizes)."""
+    h, w = img.shape[:2]
+    rh, rw = _resized_size(h, w, plan.resize)
+    crop = plan.crop or (None, None)
+    y0, ny, dy, oh = _crop_axis(rh, crop[0], plan.backend)
+    x0, nx, dx, ow = _crop_axis(rw, crop[1], plan.backend)
+    if vertical_first is None:
+        vertical_first = plan.backend == "pil" and _pillow_vertical_first(w, h, rw, rh)
+    x = img.permute(2, 0, 1).to(torch.float64, memory_format=torch.contiguous_format)   # [3, H, W]
+    for axis in ("v", "h") if vertical_first else ("h", "v"):
+        if axis == "h" and rw != w:
+            x = _fixed_point(x @ _matrices.get(w, rw, x0, nx, plan.backend, x.device))                                  # [3, *, nx]
+        elif axis == "h":
+            x = x[:, :, x0:x0 + nx]
+        elif rh != h:
+            m = _matrices.get(h, rh, y0, ny, plan.backend, x.device)
+            x = _fixed_point(torch.matmul(m.t(), x))                 # [3, ny, *]
+        else:
+            x = x[:, y0:y0 + ny]
+    if (ny, nx) == (oh, ow):
+        return x
+    canvas = torch.zeros(3, oh, ow, dtype=torch.float64, device=x.device)
+    canvas[:, dy:dy + ny, dx:dx + nx] = x
+    return canvas
+
+
+def _pillow_vertical_first(w: int, h: int, ow: int, oh: int) -> bool:
+    """Whether the installed Pillow resamples vertically first for these sizes."""
+    return _pillow_order() == "height" and oh < h and h - oh > 2 * (w - ow)
+
+
+@functools.lru_cache(maxsize=None)
+def _pillow_order() -> str:
+    """The installed Pillow's pass order, probed once on a small random image: "horizontal"
+    (Pillow <= 12: always the horizontal pass first) or "height" (Pillow 13: vertically first
+    when the height loses more than twice the pixels the width loses). ValueError if neither."""
+    from PIL import Image
+
+    a = np.random.default_rng(0).integers(0, 256, (90, 40, 3), dtype=np.uint8)
+    ref = torch.from_numpy(np.array(Image.fromarray(a).resize((30, 40), Image.BICUBIC))).permute(2, 0, 1)
+    plan = PixelPlan("pil", ("exact", 40, 30), None, None, None, None)
+    for order, vertical in (("height", True), ("horizontal", False)):
+        if torch.equal(_resize_crop(torch.from_numpy(a), plan, vertical).to(torch.uint8), ref):
+            return order
+    raise ValueError("the installed Pillow resamples in an order this module does not reproduce")
+
+
+@functools.lru_cache(maxsize=16)
+def _affine(plan: PixelPlan, device: torch.device):
+    """(subtract, divide) float32 [3, 1, 1] constants of the backend's normalisation."""
+    if plan.mean is None:
+        return None
+    mean = torch.tensor(plan.mean, dtype=torch.float32)
+    std = torch.tensor(plan.std, dtype=torch.float32)
+    if plan.backend == "torchvision" and plan.rescale is not None:   # torchvision folds the rescale in
+        mean, std = mean * (1.0 / plan.rescale), std * (1.0 / plan.rescale)
+    return mean.view(3, 1, 1).to(device), std.view(3, 1, 1).to(device)
+
+
+def _normalize(x: torch.Tensor, plan: PixelPlan, out: torch.Tensor) -> torch.Tensor:
+    """Resized uint8 values (float64) -> pixel values in float32, in the backend's arithmetic,
+    written into `out` (its dtype: the float32 result rounded once)."""
+    affine = _affine(plan, out.device)
+    if plan.backend == "pil":       # numpy: astype(float64) * scale -> float32, then (x - mean) / std
+        x = (x * plan.rescale).float() if plan.rescale is not None else x.float()
+    else:                           # torchvision: (x - mean / scale) / (std / scale), or x * scale
+        x = x.float()
+        if affine is None and plan.rescale is not None:
+            return torch.mul(x, plan.rescale, out=out)
+    if affine is None:
+        return out.copy_(x)
+    return torch.div(x.sub_(affine[0]), affine[1], out=out)
+
+
+def _upload(image, index: int, device) -> torch.Tensor:
+    """One image as uint8 [H, W, 3] on the device: the only host work. From pageable memory:
+    on an H200 host, PIL -> numpy 0.26 ms + upload 0.10 ms for 640x480, where staging it
+    in pinned memory first cost 0.47 ms (benchmarks/results/README.md, 2026-11-28)."""
+    if isinstance(image, torch.Tensor):
+        a = image
+    elif isinstance(image, np.ndarray):
+        a = image
+    elif getattr(image, "mode", None) == "RGB":            # PIL
+        a = np.array(image)
+    else:
+        raise TypeError(f"image {index}: expected an RGB PIL image or a uint8 HWC RGB array/tensor "
+                        f"(prompt._to_pil's output), got {type(image).__name__} "
+                        f"{getattr(image, 'mode', '')}".rstrip())
+    if a.dtype not in (np.uint8, torch.uint8) or a.ndim != 3 or a.shape[-1] != 3 or 0 in a.shape:
+        raise ValueError(f"image {index}: expected uint8 [H, W, 3], got {a.dtype} {list(a.shape)}")
+    if isinstance(a, np.ndarray):
+        a = torch.from_numpy(a if a.flags.writeable else a.copy())
+    return a.to(device, non_blocking=True)
+
+
+def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype = torch.float32,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The processor's `pixel_values` for `images`, computed on `device`.
+
+    Parameters
+    ----------
+    images : sequence of RGB PIL images or uint8 [H, W, 3] arrays / tensors
+    image_processor : the checkpoint's image processor (`supports` must hold)
+    device, dtype : where and in which dtype the result lives (float32: bit-exact with the
+        processor; other dtypes are the processor's values rounded once)
+    out : optional [n, 3, h, w] tensor to write into (a graph's static input, say)
+
+    Returns
+    -------
+    Tensor [n, 3, h, w]: `image_processor(images, return_tensors="pt").pixel_values`.
+    """
+    plan = pixel_plan(image_processor)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if len(images) == 0:
+        raise ValueError("no images")
+    pixels = [_upload(im, i, device) for i, im in enumerate(images)]
+    sizes = {_output_size(p.shape[0], p.shape[1], plan) for p in pixels}
+    if len(sizes) > 1:
+        raise ValueError(f"the images preprocess to different sizes {sorted(sizes)} (no resize to a fixed "
+                         "size and no crop); they cannot form one batch")
+    h, w = sizes.pop()
+    if out is None:
+        out = torch.empty(len(pixels), 3, h, w, dtype=dtype, device=device)
+    elif tuple(out.shape) != (len(pixels), 3, h, w) or out.device != device:
+        raise ValueError(f"out must be [{len(pixels)}, 3, {h}, {w}] on {device}, got "
+                         f"{list(out.shape)} on {out.device}")
+    for i, p in enumerate(pixels):
+        _normalize(_resize_crop(p, plan), plan, out[i])
+    return out

@@ -1,0 +1,220 @@
+"""The vision side of a LLaVA checkpoint: the vision tower and the projector (`VisionEncoder`).
+
+CLIP towers (`model_type` "clip_vision_model": every LLaVA-1.5 checkpoint) run through our
+compact encoder `CLIPTower`, with the checkpoint's weights mapped in: q/k/v fused into one
+projection, attention through SDPA's fused kernels, patches embedded by one GEMM, and only the
+layers up to the deepest selected feature layer run (LLaVA-1.5 selects layer -2: 23 of 24).
+On CUDA, `select` replays one CUDA graph per image count: the tower is ~300 kernels, launched
+one by one from Python 7.8 ms for one 336x336 image on an H200 (transformers' tower 12.0 ms),
+replayed 1.82 ms against a 0.49 ms FLOP floor (results/ttft_vision_h200.md).
+Other towers (SigLIP, ...) run as the transformers module, eagerly. The projector is
+transformers' `LlavaMultiModalProjector`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# q, k, v rows of the fused projection, as the checkpoint names them
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv_proj = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape                                          # x: [n, T, D]
+        q, k, v = self.qkv_proj(x).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v)                # [n, H, T, hd]; scale hd^-0.5 as CLIP's
+        return self.out_proj(a.transpose(1, 2).reshape(n, t, d))
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim: int, inner: int, act):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, inner)
+        self.fc2 = nn.Linear(inner, dim)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _Layer(nn.Module):
+    def __init__(self, dim: int, heads: int, inner: int, eps: float, act):
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
+        self.self_attn = _Attention(dim, heads)
+        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = _MLP(dim, inner, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, dim: int, channels: int, patch: int, grid: int):
+        super().__init__()
+        self.patch, self.grid = patch, grid
+        self.class_embedding = nn.Parameter(torch.empty(dim))
+        self.patch_embedding = nn.Conv2d(channels, dim, patch, stride=patch, bias=False)  # the checkpoint's layout
+        self.position_embedding = nn.Embedding(grid * grid + 1, dim)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        n, c = pixel_values.shape[:2]                              # pixel_values: [n, C, S, S]
+        g, p = self.grid, self.patch
+        # stride-p conv == one GEMM over the flattened patches [n * g * g, C * p * p]
+        x = pixel_values[:, :, :g * p, :g * p].reshape(n, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5)
+        w = self.patch_embedding.weight
+        x = x.reshape(n, g * g, c * p * p) @ w.reshape(w.shape[0], -1).t()
+        x = torch.cat([self.class_embedding.expand(n, 1, -1), x], dim=1)
+        return x + self.position_embedding.weight                  # [n, g*g + 1, D]
+
+
+class CLIPTower(nn.Module):
+    """A CLIP vision transformer with the checkpoint's parameter names (q/k/v fused into
+    `self_attn.qkv_proj`). forward returns the hidden states at `layers` (indices into
+    transformers' `hidden_states`: 0 is the embedding after `pre_layrnorm`, i the output of
+    layer i), running only the layers the deepest of them needs."""
+
+    def __init__(self, vc, layers: tuple[int, ...]):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        d, n_layers = vc.hidden_size, vc.num_hidden_layers
+        self.image_size = vc.image_size
+        self.layers = layers
+        self.embeddings = _Embeddings(d, vc.num_channels, vc.patch_size, vc.image_size // vc.patch_size)
+        self.pre_layrnorm = nn.LayerNorm(d, eps=vc.layer_norm_eps)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(
+            _Layer(d, vc.num_attention_heads, vc.intermediate_size, vc.layer_norm_eps, ACT2FN[vc.hidden_act])
+            for _ in range(n_layers))
+        self.post_layernorm = nn.LayerNorm(d, eps=vc.layer_norm_eps)   # in checkpoints; LLaVA never uses it
+
+    def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        if pixel_values.shape[-2:] != (self.image_size, self.image_size):
+            raise ValueError(f"pixel_values of {tuple(pixel_values.shape[-2:])} pixels, the vision tower takes "
+                             f"{self.image_size}x{self.image_size}")
+        x = self.pre_layrnorm(self.embeddings(pixel_values))
+        out = {0: x}
+        for i, layer in enumerate(self.encoder.layers[:max(self.layers)], start=1):
+            x = out[i] = layer(x)
+        return [out[i] for i in self.layers]
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint key (without `vision_model.`) -> the tensor it fills: a parameter, or its
+        rows of `qkv_proj`."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if ".qkv_proj." not in name:
+                out[name] = t
+                continue
+            pre, kind = name.split(".qkv_proj.")
+            for part, rows in zip(_QKV, t.chunk(3)):
+                out[f"{pre}.{part}.{kind}"] = rows
+        return out
+
+
+def _layer_indices(feature_layer, n_layers: int) -> tuple[int, ...]:
+    layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+    out = tuple(i + n_layers + 1 if i < 0 else i for i in layers)
+    if not layers or not all(0 <= i <= n_layers for i in out):
+        raise ValueError(f"vision_feature_layer {feature_layer!r} is outside the tower's {n_layers} layers")
+    return out
+
+
+class VisionEncoder(nn.Module):
+    """The checkpoint's vision tower + projector; `select` then `project` per request."""
+
+    # graphs hold at most this many images; more are encoded in chunks of it
+    max_graph_images = 8
+
+    def __init__(self, hf_config, feature_layer, strategy: str):
+        super().__init__()
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        if strategy not in ("default", "full"):
+            raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}")
+        vc = hf_config.vision_config
+        self.feature_layer = feature_layer
+        self.strategy = strategy
+        self.compact = getattr(vc, "model_type", None) == "clip_vision_model"
+        if self.compact:
+            self.tower = CLIPTower(vc, _layer_indices(feature_layer, vc.num_hidden_layers))
+        else:
+            from transformers import AutoModel
+
+            self.tower = AutoModel.from_config(vc)
+        self.projector = LlavaMultiModalProjector(hf_config)
+        self.use_graphs = True
+        self._graphs = None
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """Canonical vision key (`loader.canonical_key`) -> the tensor of the tower it fills."""
+        if self.compact:
+            return self.tower.checkpoint_targets()
+        return {k[len("vision_model."):] if k.startswith("vision_model.") else k: t
+                for k, t in self.tower.state_dict().items()}
+
+    def _features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.compact:
+            feats = self.tower(pixel_values)
+        else:
+            hs = self.tower(pixel_values, output_hidden_states=True).hidden_states
+            feats = [hs[i] for i in ([self.feature_layer] if isinstance(self.feature_layer, int)
+                                     else self.feature_layer)]
+        if self.strategy == "default":
+            feats = [f[:, 1:] for f in feats]
+        return feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
+
+    @torch.no_grad()
+    def select(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [n, 3, S, S] -> the selected tower features [n, tokens_per_image,
+        vision_hidden x layers]. On CUDA (compact tower) a replay of the graph for n images; the
+        result is a fresh tensor, never the graph's buffer."""
+        pv = pixel_values.to(self.projector.linear_1.weight.dtype)
+        if not (self.compact and self.use_graphs and pv.is_cuda):
+            return self._features(pv)
+        if self._graphs is None:
+            from .graphs import GraphCache
+
+            self._graphs = GraphCache()
+        outs = [self._graphs.run(tuple(chunk.shape), self._features, {"pixel_values": chunk})
+                for chunk in pv.split(self.max_graph_images)]
+        return torch.cat(outs) if len(outs) > 1 else outs[0].clone()
+
+    @torch.no_grad()
+    def project(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.projector(feats)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [n, 3, H, W] -> projected features [n, tokens_per_image, lm_hidden]."""
+        return self.project(self.select(pixel_values))
+
+
+def hf_vision_tower(vision: VisionEncoder, hf_config) -> nn.Module:
+    """transformers' own tower for `hf_config` holding `vision`'s weights (float32 reference for
+    tests and benchmarks; not on the engine's path)."""
+    from transformers import AutoModel
+
+    ref = AutoModel.from_config(hf_config.vision_config).to(vision.projector.linear_1.weight)
+    own = vision.checkpoint_targets()
+    with torch.no_grad():
+        for k, t in ref.state_dict().items():
+            key = k[len("vision_model."):] if k.startswith("vision_model.") else k
+            if key in own:
+                t.copy_(own[key])
+            elif key.endswith("position_ids"):
+                t.copy_(torch.arange(t.shape[-1]).expand_as(t))
+            else:
+                raise KeyError(f"transformers' tower has {k!r}, ours has no such weight")
+    return ref.eval()

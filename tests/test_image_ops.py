@@ -1,0 +1,215 @@
+"""Image preprocessing on the device (tabed_engine/image_ops.py) equals the checkpoint's image
+processor bit for bit: the processor installed here (PIL backend without torchvision), and the
+torchvision backend's arithmetic through a reference written out below (torch's uint8 resize,
+transformers' torchvision center crop and fused normalisation)."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tabed_engine.image_ops import PixelPlan, _resize_crop, device_pixels, pixel_plan, supports
+from tabed_engine.prompt import _to_pil
+
+MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+# llava-hf/llava-1.5-7b-hf's preprocessor_config.json
+LLAVA = dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, do_center_crop=True,
+             do_convert_rgb=True, do_normalize=True, do_rescale=True, do_resize=True, image_mean=MEAN,
+             image_std=STD, resample=3, rescale_factor=1 / 255)
+
+
+def pil_processor(**kw):
+    """A CLIP image processor of the PIL backend (transformers 5: CLIPImageProcessorPil; 4.x:
+    CLIPImageProcessor), llava-1.5-7b-hf's preprocessor_config.json overridden by kw."""
+    try:
+        from transformers import CLIPImageProcessorPil as cls
+    except ImportError:
+        from transformers import CLIPImageProcessor as cls
+    if pixel_plan(cls(**LLAVA)).backend != "pil":   # a transformers 5 without a separate PIL class
+        pytest.skip(f"no PIL-backed CLIP image processor in this transformers ({cls.__name__} is not)")
+    return cls(**{**LLAVA, **kw})
+
+
+def image(w, h, channels=3, seed=0):
+    a = np.random.default_rng(seed).integers(0, 256, (h, w, channels) if channels else (h, w), dtype=np.uint8)
+    return _to_pil(a)      # grey and RGBA become RGB as the engine's prompt path makes them
+
+
+# odd sizes, both orientations, up- and down-scaling, a tall image shrunk (Pillow 13 resizes it
+# vertically first), one already at the target size; grey and RGBA inputs
+IMAGES = [image(333, 517), image(640, 480, seed=1), image(37, 1200, seed=2), image(1200, 37, seed=3),
+          image(400, 1300, seed=4), image(336, 336, seed=5), image(41, 30, 0, seed=6), image(50, 45, 4, seed=7)]
+CONFIGS = {
+    "llava-1.5": {},                                                  # as published (336)
+    "pad": dict(size={"shortest_edge": 40}, crop_size={"height": 57, "width": 51}),  # crop > resized: zero pad
+    "exact-size": dict(size={"height": 100, "width": 77}, do_center_crop=False),
+    "no-normalize": dict(size={"shortest_edge": 64}, crop_size={"height": 60, "width": 60}, do_normalize=False),
+    "no-rescale": dict(size={"shortest_edge": 64}, crop_size={"height": 60, "width": 61}, do_rescale=False),
+    "no-resize": dict(do_resize=False, crop_size={"height": 61, "width": 64}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_equals_processor(name):
+    """Bit-exact (max abs error 0) on every image, one at a time and as one batch."""
+    ip = pil_processor(**CONFIGS[name])
+    imgs = IMAGES if name != "llava-1.5" else IMAGES[:6]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")["pixel_values"]
+        ours = device_pixels([im], ip, "cpu")
+        assert ours.dtype == torch.float32 and ours.shape == ref.shape
+        assert torch.equal(ours, ref), (name, im.size, (ours - ref).abs().max().item())
+    batch = imgs[:3]
+    assert torch.equal(device_pixels(batch, ip, "cpu"), ip(batch, return_tensors="pt")["pixel_values"])
+
+
+def test_pass_order_matches_pillow():
+    """Random resizes in every direction (the installed Pillow picks which pass goes first)."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        w, h, ow, oh = (int(v) for v in rng.integers(5, 90, 4))
+        ip = pil_processor(size={"height": oh, "width": ow}, do_center_crop=False)
+        im = image(w, h, seed=int(rng.integers(1 << 30)))
+        assert torch.equal(device_pixels([im], ip, "cpu"), ip([im], return_tensors="pt")["pixel_values"]), \
+            (w, h, ow, oh)
+
+
+# ------------------------------------------------------------------ torchvision backend
+
+class BaseImageProcessorFast:
+    """transformers 4.x's base class of torchvision-backed processors (stand-in)."""
+
+
+class CLIPImageProcessorFast(BaseImageProcessorFast):
+    """transformers 4.x's name for the torchvision-backed CLIP processor; this stand-in holds its
+    settings (torchvision is not installed on the CPU test machines)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update({**LLAVA, **kw})
+
+
+def torchvision_reference(im, ip) -> torch.Tensor:
+    """transformers' torchvision backend on the CPU, written out: torch's uint8 antialiased
+    bicubic resize (what tvF.resize runs for uint8 on the CPU), its center crop with
+    (floor, ceil) zero padding, and the normalisation with the rescale folded into mean/std."""
+    x = torch.from_numpy(np.array(im)).permute(2, 0, 1).contiguous()
+    h, w = x.shape[1:]
+    s = ip.size["shortest_edge"]
+    short, long = (w, h) if w <= h else (h, w)
+    rh, rw = (int(s * long / short), s) if w <= h else (s, int(s * long / short))
+    if (rh, rw) != (h, w):
+        x = F.interpolate(x[None], size=(rh, rw), mode="bicubic", antialias=True)[0]
+    ch, cw = ip.crop_size["height"], ip.crop_size["width"]
+    if cw > rw or ch > rh:
+        x = F.pad(x, [(cw - rw) // 2 if cw > rw else 0, (cw - rw + 1) // 2 if cw > rw else 0,
+                      (ch - rh) // 2 if ch > rh else 0, (ch - rh + 1) // 2 if ch > rh else 0])
+    top, left = int((x.shape[1] - ch) / 2.0), int((x.shape[2] - cw) / 2.0)
+    x = x[:, top:top + ch, left:left + cw]
+    mean = torch.tensor(ip.image_mean) * (1.0 / ip.rescale_factor)
+    std = torch.tensor(ip.image_std) * (1.0 / ip.rescale_factor)
+    return (x.float() - mean.view(3, 1, 1)) / std.view(3, 1, 1)
+
+
+@pytest.mark.parametrize("cfg", [{}, dict(size={"shortest_edge": 40}, crop_size={"height": 57, "width": 51})])
+def test_torchvision_backend_equals_reference(cfg):
+    ip = CLIPImageProcessorFast(**cfg)
+    assert pixel_plan(ip).backend == "torchvision"
+    for im in IMAGES[:6] + IMAGES[7:]:
+        ref = torchvision_reference(im, ip)
+        ours = device_pixels([im], ip, "cpu")[0]
+        assert torch.equal(ours, ref), (cfg, im.size, (ours - ref).abs().max().item())
+
+
+def test_torchvision_resize_matches_torch_uint8():
+    """Random resizes in every direction against torch's own uint8 kernel (always horizontal
+    first, int16 coefficients)."""
+    rng = np.random.default_rng(12)
+    for _ in range(40):
+        w, h, ow, oh = (int(v) for v in rng.integers(5, 120, 4))
+        a = torch.from_numpy(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        ref = F.interpolate(a.permute(2, 0, 1)[None].contiguous(), size=(oh, ow), mode="bicubic",
+                            antialias=True)[0]
+        ours = _resize_crop(a, PixelPlan("torchvision", ("exact", oh, ow), None, None, None, None))
+        assert torch.equal(ours.to(torch.uint8), ref), (w, h, ow, oh)
+
+
+# ------------------------------------------------------------------ buffers, refusals, bad input
+
+def test_writes_every_element_of_out():
+    ip = pil_processor(size={"shortest_edge": 64}, crop_size={"height": 60, "width": 61})
+    imgs = IMAGES[:3]
+    out = torch.full((3, 3, 60, 61), float("nan"))
+    res = device_pixels(imgs, ip, "cpu", out=out)
+    assert res is out and torch.equal(out, ip(imgs, return_tensors="pt")["pixel_values"])
+    half = torch.full((3, 3, 60, 61), float("nan"), dtype=torch.bfloat16)
+    device_pixels(imgs, ip, "cpu", out=half)
+    assert torch.equal(half, ip(imgs, return_tensors="pt")["pixel_values"].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        device_pixels(imgs, ip, "cpu", out=torch.empty(2, 3, 60, 61))
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(resample=2), "only bicubic"),
+    (dict(size={"shortest_edge": 336, "longest_edge": 500}), "shortest_edge or height and width"),
+    (dict(do_center_crop=False, do_pad=True), "do_pad"),
+])
+def test_unsupported_settings_refused(kw, why):
+    ip = pil_processor(**kw) if "do_pad" not in kw else CLIPImageProcessorFast(**kw)
+    assert not supports(ip)
+    with pytest.raises(ValueError, match=why):
+        pixel_plan(ip)
+    with pytest.raises(ValueError, match=why):
+        device_pixels(IMAGES[:1], ip, "cpu")
+
+
+def test_other_processors_refused():
+    class LlavaImageProcessor(CLIPImageProcessorFast):   # pad-to-square: not reproduced
+        pass
+
+    assert supports(pil_processor()) and supports(CLIPImageProcessorFast())
+    assert not supports(LlavaImageProcessor()) and not supports(object())
+
+
+def test_bad_images():
+    ip = pil_processor(size={"shortest_edge": 64}, crop_size={"height": 60, "width": 60})
+    from PIL import Image
+
+    with pytest.raises(TypeError, match="RGB PIL image"):
+        device_pixels([Image.new("L", (10, 10))], ip, "cpu")
+    with pytest.raises(ValueError, match="uint8"):
+        device_pixels([np.zeros((10, 10, 3), np.float32)], ip, "cpu")
+    with pytest.raises(ValueError, match="no images"):
+        device_pixels([], ip, "cpu")
+    free = pil_processor(size={"shortest_edge": 64}, do_center_crop=False)
+    with pytest.raises(ValueError, match="different sizes"):
+        device_pixels(IMAGES[:2], free, "cpu")
+    # uint8 arrays and tensors are the same image as the PIL one
+    a = np.array(IMAGES[1])
+    ref = device_pixels([IMAGES[1]], ip, "cpu")
+    assert torch.equal(device_pixels([a], ip, "cpu"), ref)
+    assert torch.equal(device_pixels([torch.from_numpy(a)], ip, "cpu"), ref)
+
+
+# ------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+def test_cuda_equals_processor(backend):
+    """On CUDA, against the processor of each backend installed (the torchvision one is what
+    AutoProcessor gives where torchvision is installed), float32 bit-exact and bfloat16 equal to
+    the processor's values rounded once."""
+    if backend == "pil":
+        ip = pil_processor()
+    else:
+        pytest.importorskip("torchvision")
+        import transformers
+
+        name = "CLIPImageProcessor" if int(transformers.__version__.split(".")[0]) >= 5 else "CLIPImageProcessorFast"
+        ip = getattr(transformers, name)(**LLAVA)
+    assert pixel_plan(ip).backend == backend
+    for im in IMAGES:
+        ref = ip([im], return_tensors="pt")["pixel_values"]
+        ours = device_pixels([im], ip, "cuda")
+        assert torch.equal(ours.cpu(), ref), (backend, im.size, (ours.cpu() - ref).abs().max().item())
+    out = torch.full((3, 3, 336, 336), float("nan"), dtype=torch.bfloat16, device="cuda")
+    device_pixels(IMAGES[:3], ip, "cuda", out=out)
+    assert torch.equal(out.cpu(), ip(IMAGES[:3], return_tensors="pt")["pixel_values"].to(torch.bfloat16))
