@@ -31,6 +31,7 @@ from .tree import node_depth_tensor, tree_draft, tree_history, tree_verify
 from .views import build_views
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CATCH_UP = 16          # tokens per draft catch-up forward (see Runner.catch_up)
 
 
 def bucket_of(n: int, max_batch: int) -> int:
@@ -265,17 +266,17 @@ class Runner:
 
     def catch_up(self, reqs, b):
         """Feed the draft rows the tokens generated while the batch decoded autoregressively
-        (a draft block needs them to hold all but the last two): ragged forwards of at most 64
-        tokens, padded to a power of two (few shapes to compile); the padding lands in slots
-        the next draft block writes before it reads them."""
+        (a draft block needs them to hold all but the last two): ragged forwards of CATCH_UP
+        tokens per row, padded (one shape: a new length compiles kernels, hundreds of ms on the
+        GPU); the padding lands in slots the next draft block writes before it reads them."""
         K = self.K
         need = {r.slot: r.tokens[r.draft_valid: len(r.tokens) - 2] for r in reqs[:b]
                 if r is not None and not r.finished and r.draft_valid < len(r.tokens) - 2}
         _, dcache, _ = self.views(b)
         while need:
-            n = min(64, max(len(t) for t in need.values()))
+            n = min(CATCH_UP, max(len(t) for t in need.values()))
             top = max(max(reqs[s_].view_len) + reqs[s_].draft_valid for s_ in need)
-            T = 1 << (n - 1).bit_length()
+            T = CATCH_UP
             if top + T > self.max_len:            # no room for the padding: the exact length
                 T = n
             toks, lens = [[0] * T for _ in range(b * K)], [0] * (b * K)

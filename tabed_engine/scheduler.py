@@ -27,17 +27,28 @@ TAU_PRIOR = 2.0   # tokens per block assumed for a request that has not speculat
 class CostModel:
     """Whether the next block speculates: from block times measured per (mode, batch bucket)
     on this machine and the running requests' tokens per block (τ). Speculating pays when
-    mean τ / t_sd > 1 / t_ar. While decoding autoregressively, one speculative block every
-    `probe_every` steps re-measures τ (a request's draft may start helping)."""
+    mean τ / t_sd > 1 / t_ar. A time is a block's steady cost: the interval between two
+    consecutive blocks of the same mode and bucket; each key's first such interval is dropped
+    and later ones are capped at twice the estimate (graph capture and kernel compilation are
+    one-off costs, not the block's). While decoding autoregressively, `probe_len` speculative
+    blocks every `probe_every` steps re-measure τ and t_sd (a request's draft may start to
+    help)."""
 
-    def __init__(self, enabled: bool, probe_every: int = 32, prior_ratio: float = 1.25):
-        self.enabled, self.probe_every, self.prior_ratio = enabled, probe_every, prior_ratio
+    def __init__(self, enabled: bool, probe_every: int = 32, probe_len: int = 2, prior_ratio: float = 1.25):
+        self.enabled, self.probe_every, self.probe_len = enabled, probe_every, probe_len
+        self.prior_ratio = prior_ratio
         self.times: dict[tuple[str, int], float] = {}
+        self._seen: dict[tuple[str, int], int] = {}
         self.ar_run = 0
+        self._probe = 0           # speculative blocks of a probe still to run
 
     def record(self, mode: str, b: int, seconds: float):
-        old = self.times.get((mode, b))
-        self.times[mode, b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        key = (mode, b)
+        self._seen[key] = self._seen.get(key, 0) + 1
+        if self._seen[key] == 1:
+            return
+        old = self.times.get(key)
+        self.times[key] = seconds if old is None else 0.8 * old + 0.2 * min(seconds, 2 * old)
 
     def choose(self, b: int, taus: list[float]) -> str:
         """"sd" or "ar" for a batch in bucket b whose requests have running τ `taus` (0 = none)."""
@@ -48,11 +59,16 @@ class CostModel:
         tau = sum(t if t > 0 else fill for t in taus) / len(taus)
         t_sd = self.times.get(("sd", b))
         t_ar = self.times.get(("ar", b))
-        if t_sd is None:
-            mode = "sd"                              # measure a block first
+        if self._probe > 0:
+            self._probe -= 1
+            mode = "sd"
+        elif t_sd is None:
+            mode = "sd"                              # measure speculative blocks first
         else:
             ratio = t_sd / t_ar if t_ar is not None else self.prior_ratio
-            mode = "sd" if tau > ratio or self.ar_run >= self.probe_every else "ar"
+            mode = "sd" if tau > ratio else "ar"
+            if mode == "ar" and self.ar_run >= self.probe_every:
+                mode, self._probe = "sd", self.probe_len - 1
         self.ar_run = self.ar_run + 1 if mode == "ar" else 0
         return mode
 
@@ -133,12 +149,12 @@ class Scheduler:
             for r in live:
                 r.finish("error", f"{type(e).__name__}: {e}")
             new = [[] for _ in reqs]
-        # a block's cost: the time since the previous block ended (steady state: the device's
-        # time per block; after a switch it includes the catch-up and the discarded queued half)
+        # steady state (the same mode and bucket as the block before): the interval between
+        # two block ends is the device's time per block
         now = time.perf_counter()
-        if self._last is not None and self._last[0] == b:
-            self.cost.record(mode, b, now - self._last[1])
-        self._last = (b, now)
+        if self._last is not None and self._last[:2] == (mode, b):
+            self.cost.record(mode, b, now - self._last[2])
+        self._last = (mode, b, now)
         for r, toks in zip(reqs, new):
             if r is not None and (toks or r.finished):
                 outputs.append(self._output(r, toks))

@@ -113,15 +113,21 @@ def test_draft_rows_catch_up_after_ar_blocks():
 
 
 def test_cost_model_choices():
-    cm = CostModel(True, probe_every=4)
-    assert cm.choose(4, [0, 0]) == "sd"                # nothing measured: measure a block
+    cm = CostModel(True, probe_every=4, probe_len=2)
+    assert cm.choose(4, [0, 0]) == "sd"                # nothing measured: measure blocks first
+    cm.record("sd", 4, 5.0)                            # the first steady interval: dropped (capture)
+    assert cm.choose(4, [1.0, 1.1]) == "sd"
     cm.record("sd", 4, 0.012)
+    cm.record("sd", 4, 0.5)                            # a spike counts as at most twice the estimate
+    assert cm.times["sd", 4] == pytest.approx(0.8 * 0.012 + 0.2 * 0.024)
     assert cm.choose(4, [1.0, 1.1]) == "ar"            # tau 1.05 < the prior ratio 1.25
-    cm.record("ar", 4, 0.010)                          # measured ratio 1.2
-    assert cm.choose(4, [1.3, 1.2]) == "sd"            # tau 1.25 > 1.2
-    assert cm.choose(4, [2.0, 0]) == "sd"              # an unmeasured request counts as the others' mean
-    modes = [cm.choose(4, [1.0]) for _ in range(10)]   # a useless draft: AR, probing every 4 steps
-    assert modes.count("sd") == 2 and modes[4] == "sd" and modes[9] == "sd", modes
+    cm.record("ar", 4, 1.0)
+    cm.record("ar", 4, 0.011)                          # measured ratio 0.0144 / 0.011 = 1.31
+    assert cm.choose(4, [1.4, 1.4]) == "sd"            # tau 1.4 > 1.31
+    assert cm.choose(4, [1.2, 1.2]) == "ar"
+    assert cm.choose(4, [3.0, 0]) == "sd"              # an unmeasured request counts as the others' mean
+    modes = "".join(cm.choose(4, [1.0])[0] for _ in range(14))   # a useless draft: AR, 2-block probes
+    assert modes == "aaaassaaaassaa", modes
     assert CostModel(False).choose(4, [1.0]) == "sd"   # off: always speculate
 
 

@@ -63,6 +63,7 @@ def test_tvd_history_takes_the_normalisers_in_graphs(engine):
     from the draft loop. Greedy: lossless, and the weights those of the CPU engine (which
     computes the same divergences with the PyTorch references) wherever the blocks agree."""
     _configure(engine, ("M", "T"), "tvd")
+    engine.configure(adaptive=False)       # block by block against the CPU engine: speculate every block
     cpu = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cpu",
                                  dtype=torch.float32)
     _configure(cpu, ("M", "T"), "tvd")
@@ -82,6 +83,7 @@ def test_tvd_history_takes_the_normalisers_in_graphs(engine):
                               caption="w1 w2")
     w = torch.tensor(sampled.stats.weights)
     assert torch.isfinite(w).all() and torch.allclose(w.sum(-1), torch.ones(len(w)), atol=1e-3)
+    engine.configure(adaptive=None)
 
 
 def test_graphs_match_eager_and_cpu(engine):
