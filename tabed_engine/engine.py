@@ -23,6 +23,7 @@ from .tree import parse_tree
 from .views import resolve_escape_token
 
 VIEW_NAMES = ("M", "T", "P", "C")
+_KEEP = object()          # configure(): an option not given keeps its value
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -277,8 +278,8 @@ class Engine:
             return self._adaptive
         return self.runner.graphs is not None
 
-    def configure(self, *, views=None, policy=None, window=None, gamma=None, tree=False,
-                  weight_temperature=False, grid_step=None, view_tree=None, adaptive=False):
+    def configure(self, *, views=None, policy=None, window=None, gamma=None, tree=_KEEP,
+                  weight_temperature=_KEEP, grid_step=None, view_tree=None, adaptive=_KEEP):
         """Change speculation options between generations (the loaded models stay; caches and
         graphs are rebuilt for the next request). Arguments as the constructor's; those not
         given keep their values (tree=None means chains). Raises RuntimeError while requests
@@ -290,12 +291,12 @@ class Engine:
             gamma, views, ensemble = _check_options(
                 self.gamma if gamma is None else gamma, self.views if views is None else views,
                 ens.policy if policy is None else policy, ens.window if window is None else window,
-                ens.temperature if weight_temperature is False else weight_temperature,
+                ens.temperature if weight_temperature is _KEEP else weight_temperature,
                 ens.grid_step if grid_step is None else grid_step, self.max_len, self.pool_size, self.captioner)
-            new_tree = self.tree if tree is False else parse_tree(tree)
+            new_tree = self.tree if tree is _KEEP else parse_tree(tree)
             if view_tree is not None:
                 self.view_tree = bool(view_tree)
-            if adaptive is not False:
+            if adaptive is not _KEEP:
                 if adaptive is not None and not isinstance(adaptive, bool):
                     raise TypeError(f"adaptive must be None or a bool, got {type(adaptive).__name__}")
                 self._adaptive = adaptive

@@ -34,7 +34,7 @@ class CostModel:
     blocks every `probe_every` steps re-measure τ and t_sd (a request's draft may start to
     help)."""
 
-    def __init__(self, enabled: bool, probe_every: int = 32, probe_len: int = 2, prior_ratio: float = 1.25):
+    def __init__(self, enabled: bool, probe_every: int = 64, probe_len: int = 2, prior_ratio: float = 1.25):
         self.enabled, self.probe_every, self.probe_len = enabled, probe_every, probe_len
         self.prior_ratio = prior_ratio
         self.times: dict[tuple[str, int], float] = {}
