@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from realistic import image
-from shards import merge_when_complete, shared_dir
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.scheduler import CostModel
 from test_real_checkpoints import N_NEW, PROMPTS, images, loaded, reference
+from test_speculative import exact_dist  # noqa: F401  (fixture: the target's exact distribution)
 
 # per prompt: how many new tokens (several lengths: requests leave the batch at different blocks)
 LENGTHS = {"one_image": 16, "separated": 9, "adjacent": 13, "chat": 16, "chat_turns": 5, "text": 11}
@@ -231,21 +231,13 @@ def sampling_engine():
                                   views=("M", "T"), policy="kld", gamma=2, max_batch=16)
 
 
-@pytest.fixture(scope="module")
-def exact_dist():
-    from test_speculative import SAMPLING, exact_first_tokens, target_dir, word_prompt
-    eng = Engine.from_pretrained(target_dir(), device="cpu", dtype=torch.float32)
-    text, imgs = word_prompt(1)
-    return exact_first_tokens(eng, text, imgs, SAMPLING, 3)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", range(SHARDS))
 def test_sampling_in_a_batch_is_lossless(shard, exact_dist, tmp_path_factory):
     """Each call decodes 8 copies of the measured request together with 4 other requests (two
     images, another text) in one batch; the measured request's first 3 tokens follow the exact
     target distribution (and the check rejects a 3.5% shift of mass)."""
-    from test_speculative import SAMPLING, check_lossless, word_prompt
+    from test_speculative import SAMPLING, check_when_complete, word_prompt
 
     eng = sampling_engine()
     text, imgs = word_prompt(1)
@@ -259,12 +251,7 @@ def test_sampling_in_a_batch_is_lossless(shard, exact_dist, tmp_path_factory):
             counts[tuple(o.token_ids)] += 1
             accepted += sum(o.stats.accepted_lengths)
     assert accepted > n * 0.15                       # drafts really were accepted
-    merged = merge_when_complete(shared_dir(tmp_path_factory, "lossless-batch"), shard, SHARDS,
-                                 Counter({",".join(map(str, k)): v for k, v in counts.items()}))
-    if merged is not None:
-        merged = Counter({tuple(int(t) for t in k.split(",")): v for k, v in merged.items()})
-        assert sum(merged.values()) == SAMPLES
-        check_lossless(merged, exact_dist, SAMPLES, shift=0.035)
+    check_when_complete(tmp_path_factory, "lossless-batch", shard, SHARDS, counts, exact_dist, SAMPLES, 0.035)
 
 
 @pytest.mark.gpu
