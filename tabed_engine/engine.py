@@ -106,7 +106,7 @@ class Engine:
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
                  grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
-                 adaptive: Optional[bool] = None):
+                 adaptive: Optional[bool] = None, device_images: Optional[bool] = None):
         self.gamma, self.views, self.ensemble = _check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         check_int("max_batch", max_batch, 1)
@@ -140,6 +140,16 @@ class Engine:
             if draft.image_token_id != target.image_token_id:
                 raise ValueError("draft and target use different image token ids")
         self.eos_ids = self._eos_ids()
+        # images preprocessed on the device (bit-exact with the processor, image_ops): by
+        # default on the GPU when the processor's steps are ones image_ops reproduces
+        from .image_ops import supports
+        if device_images is not None and not isinstance(device_images, bool):
+            raise TypeError(f"device_images must be None or a bool, got {type(device_images).__name__}")
+        can = supports(processor.image_processor) if hasattr(processor, "image_processor") else False
+        if device_images and not can:
+            raise ValueError("device_images=True but the processor's image preprocessing is not one "
+                             "tabed_engine.image_ops reproduces (see image_ops.pixel_plan)")
+        self.device_images = can and self.device.type == "cuda" if device_images is None else device_images
         # the runner owns the caches (allocated on the first request), ensemble history and
         # CUDA graphs; the scheduler the queue and the batch
         self._cuda_graphs, self._adaptive = cuda_graphs, adaptive
@@ -508,7 +518,8 @@ class Engine:
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         with self._prepare_lock:
-            prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image)
+            prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image,
+                           pixels=not self.device_images)
         vocab = self.target.lm.cfg.vocab_size
         if max(prep.ids) >= vocab:
             raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")

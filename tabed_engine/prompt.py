@@ -125,10 +125,13 @@ def split_runs(runs: Sequence[tuple[int, int]], counts: Sequence[int]) -> list[t
 
 
 def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: int,
-            tokens_per_image: int | Sequence[int]) -> Prepared:
+            tokens_per_image: int | Sequence[int], pixels: bool = True) -> Prepared:
     """Validate and tokenize one request. Raises ValueError/TypeError on bad input.
 
-    tokens_per_image: the image-token count of every image, or one count per image."""
+    tokens_per_image: the image-token count of every image, or one count per image.
+    pixels=False: leave `pixel_values` None (the engine computes them on the device,
+    `image_ops.device_pixels`); the text is tokenized without the image processor and each
+    placeholder expanded to its image's count, as the processor does."""
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
     images = list(images or [])
@@ -153,7 +156,7 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
             raise ValueError(f"prompt token ids must be in [0, {vocab}) (the tokenizer's vocabulary), "
                              f"got {bad[:5]}")
         ids = _expand_placeholders(ids, image_token_id, counts)
-        pv = _pixels(processor, pil)
+        pv = _pixels(processor, pil) if pixels else None
         return Prepared(ids, pv, split_runs(image_runs(ids, image_token_id), counts), pil)
     else:
         raise TypeError("prompt must be a string, a list of chat messages, or token ids (a list of "
@@ -162,6 +165,9 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
     _check_count(n_placeholders, len(pil))
     if not text.strip():
         raise ValueError("prompt is empty")
+    if pil and not pixels:
+        ids = _expand_placeholders(processor.tokenizer(text)["input_ids"], image_token_id, counts)
+        return Prepared(ids, None, split_runs(image_runs(ids, image_token_id), counts), pil)
     enc = processor(text=text, images=pil or None, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
     spans = split_runs(image_runs(ids, image_token_id), counts)

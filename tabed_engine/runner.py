@@ -164,6 +164,9 @@ class Runner:
         req.stats.time_queued = t0 - req.arrival
         req.slot = slot
         sp, K = req.sp, self.K
+        if req.prep.num_images and req.prep.pixel_values is None:    # preprocessed here, on the device
+            from .image_ops import device_pixels
+            req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
         logits, sel = self.prefill_target(req.prep, cache_rows(self.tcache, slot, slot + 1))
         first = pick_tokens(logits, sp, req.generator)                         # [1]
         if req.speculative:

@@ -59,6 +59,23 @@ def test_batch_equals_transformers(speculative, options):
     assert not eng.has_unfinished()
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_images_preprocessed_on_the_device_equal_transformers(speculative):
+    """device_images=True (the GPU default where image_ops reproduces the processor): prompts are
+    tokenized without the image processor, pixels computed in the prefill; the tokens equal
+    transformers' for separated, adjacent and chat prompts, alone and in a batch."""
+    eng = engine(device_images=True)
+    names = ["one_image", "adjacent", "separated", "chat_turns", "text"]
+    prep = eng._request(PROMPTS["adjacent"][0], images(2), None, None, True).prep
+    assert prep.pixel_values is None and prep.num_images == 2
+    outs = eng.generate([PROMPTS[n][0] for n in names], images=[images(PROMPTS[n][1]) for n in names],
+                        sampling=[SamplingParams(max_new_tokens=LENGTHS[n]) for n in names], speculative=speculative)
+    for name, out in zip(names, outs):
+        assert out.token_ids == expected(name), name
+    one = eng.generate(PROMPTS["chat"][0], images=images(1), sampling=SamplingParams(max_new_tokens=LENGTHS["chat"]))
+    assert one.token_ids == expected("chat")
+
+
 class Scripted(CostModel):
     """A cost model that follows a fixed pattern of modes (exercises every switch)."""
 

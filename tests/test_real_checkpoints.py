@@ -188,6 +188,26 @@ def test_caption_view_equals_transformers(name):
 
 
 
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_prompts_tokenized_for_device_images_equal_the_processors(name):
+    """pixels=False (images preprocessed on the device) tokenizes without the image processor and
+    expands each placeholder itself: the same ids and spans as the processor, every prompt."""
+    from tabed_engine import image_ops
+
+    _, _, processor = loaded(name)
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    for prompt_name, (prompt, n) in PROMPTS.items():
+        if isinstance(prompt, list):
+            prompt = [{**m, "content": [dict(c) for c in m["content"]]} for m in prompt]
+        a = prepare(processor, prompt, images(n), image_token, 16)
+        b = prepare(processor, prompt, images(n), image_token, 16, pixels=False)
+        assert (a.ids, a.image_spans) == (b.ids, b.image_spans), prompt_name
+        assert b.pixel_values is None
+        if n:
+            pv = image_ops.device_pixels(b.images, processor.image_processor, "cpu")
+            assert torch.equal(pv, a.pixel_values)
+
+
 def test_stream_joins_to_the_generated_text():
     """Byte-fallback and byte-level tokens make a decoded prefix unstable (<0x58> alone is "X",
     <0x58> <0xCB> is two U+FFFD); the random fixtures' greedy outputs are full of them."""
