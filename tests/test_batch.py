@@ -214,6 +214,66 @@ def test_step_loop_abort_and_request_ids():
     assert final[other].token_ids == expected("text")
 
 
+def test_kinds_of_sampling_take_turns():
+    """A sampled request queued between greedy ones waits for the greedy batch to drain (one
+    kind per batch), and the greedy request queued after it does not overtake it."""
+    eng = engine(max_batch=4)
+    names, prompts, imgs, sps = batch_inputs()
+    hot = SamplingParams(max_new_tokens=6, temperature=0.9, seed=5)
+    kinds = [sps[0], sps[1], hot, sps[3]]
+    ids = [eng.add_request(prompts[i], images=imgs[i], sampling=kinds[i]) for i in range(4)]
+    first, done, out, step = {}, {}, {}, 0
+    while eng.has_unfinished():
+        step += 1
+        for o in eng.step():
+            first.setdefault(o.request_id, step)
+            if o.finished:
+                out[o.request_id], done[o.request_id] = o.output, step
+    assert first[ids[0]] == first[ids[1]] < first[ids[2]] < first[ids[3]]
+    assert first[ids[2]] > max(done[ids[0]], done[ids[1]])      # admitted once the greedy batch drained
+    for i in (0, 1, 3):
+        assert out[ids[i]].token_ids == expected(names[i])
+    assert len(out[ids[2]].token_ids) == 6
+
+
+def test_generate_keeps_other_callers_outputs():
+    """Requests added with add_request before a generate() call are stepped by it; their outputs
+    are kept for the next step()."""
+    eng = engine(max_batch=4)
+    names, prompts, imgs, sps = batch_inputs()
+    early = eng.add_request(prompts[0], images=imgs[0], sampling=sps[0])
+    outs = eng.generate([prompts[1], prompts[3]], images=[imgs[1], imgs[3]], sampling=[sps[1], sps[3]])
+    assert [o.token_ids for o in outs] == [expected(names[1]), expected(names[3])]
+    rest = []
+    while eng.has_unfinished():
+        rest += eng.step()
+    final = [o for o in rest if o.request_id == early and o.finished]
+    assert len(final) == 1 and final[0].output.token_ids == expected(names[0])
+    assert "".join(o.new_text for o in rest if o.request_id == early) == final[0].output.text
+
+
+def test_requests_added_from_other_threads():
+    import threading
+
+    eng = engine(max_batch=4)
+    names, prompts, imgs, sps = batch_inputs()
+    ids = {}
+
+    def add(i):
+        ids[i] = eng.add_request(prompts[i], images=imgs[i], sampling=sps[i])
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(len(names))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.output
+    assert {i: done[ids[i]].token_ids for i in ids} == {i: expected(n) for i, n in enumerate(names)}
+
+
 def test_a_failing_request_fails_alone():
     """A request whose prefill fails (here: the captioner raises on its image) ends with
     finish_reason "error" and the message; the others in the batch finish as alone."""
