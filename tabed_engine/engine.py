@@ -206,7 +206,9 @@ class Engine:
         raw = {path: read_config(path) for path in (target_dir, draft_dir) if path}
         processor = load_processor(target_dir)
         if draft_dir and image_layout(raw[draft_dir]) != image_layout(raw[target_dir]):
-            kwargs.setdefault("draft_processor", load_processor(draft_dir))   # its own image preprocessing
+            if kwargs.get("draft_processor") is None:     # its own image preprocessing
+                kwargs["draft_processor"] = load_processor(draft_dir)
+            check_same_tokenizer(processor.tokenizer, kwargs["draft_processor"].tokenizer)   # before the weights
         target = load("target", lambda p: load_lvlm(p, device, dtype), target_dir)
         draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
         return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
