@@ -11,6 +11,9 @@ vicuna   Llama LM (GQA 4/2), 28-px tiles of 7-px patches (4x4 grid), pinpoints
 mistral  Mistral LM (GQA 4/1, head_dim 16 != hidden/heads, 3 layers), 30-px tiles of 6-px
          patches (5x5 grid), five pinpoints up to 1x3 tiles, feature layer -1, today's key
          names, sharded; the draft has a tower of its own.
+llama3   Llama LM (MHA, 2 layers) with a Llama-3-style byte-level BPE tokenizer ("\n" is one
+         token), 42-px tiles of 14-px patches (3x3 grid), pinpoints up to 3x1 tiles, today's
+         key names in one file.
 mixed    the vicuna target with a LLaVA-1.5-style draft (`LlavaForConditionalGeneration`,
          CLIP preprocessing at 28 px: 16 image tokens an image, the target's tower).
 
@@ -26,16 +29,23 @@ import tempfile
 
 import realistic
 
-TOKENIZER = dict(vocab=700, corpus_seed=0, legacy=False, tokenizer_json=True)   # realistic's "llama"
+# realistic.py's recipes: its "llama" SentencePiece and its "bytelevel" BPE
+TOKENIZERS = {"sentencepiece": dict(vocab=700, corpus_seed=0, legacy=False, tokenizer_json=True),
+              "bytelevel": dict(vocab=800, corpus_seed=2, newline=True)}
 FIXTURES = {
     "vicuna": dict(text="llama", hidden=48, layers=2, heads=4, kv_heads=2, head_dim=None, intermediate=83,
                    vision_hidden=32, vision_layers=2, tile=28, patch=7,
                    pinpoints=[[28, 56], [56, 28], [56, 56]], feature_layer=-2, layout="legacy",
-                   shard_bytes=None, seed=21, draft="next", draft_tower_seed=None),
+                   shard_bytes=None, seed=21, draft="next", draft_tower_seed=None, tokenizer="sentencepiece"),
     "mistral": dict(text="mistral", hidden=40, layers=3, heads=4, kv_heads=1, head_dim=16, intermediate=71,
                     vision_hidden=24, vision_layers=3, tile=30, patch=6,
                     pinpoints=[[30, 60], [60, 30], [60, 60], [90, 30], [30, 90]], feature_layer=-1,
-                    layout="current", shard_bytes=40000, seed=22, draft="next", draft_tower_seed=5),
+                    layout="current", shard_bytes=40000, seed=22, draft="next", draft_tower_seed=5,
+                    tokenizer="sentencepiece"),
+    "llama3": dict(text="llama", hidden=32, layers=2, heads=4, kv_heads=4, head_dim=None, intermediate=61,
+                   vision_hidden=32, vision_layers=2, tile=42, patch=14,
+                   pinpoints=[[42, 84], [84, 42], [84, 84], [126, 42]], feature_layer=-2, layout="current",
+                   shard_bytes=None, seed=23, draft="next", draft_tower_seed=None, tokenizer="bytelevel"),
 }
 FIXTURES["mixed"] = {**FIXTURES["vicuna"], "draft": "llava"}
 DRAFT_PERTURB = 0.03
@@ -146,13 +156,16 @@ def _build(out_dir: str, tok_dir: str, spec: dict, vocab: int, ids: dict, *, nex
 def checkpoint(name: str) -> tuple[str, str]:
     """(target_dir, draft_dir) of the named fixture, built on first use."""
     spec = FIXTURES[name]
-    key = json.dumps([spec, TOKENIZER, DRAFT_PERTURB, INIT_STD, VICUNA_TEMPLATE], sort_keys=True)
+    key = json.dumps([spec, TOKENIZERS[spec["tokenizer"]], DRAFT_PERTURB, INIT_STD, VICUNA_TEMPLATE], sort_keys=True)
     path = os.path.join(_ROOT, f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
     if not os.path.isfile(os.path.join(path, "draft", "config.json")):
         os.makedirs(_ROOT, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=name + ".", dir=_ROOT)
         tok_dir = os.path.join(tmp, "tokenizer")
-        n = realistic.write_sentencepiece_tokenizer(tok_dir, **TOKENIZER)
+        if spec["tokenizer"] == "sentencepiece":
+            n = realistic.write_sentencepiece_tokenizer(tok_dir, **TOKENIZERS["sentencepiece"])
+        else:
+            n = realistic.write_byte_level_tokenizer(tok_dir, **TOKENIZERS["bytelevel"])
         ids = realistic._ids(tok_dir)
         vocab = -(-n // 64) * 64
         target = _build(os.path.join(tmp, "target"), tok_dir, spec, vocab, ids, next_=True, perturb=0.0)

@@ -23,6 +23,7 @@ from tabed_engine.prompt import prepare
 from tabed_engine.views import build_views
 
 N_NEW = 16
+NEXT = ["vicuna", "mistral", "llama3"]          # LLaVA-NeXT targets with LLaVA-NeXT drafts
 WIDE, TALL, SQUARE = (90, 20), (25, 90), (60, 50)          # PIL (width, height)
 PROMPTS = {   # name: (prompt, image sizes)
     "wide": ("USER: <image>\nDescribe the picture in detail. ASSISTANT:", [WIDE]),
@@ -121,7 +122,7 @@ def test_pack_equals_transformers(tile, patch, pins):
         AnyRes(((28, 50),), 28, 4)
 
 
-@pytest.mark.parametrize("name", ["vicuna", "mistral"])
+@pytest.mark.parametrize("name", NEXT)
 def test_features_equal_transformers(name):
     """Loaded weights (legacy / current sharded layouts) give transformers' image features,
     image by image; `lvlm_from_hf` maps an in-memory model the same way."""
@@ -142,7 +143,7 @@ def test_features_equal_transformers(name):
             torch.testing.assert_close(f, r, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["vicuna", "mistral"])
+@pytest.mark.parametrize("name", NEXT)
 def test_token_counts_follow_the_processor(name):
     """Each image's run is the processor's count for its size; the counts differ per image."""
     eng = engine(name)
@@ -157,7 +158,7 @@ def test_token_counts_follow_the_processor(name):
 
 # ---------------------------------------------------------------------------- greedy equality
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
-@pytest.mark.parametrize("name", ["vicuna", "mistral"])
+@pytest.mark.parametrize("name", NEXT)
 def test_ar_equals_transformers(name, prompt_name):
     ref = reference(name, prompt_name)
     assert len(set(ref)) >= 4, "the fixture's greedy output is too uniform to compare"
@@ -167,7 +168,7 @@ def test_ar_equals_transformers(name, prompt_name):
 
 @pytest.mark.parametrize("views,policy,gamma", SD_CONFIGS, ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
-@pytest.mark.parametrize("name", ["vicuna", "mistral", "mixed"])
+@pytest.mark.parametrize("name", NEXT + ["mixed"])
 def test_sd_equals_transformers(name, prompt_name, views, policy, gamma):
     out = generate(engine(name, views, policy, gamma), prompt_name, speculative=True)
     assert out.token_ids == reference(name, prompt_name)
@@ -176,7 +177,7 @@ def test_sd_equals_transformers(name, prompt_name, views, policy, gamma):
     assert all(len(w) == len(views) for w in s.weights)
 
 
-@pytest.mark.parametrize("name,least", [("vicuna", 3), ("mistral", 3), ("mixed", 1)])
+@pytest.mark.parametrize("name,least", [("vicuna", 3), ("mistral", 3), ("llama3", 3), ("mixed", 1)])
 def test_drafts_are_accepted(name, least):
     """The LLaVA-NeXT drafts are close enough that blocks accept several tokens (so the equality
     tests cover acceptance and rollback, not only rejection). The LLaVA-1.5 draft sees 16 tokens
