@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .anyres import AnyRes, pack
+
 # q, k, v rows of the fused projection, as the checkpoint names them
 _QKV = ("q_proj", "k_proj", "v_proj")
 
