@@ -13,9 +13,9 @@ import torch
 
 from .config import SamplingParams, check_int, check_real
 from .ensemble import EnsembleConfig
-from .loader import LoadedLVLM, load_lvlm, load_processor, read_config
+from .loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config
 from .outputs import GenerationOutput
-from .prompt import prepare
+from .prompt import pixels, prepare
 from .request import Request, RequestOutput
 from .runner import Runner, cache_rows
 from .scheduler import CostModel, Scheduler
@@ -106,7 +106,7 @@ class Engine:
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
                  grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
-                 adaptive: Optional[bool] = None, device_images: Optional[bool] = None):
+                 adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None):
         self.gamma, self.views, self.ensemble = _check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         check_int("max_batch", max_batch, 1)
@@ -139,6 +139,18 @@ class Engine:
                                  f"target's ({tcfg.vocab_size})")
             if draft.image_token_id != target.image_token_id:
                 raise ValueError("draft and target use different image token ids")
+        # a draft of another image layout (a LLaVA-1.5 draft for a LLaVA-NeXT target) sees its
+        # own preprocessing: its processor's pixels, its own image-token counts in the M/P rows
+        self.draft_processor = None
+        if draft is not None and image_layout(draft.config) != image_layout(target.config):
+            if draft_processor is None:
+                raise ValueError(f"the draft's image layout {image_layout(draft.config)} differs from the "
+                                 f"target's {image_layout(target.config)}: pass draft_processor= (the draft "
+                                 "checkpoint's processor; from_pretrained loads it)")
+            check_same_tokenizer(processor.tokenizer, draft_processor.tokenizer)
+            self.draft_processor = draft_processor
+        elif draft_processor is not None:
+            check_same_tokenizer(processor.tokenizer, draft_processor.tokenizer)
         self.eos_ids = self._eos_ids()
         # images preprocessed on the device (bit-exact with the processor, image_ops): by
         # default on the GPU when the processor's steps are ones image_ops reproduces
@@ -201,10 +213,12 @@ class Engine:
 
         # the configs and the processor first: a wrong directory or a broken tokenizer fails
         # before gigabytes of weights are read
-        for path in (target_dir, draft_dir):
-            if path:
-                read_config(path)
+        raw = {path: read_config(path) for path in (target_dir, draft_dir) if path}
         processor = load_processor(target_dir)
+        if draft_dir and image_layout(raw[draft_dir]) != image_layout(raw[target_dir]):
+            if kwargs.get("draft_processor") is None:     # its own image preprocessing
+                kwargs["draft_processor"] = load_processor(draft_dir)
+            check_same_tokenizer(processor.tokenizer, kwargs["draft_processor"].tokenizer)   # before the weights
         target = load("target", lambda p: load_lvlm(p, device, dtype), target_dir)
         draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
         return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
@@ -247,10 +261,14 @@ class Engine:
             raise ValueError(f"escape_token must be a token id in [0, {vocab}), got {given!r}")
         return given
 
-    def _tokens_per_image(self) -> int:
-        vc = self.target.config.get("vision_config", {})
-        grid = (vc.get("image_size", 336) // vc.get("patch_size", 14)) ** 2
-        return grid + (1 if self.target.config.get("vision_feature_select_strategy", "default") == "full" else 0)
+    def _tokens_per_image(self):
+        """The target's image-token count: an int for a fixed grid (LLaVA-1.5), else (any
+        resolution: LLaVA-NeXT) a function of a request's PIL images returning one count per
+        image, as the processor expands them (`prepare` takes either)."""
+        vision = self.target.vision
+        if vision.anyres is not None:
+            return lambda images: vision.tokens_per_image([(im.height, im.width) for im in images])
+        return vision.tokens_per_image([(0, 0)])[0]
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -519,7 +537,7 @@ class Engine:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         with self._prepare_lock:
             prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image,
-                           pixels=not self.device_images)
+                           with_pixels=not self.device_images)
         vocab = self.target.lm.cfg.vocab_size
         if max(prep.ids) >= vocab:
             raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")
@@ -532,6 +550,9 @@ class Engine:
                              f"+ draft lookahead exceeds the cache length {self.max_len}: lower "
                              "max_new_tokens or build the engine with a larger max_len")
         use_sd = speculative and self.draft is not None
+        if use_sd and self.draft_processor is not None and prep.num_images:
+            with self._prepare_lock:
+                prep.draft_pixel_values = pixels(self.draft_processor, prep.images)
         if caption is not None:
             if not (isinstance(caption, str) or (isinstance(caption, (list, tuple))
                                                  and all(isinstance(c, str) for c in caption))):
@@ -548,6 +569,30 @@ class Engine:
         gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, prep, sp, caption, use_sd, gen, self.tokenizer, frozenset(self.eos_ids))
+
+
+# probe strings for check_same_tokenizer: spaces, digits, a newline, punctuation, non-ASCII
+_PROBES = ("USER: <image>\nWhat is shown in this photo? ASSISTANT:", " The 2 cats sat on 1,234 mats.\n\n",
+           "naïve café – ☕ 東京", "<s></s><pad> hello\tworld")
+
+
+def check_same_tokenizer(target_tok, draft_tok):
+    """Raise ValueError unless the two tokenizers have the same vocabulary (every token and
+    id) and encode the probe strings identically: speculative decoding compares token ids."""
+    why = None
+    if len(target_tok) != len(draft_tok):
+        why = f"{len(draft_tok)} tokens against the target's {len(target_tok)}"
+    elif target_tok.get_vocab() != draft_tok.get_vocab():
+        t, d = target_tok.get_vocab(), draft_tok.get_vocab()
+        diff = sorted((set(t.items()) ^ set(d.items())), key=lambda x: x[1])[:3]
+        why = f"the vocabularies differ (e.g. {diff})"
+    else:
+        bad = next((p for p in _PROBES if target_tok.encode(p) != draft_tok.encode(p)), None)
+        if bad is not None:
+            why = f"{bad!r} encodes as {draft_tok.encode(bad)} against the target's {target_tok.encode(bad)}"
+    if why is not None:
+        raise ValueError(f"the draft's tokenizer differs from the target's: {why}; the draft must share "
+                         "the target's tokenizer")
 
 
 def _is_batch(prompt) -> bool:

@@ -1,10 +1,11 @@
-"""Load a local HF LLaVA checkpoint (`LlavaForConditionalGeneration`) into our modules.
+"""Load a local HF LLaVA checkpoint (`LlavaForConditionalGeneration`, or LLaVA-NeXT's
+`LlavaNextForConditionalGeneration`) into our modules.
 
 Accepts single-file and sharded safetensors, both key layouts (the transformers-4.x
 published one: `language_model.model.*`, `language_model.lm_head.*`,
-`vision_tower.vision_model.*`, `multi_modal_projector.*`; and today's
-`model.language_model.*`, `lm_head.*`, `model.vision_tower.*`, ...), and reads the
-tokenizer/processor from the same directory without network access.
+`vision_tower.vision_model.*`, `multi_modal_projector.*`, LLaVA-NeXT's `image_newline`; and
+today's `model.language_model.*`, `lm_head.*`, `model.vision_tower.*`, `model.image_newline`,
+...), and reads the tokenizer/processor from the same directory without network access.
 
 Loading streams: the modules are built on the meta device and allocated empty on the target
 device, every file's header is read and matched against them first (a bad file fails before
@@ -32,6 +33,7 @@ from .vision import VisionEncoder
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _FIX = "re-download the checkpoint or write it again with save_pretrained"
+ARCHITECTURES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration"}
 
 
 def read_config(path: str) -> dict:
@@ -46,10 +48,22 @@ def read_config(path: str) -> dict:
         raise ValueError(f"no config.json in checkpoint directory {path!r}")
     cfg = _read_json(cfg_file)
     archs = cfg.get("architectures") or []
-    if cfg.get("model_type") != "llava" and "LlavaForConditionalGeneration" not in archs:
+    if cfg.get("model_type") not in ARCHITECTURES and not set(archs) & set(ARCHITECTURES.values()):
         raise ValueError(f"unsupported architecture in {path!r}: model_type={cfg.get('model_type')!r}, "
-                         f"architectures={archs}; expected a LlavaForConditionalGeneration checkpoint")
+                         f"architectures={archs}; expected a LlavaForConditionalGeneration or "
+                         "LlavaNextForConditionalGeneration checkpoint")
     return cfg
+
+
+def image_layout(raw: dict) -> tuple:
+    """What a checkpoint's image preprocessing depends on (its config as a dict): the tower's
+    input size and patch, and LLaVA-NeXT's grid pinpoints. A draft with another layout than the
+    target's needs its own processor (the draft then sees its own image tokens)."""
+    vc = raw.get("vision_config") or {}
+    pins = raw.get("image_grid_pinpoints") if raw.get("model_type") == "llava_next" or \
+        "LlavaNextForConditionalGeneration" in (raw.get("architectures") or []) else None
+    return (vc.get("image_size", 336), vc.get("patch_size", 14),
+            None if pins is None else tuple(tuple(p) for p in pins))
 
 
 def _read_json(file: str) -> dict:
@@ -173,7 +187,8 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
 def canonical_key(key: str) -> Optional[tuple[str, str]]:
     """(part, key) of a checkpoint tensor in either layout: part "lm" with keys as in
     `LlamaLM` (`layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...), "vision" without any
-    `vision_model.` prefix, "proj" as in the projector (`linear_1.weight`); None if not LLaVA's."""
+    `vision_model.` prefix, "proj" as in the projector (`linear_1.weight`) and LLaVA-NeXT's
+    `image_newline` (the connector's other learned tensor); None if not LLaVA's."""
     k = key[len("model."):] if key.startswith("model.") and not key.startswith("model.layers") else key
     if k.startswith("language_model."):
         k = k[len("language_model."):]
@@ -187,6 +202,8 @@ def canonical_key(key: str) -> Optional[tuple[str, str]]:
         return "vision", k[len("vision_model."):] if k.startswith("vision_model.") else k
     if k.startswith("multi_modal_projector."):
         return "proj", k[len("multi_modal_projector."):]
+    if k == "image_newline":
+        return "proj", k
     return None
 
 
@@ -248,6 +265,8 @@ def _targets(lm: "LlamaLM", vision: "VisionEncoder") -> dict[tuple[str, str], to
         out["vision", name] = t
     for name, t in vision.projector.state_dict().items():
         out["proj", name] = t
+    if vision.image_newline is not None:
+        out["proj", "image_newline"] = vision.image_newline.data
     return out
 
 
@@ -460,14 +479,15 @@ def load_lvlm(path: str, device, dtype) -> LoadedLVLM:
 
 
 def lvlm_from_hf(model, device=None, dtype=None) -> LoadedLVLM:
-    """Wrap an in-memory `LlavaForConditionalGeneration` (e.g. random weights built on the GPU
+    """Wrap an in-memory `LlavaForConditionalGeneration` or `LlavaNextForConditionalGeneration`
+    (e.g. random weights built on the GPU
     for a benchmark) through the same key mapping as checkpoints. Shares no storage: weights
     are copied (and converted when device/dtype differ)."""
     p = next(model.parameters())
     device = torch.device(device or p.device)
     dtype = dtype or p.dtype
     raw = model.config.to_dict()
-    raw.setdefault("architectures", ["LlavaForConditionalGeneration"])
+    raw["architectures"] = raw.get("architectures") or [ARCHITECTURES.get(raw.get("model_type"), "LlavaForConditionalGeneration")]
     sd = model.state_dict()
     lm, vision = _meta_modules("<in-memory>", raw, model.config)
     plan = _match(((k, t.shape, "<in-memory>") for k, t in sd.items()), _targets(lm, vision),

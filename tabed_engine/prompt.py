@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -15,9 +15,15 @@ class Prepared:
     """A request after the processor: `ids` holds one run of `image_token_id` per image."""
 
     ids: list[int]
-    pixel_values: Optional[torch.Tensor]   # [n_images, 3, H, W] or None
+    pixel_values: Optional[torch.Tensor]   # [n_images, 3, H, W] or None; any-res: [n_images, tiles, 3, H, W]
     image_spans: list[tuple[int, int]]     # (start, length) of each image's token run
     images: list = None                    # the PIL images (for a captioner)
+    draft_pixel_values: Optional[torch.Tensor] = None   # the draft processor's, when it has its own
+
+    @property
+    def image_sizes(self) -> list[tuple[int, int]]:
+        """(height, width) of each image as given (any-resolution tiling depends on it)."""
+        return [(im.height, im.width) for im in self.images or []]
 
     @property
     def num_images(self) -> int:
@@ -124,12 +130,17 @@ def split_runs(runs: Sequence[tuple[int, int]], counts: Sequence[int]) -> list[t
     return spans
 
 
+TokenCounts = Union[int, Sequence[int], Callable[[list], Sequence[int]]]
+
+
 def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: int,
-            tokens_per_image: int | Sequence[int], pixels: bool = True) -> Prepared:
+            tokens_per_image: TokenCounts, with_pixels: bool = True) -> Prepared:
     """Validate and tokenize one request. Raises ValueError/TypeError on bad input.
 
-    tokens_per_image: the image-token count of every image, or one count per image.
-    pixels=False: leave `pixel_values` None (the engine computes them on the device,
+    tokens_per_image: the image-token count of every image, one count per image, or a
+    function of the request's PIL images returning one count per image (LLaVA-NeXT: the
+    count depends on the image's size).
+    with_pixels=False: leave `pixel_values` None (the engine computes them on the device,
     `image_ops.device_pixels`); the text is tokenized without the image processor and each
     placeholder expanded to its image's count, as the processor does."""
     if images is not None and not isinstance(images, (list, tuple)):
@@ -139,6 +150,8 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
         raise ValueError("images must be one list of images for one prompt (a list of image lists goes "
                          "with a list of prompts)")
     pil = [_to_pil(im, i) for i, im in enumerate(images)]
+    if callable(tokens_per_image):
+        tokens_per_image = tokens_per_image(pil)
     counts = [tokens_per_image] * len(pil) if isinstance(tokens_per_image, int) else list(tokens_per_image)
     if isinstance(prompt, (list, tuple)) and not prompt:
         raise ValueError("prompt is empty")
@@ -156,7 +169,7 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
             raise ValueError(f"prompt token ids must be in [0, {vocab}) (the tokenizer's vocabulary), "
                              f"got {bad[:5]}")
         ids = _expand_placeholders(ids, image_token_id, counts)
-        pv = _pixels(processor, pil) if pixels else None
+        pv = pixels(processor, pil) if with_pixels else None
         return Prepared(ids, pv, split_runs(image_runs(ids, image_token_id), counts), pil)
     else:
         raise TypeError("prompt must be a string, a list of chat messages, or token ids (a list of "
@@ -165,7 +178,7 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
     _check_count(n_placeholders, len(pil))
     if not text.strip():
         raise ValueError("prompt is empty")
-    if pil and not pixels:
+    if pil and not with_pixels:
         ids = _expand_placeholders(processor.tokenizer(text)["input_ids"], image_token_id, counts)
         return Prepared(ids, None, split_runs(image_runs(ids, image_token_id), counts), pil)
     enc = processor(text=text, images=pil or None, return_tensors="pt")
@@ -201,7 +214,8 @@ def _check_count(n_placeholders: int, n_images: int):
                          "image(s) were given")
 
 
-def _pixels(processor, pil):
+def pixels(processor, pil):
+    """The processor's pixel values of PIL images (None for none)."""
     if not pil:
         return None
     return processor.image_processor(pil, return_tensors="pt")["pixel_values"]

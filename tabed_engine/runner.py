@@ -145,11 +145,13 @@ class Runner:
 
     def prefill_target(self, prep: Prepared, cache: KVCache):
         """Encode the images and prefill one target row; returns (logits of the last prompt
-        position [1, V], pre-projector image features)."""
+        position [1, V], pre-projector image features: per image, or per tile of any-resolution
+        images)."""
         n = len(prep.ids)
+        vision = self.target.vision
         sel = None if prep.pixel_values is None else \
-            self.target.vision.select(prep.pixel_values.to(self.device))
-        feats = None if sel is None else self.target.vision.project(sel)
+            vision.select_images(prep.pixel_values.to(self.device), prep.image_sizes)
+        feats = None if sel is None else vision.image_features(sel, prep.image_sizes)   # one [n_i, D] per image
         x = self.embed(self.target, prep.ids, prep.image_spans, feats)
         pos = torch.arange(n, device=self.device)[None]
         logits = self.target.lm(cache, pos, embeds=x[None], logits_index=torch.tensor([[n - 1]], device=self.device),

@@ -124,19 +124,22 @@ def build_processor(tokenizer, image_size: int, patch_size: int, strategy: str =
 
 
 _CURRENT = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
-            "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
+            "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector.",
+            "image_newline": "model.image_newline"}     # LLaVA-NeXT's
 
 
 def _canonical(key: str) -> str:
     for old, new in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-                     ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")):
+                     ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
+                     ("model.image_newline", "image_newline")):
         if key.startswith(old):
             return new + key[len(old):]
     return key
 
 
 def _rewrite_layout(out_dir: str, layout: str, shard_bytes: Optional[int]):
-    """Rewrite the saved tensors into the requested key layout and sharding."""
+    """Rewrite the saved tensors (LLaVA or LLaVA-NeXT) into the requested key layout and
+    sharding."""
     from safetensors.torch import load_file, save_file
 
     single = os.path.join(out_dir, "model.safetensors")

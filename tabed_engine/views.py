@@ -5,7 +5,15 @@ T  text-only: each image's token run replaced by one escape token: the tokenizer
    token (`resolve_escape_token`), or, for a tokenizer without one, nothing (the image's
    tokens are dropped).
 P  image-pooled: the draft's vision feature grid average-pooled (24×24 -> 12×12 default).
+   Any-resolution (LLaVA-NeXT) drafts pool every tile's grid and the base tile's grid alike
+   (g×g -> s×s), then pack the pooled tiles as the model packs full ones (anyres.py: unpadded
+   to the image's aspect ratio at the pooled resolution, the newline after each pooled row,
+   the pooled base first): s² + h_u(w_u + 1) tokens an image instead of g² + H_u(W_u + 1).
 C  caption: each image replaced by the text "image: <caption>".
+
+The draft sees its own preprocessing: with a draft of another image layout than the target's
+(a LLaVA-1.5 draft for a LLaVA-NeXT target) `prep.draft_pixel_values` holds the draft
+processor's pixels, and the M and P rows get the draft's own image-token counts.
 """
 from __future__ import annotations
 
@@ -13,9 +21,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from .prompt import Prepared
+from .vision import pool_features  # noqa: F401  (re-exported: it lived here)
 
 
 @dataclass
@@ -45,20 +53,6 @@ def resolve_escape_token(tokenizer) -> Optional[int]:
     return None
 
 
-def pool_features(sel: torch.Tensor, size: int, has_cls: bool) -> torch.Tensor:
-    """Average-pool a square feature grid. sel: [n, (1+) g*g, C] -> [n, (1+) size*size, C]."""
-    cls, grid = (sel[:, :1], sel[:, 1:]) if has_cls else (sel[:, :0], sel)
-    n, gg, C = grid.shape
-    g = int(round(gg ** 0.5))
-    if g * g != gg:
-        raise ValueError(f"image features of {gg} tokens are not a square grid; P view cannot pool")
-    if not 1 <= size <= g:
-        raise ValueError(f"pool size must be in [1, {g}], got {size}")
-    x = grid.transpose(1, 2).reshape(n, C, g, g).float()
-    x = F.adaptive_avg_pool2d(x, size).reshape(n, C, size * size).transpose(1, 2).to(sel.dtype)
-    return torch.cat([cls, x], dim=1)
-
-
 def _replace_images(prep: Prepared, pieces: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
     """Rebuild `prep.ids` with image i's token run replaced by pieces[i]; returns the ids and
     the (start, length) of every piece."""
@@ -77,22 +71,19 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
     draft, target = engine.draft, engine.target
     sel = None
     if prep.num_images:
-        same = (draft.vision_sd_hash == target.vision_sd_hash
+        own = prep.draft_pixel_values is not None        # the draft's own preprocessing
+        same = (not own and draft.vision_sd_hash == target.vision_sd_hash
                 and draft.vision.feature_layer == target.vision.feature_layer
                 and draft.vision.strategy == target.vision.strategy)
+        pixels = prep.draft_pixel_values if own else prep.pixel_values
         sel = target_sel if same and target_sel is not None else \
-            draft.vision.select(prep.pixel_values.to(engine.device))
+            draft.vision.select_images(pixels.to(engine.device), prep.image_sizes)
     img_tok = target.image_token_id
     rows = []
     for v in engine.views:
-        if v == "M" and sel is not None:
-            feats = list(draft.vision.project(sel))
-            ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats])
-            rows.append(ViewRow(ids, spans, feats))
-        elif v == "P" and sel is not None:
-            g = int(round((sel.shape[1] - (draft.vision.strategy == "full")) ** 0.5))
-            pooled = pool_features(sel, engine.pool_size or max(g // 2, 1), draft.vision.strategy == "full")
-            feats = list(draft.vision.project(pooled))
+        if v in ("M", "P") and sel is not None:
+            pool = 0 if v == "M" else engine.pool_size or max(draft.vision.grid // 2, 1)
+            feats = draft.vision.image_features(sel, prep.image_sizes, pool=pool)
             ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats])
             rows.append(ViewRow(ids, spans, feats))
         elif v == "T" and sel is not None:

@@ -8,7 +8,9 @@ On CUDA, `select` replays one CUDA graph per image count: the tower is ~300 kern
 one by one from Python 7.8 ms for one 336x336 image on an H200 (transformers' tower 12.0 ms),
 replayed 1.82 ms against a 0.49 ms FLOP floor (results/ttft_vision_h200.md).
 Other towers (SigLIP, ...) run as the transformers module, eagerly. The projector is
-transformers' `LlavaMultiModalProjector`.
+transformers' `LlavaMultiModalProjector`. LLaVA-NeXT checkpoints (`image_grid_pinpoints`) add
+any-resolution tiling: `select_images` runs every image's tiles through the tower and
+`image_features` packs them per image (anyres.py) with the checkpoint's `image_newline`.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .anyres import AnyRes, pack
 
 # q, k, v rows of the fused projection, as the checkpoint names them
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -148,6 +152,7 @@ class VisionEncoder(nn.Module):
         self.feature_layer = feature_layer
         self.strategy = strategy
         self.compact = getattr(vc, "model_type", None) == "clip_vision_model"
+        self.grid = vc.image_size // vc.patch_size                 # feature grid side of one tile
         if self.compact:
             self.tower = CLIPTower(vc, _layer_indices(feature_layer, vc.num_hidden_layers))
         else:
@@ -155,6 +160,14 @@ class VisionEncoder(nn.Module):
 
             self.tower = AutoModel.from_config(vc)
         self.projector = LlavaMultiModalProjector(hf_config)
+        # LLaVA-NeXT: tiles by image_grid_pinpoints, a learned newline after each feature row
+        self.anyres = AnyRes.from_config(hf_config) if getattr(hf_config, "image_grid_pinpoints", None) else None
+        self.image_newline = None
+        if self.anyres is not None:
+            if strategy != "default":
+                raise ValueError(f"LLaVA-NeXT checkpoints need vision_feature_select_strategy 'default' (the "
+                                 f"tiles' grids are packed without CLS), got {strategy!r}")
+            self.image_newline = nn.Parameter(torch.empty(hf_config.text_config.hidden_size))
         self.use_graphs = True
         self._graphs = None
 
@@ -196,9 +209,56 @@ class VisionEncoder(nn.Module):
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         return self.projector(feats)
 
+    def tokens_per_image(self, sizes) -> list[int]:
+        """Image tokens of each image of sizes [(height, width), ...], as the processor expands
+        them: the fixed grid (+ CLS with "full") per image, or any-resolution counts."""
+        if self.anyres is not None:
+            return [self.anyres.num_tokens(s) for s in sizes]
+        return [self.grid ** 2 + (self.strategy == "full")] * len(sizes)
+
+    @torch.no_grad()
+    def select_images(self, pixel_values: torch.Tensor, sizes=None) -> torch.Tensor:
+        """A request's images -> selected features of every tile the tower sees: pixel_values
+        [n, 3, S, S] as `select`; any-resolution [n, max_tiles, 3, S, S] (padded per image) with
+        sizes [(height, width)] -> [sum of each image's tiles, g*g, C], image by image."""
+        if self.anyres is None:
+            return self.select(pixel_values)
+        counts = [self.anyres.num_tiles(s) for s in sizes]
+        if pixel_values.dim() != 5 or pixel_values.shape[0] != len(counts) or pixel_values.shape[1] < max(counts):
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold {counts} tiles per image "
+                             "(is the processor the checkpoint's LlavaNextProcessor?)")
+        return self.select(torch.cat([pv[:n] for pv, n in zip(pixel_values, counts)]))
+
+    @torch.no_grad()
+    def image_features(self, sel: torch.Tensor, sizes=None, pool: int = 0) -> list[torch.Tensor]:
+        """`select_images`' features -> each image's projected token features [n_i, hidden].
+        pool > 0 first average-pools every grid (each tile's and the base's; the CLS kept) to
+        pool x pool; any-resolution images are then packed from their pooled tiles."""
+        if pool:
+            sel = pool_features(sel, pool, self.strategy == "full")
+        feats = self.project(sel)
+        if self.anyres is None:
+            return list(feats)
+        counts = [self.anyres.num_tiles(s) for s in sizes]
+        return [pack(f, s, self.anyres, self.image_newline) for f, s in zip(feats.split(counts), sizes)]
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [n, 3, H, W] -> projected features [n, tokens_per_image, lm_hidden]."""
         return self.project(self.select(pixel_values))
+
+
+def pool_features(sel: torch.Tensor, size: int, has_cls: bool) -> torch.Tensor:
+    """Average-pool a square feature grid. sel: [n, (1+) g*g, C] -> [n, (1+) size*size, C]."""
+    cls, grid = (sel[:, :1], sel[:, 1:]) if has_cls else (sel[:, :0], sel)
+    n, gg, C = grid.shape
+    g = int(round(gg ** 0.5))
+    if g * g != gg:
+        raise ValueError(f"image features of {gg} tokens are not a square grid; P view cannot pool")
+    if not 1 <= size <= g:
+        raise ValueError(f"pool size must be in [1, {g}], got {size}")
+    x = grid.transpose(1, 2).reshape(n, C, g, g).float()
+    x = F.adaptive_avg_pool2d(x, size).reshape(n, C, size * size).transpose(1, 2).to(sel.dtype)
+    return torch.cat([cls, x], dim=1)
 
 
 def hf_vision_tower(vision: VisionEncoder, hf_config) -> nn.Module:

@@ -190,7 +190,7 @@ def test_caption_view_equals_transformers(name):
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_prompts_tokenized_for_device_images_equal_the_processors(name):
-    """pixels=False (images preprocessed on the device) tokenizes without the image processor and
+    """with_pixels=False (images preprocessed on the device) tokenizes without the image processor and
     expands each placeholder itself: the same ids and spans as the processor, every prompt."""
     from tabed_engine import image_ops
 
@@ -200,7 +200,7 @@ def test_prompts_tokenized_for_device_images_equal_the_processors(name):
         if isinstance(prompt, list):
             prompt = [{**m, "content": [dict(c) for c in m["content"]]} for m in prompt]
         a = prepare(processor, prompt, images(n), image_token, 16)
-        b = prepare(processor, prompt, images(n), image_token, 16, pixels=False)
+        b = prepare(processor, prompt, images(n), image_token, 16, with_pixels=False)
         assert (a.ids, a.image_spans) == (b.ids, b.image_spans), prompt_name
         assert b.pixel_values is None
         if n:

@@ -1,0 +1,277 @@
+"""LLaVA-NeXT (any-resolution) targets and drafts on checkpoints that look published
+(tests/next_models.py): per-image token counts, tile features packed as transformers packs
+them, and greedy decoding token-identical to transformers `generate(do_sample=False)`
+(float32, CPU) for AR and SD, one and two images of different aspect ratios, a LLaVA-1.5-style
+draft for a LLaVA-NeXT target, and batched requests."""
+import functools
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoProcessor, LlavaNextConfig, LlavaNextForConditionalGeneration
+from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+
+from next_models import FIXTURES, checkpoint
+from realistic import image
+from tabed_engine import Engine, SamplingParams
+from tabed_engine.anyres import AnyRes, pack
+from tabed_engine.loader import load_lvlm, load_processor, lvlm_from_hf
+from tabed_engine.prompt import prepare
+from tabed_engine.views import build_views
+
+N_NEW = 16
+NEXT = ["vicuna", "mistral", "llama3"]          # LLaVA-NeXT targets with LLaVA-NeXT drafts
+WIDE, TALL, SQUARE = (90, 20), (25, 90), (60, 50)          # PIL (width, height)
+PROMPTS = {   # name: (prompt, image sizes)
+    "wide": ("USER: <image>\nDescribe the picture in detail. ASSISTANT:", [WIDE]),
+    "two": ("USER: The first photo: <image>\nThe second photo: <image>\nWhat is different? ASSISTANT:",
+            [TALL, SQUARE]),
+    "chat": ([{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                           {"type": "text", "text": "Compare the two photos."}]}], [SQUARE, WIDE]),
+}
+SD_CONFIGS = [(("M", "T"), "hedge", 5), (("M", "T"), "w-grid", 3), (("M", "T", "P"), "hedge", 3),
+              (("M", "T", "P"), "w-grid", 5)]
+
+
+def images(prompt_name):
+    return [image(30 + i, size) for i, size in enumerate(PROMPTS[prompt_name][1])]
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(name):
+    target, draft = checkpoint(name)
+    draft_proc = load_processor(draft) if FIXTURES[name]["draft"] == "llava" else None
+    return (load_lvlm(target, "cpu", torch.float32), load_lvlm(draft, "cpu", torch.float32),
+            load_processor(target), draft_proc)
+
+
+def engine(name, views=("M", "T"), policy="hedge", gamma=5):
+    target, draft, processor, draft_proc = loaded(name)
+    return Engine(target, processor, draft=draft, draft_processor=draft_proc, device="cpu", dtype=torch.float32,
+                  views=views, policy=policy, gamma=gamma, max_len=512)
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_model(path):
+    return (AutoProcessor.from_pretrained(path, local_files_only=True),
+            LlavaNextForConditionalGeneration.from_pretrained(path, local_files_only=True,
+                                                              dtype=torch.float32).eval())
+
+
+def encode(proc, prompt, imgs):
+    if isinstance(prompt, list):
+        it = iter(imgs)
+        msgs = [{**m, "content": [{**c, "image": next(it)} if c["type"] == "image" else c for c in m["content"]]}
+                for m in prompt]
+        return proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                        return_tensors="pt")
+    return proc(text=prompt, images=imgs, return_tensors="pt")
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name, prompt_name):
+    """transformers' greedy new tokens (up to and including EOS) through its own processor."""
+    proc, hf = transformers_model(checkpoint(name)[0])
+    enc = encode(proc, PROMPTS[prompt_name][0], images(prompt_name))
+    with torch.no_grad():
+        out = hf.generate(**enc, max_new_tokens=N_NEW, do_sample=False)
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return next((new[:i + 1] for i, t in enumerate(new) if t in eos), new)
+
+
+def generate(eng, prompt_name, speculative):
+    return eng.generate(PROMPTS[prompt_name][0], images=images(prompt_name),
+                        sampling=SamplingParams(max_new_tokens=N_NEW), speculative=speculative)
+
+
+# ---------------------------------------------------------------------------- packing and counts
+@pytest.mark.parametrize("tile,patch,pins", [(28, 7, [[28, 56], [56, 28], [56, 56]]),
+                                             (30, 6, [[30, 60], [60, 30], [60, 60], [90, 30], [30, 90]]),
+                                             (36, 4, [[36, 72], [72, 36], [108, 36], [72, 72]])])
+def test_pack_equals_transformers(tile, patch, pins):
+    """`anyres.pack` (any grid side) and `AnyRes.num_tokens` against transformers'
+    `pack_image_features` and LlavaNextProcessor's count, for sizes that unpad rows, columns
+    or nothing, with odd rounding."""
+    from transformers import CLIPVisionConfig, LlavaNextProcessor
+
+    cfg = LlavaNextConfig(vision_config=CLIPVisionConfig(image_size=tile, patch_size=patch),
+                          image_grid_pinpoints=pins)
+    layout = AnyRes.from_config(cfg)
+    counter = SimpleNamespace(image_processor=SimpleNamespace(image_grid_pinpoints=pins), patch_size=patch,
+                              num_additional_image_tokens=1)
+    counter._get_unpadded_features = functools.partial(LlavaNextProcessor._get_unpadded_features, counter)
+    g, C = tile // patch, 5
+    newline = torch.randn(C)
+    for h, w in [(20, 90), (90, 25), (50, 60), (33, 100), (1000, 37), (tile, tile), (7, 9), (301, 299)]:
+        n = layout.num_tiles((h, w))
+        feats = torch.randn(n, g * g, C)
+        ref, lens = LlavaNextModel.pack_image_features(SimpleNamespace(config=cfg), [feats], torch.tensor([[h, w]]),
+                                                       "default", newline)
+        ours = pack(feats, (h, w), layout, newline)
+        assert torch.equal(ours, ref[0]), (h, w)
+        assert layout.num_tokens((h, w)) == ours.shape[0] == \
+            LlavaNextProcessor._get_number_of_features(counter, h, w, tile, tile) - 1
+        small = torch.randn(n, 4, C)                     # a pooled 2x2 grid packs the same way
+        assert pack(small, (h, w), layout, newline).shape[0] == layout.num_tokens((h, w), grid=2)
+    with pytest.raises(ValueError, match="multiples"):
+        AnyRes(((28, 50),), 28, 4)
+
+
+@pytest.mark.parametrize("name", NEXT)
+def test_features_equal_transformers(name):
+    """Loaded weights (legacy / current sharded layouts) give transformers' image features,
+    image by image; `lvlm_from_hf` maps an in-memory model the same way."""
+    path = checkpoint(name)[0]
+    proc, hf = transformers_model(path)
+    ours = load_lvlm(path, "cpu", torch.float32)
+    assert ours.vision.anyres is not None and torch.equal(ours.vision.image_newline, hf.model.image_newline)
+    imgs = [image(1, WIDE), image(2, TALL), image(3, SQUARE)]
+    enc = proc(text="<image>" * 3, images=imgs, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.model.get_image_features(enc["pixel_values"], enc["image_sizes"])
+        ref = getattr(out, "pooler_output", out)        # transformers 4.x returns the list itself
+    sizes = [(im.height, im.width) for im in imgs]
+    for model in (ours, lvlm_from_hf(hf)):
+        feats = model.vision.image_features(model.vision.select_images(enc["pixel_values"], sizes), sizes)
+        assert [f.shape[0] for f in feats] == [r.shape[0] for r in ref] == model.vision.tokens_per_image(sizes)
+        for f, r in zip(feats, ref):
+            torch.testing.assert_close(f, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NEXT)
+def test_token_counts_follow_the_processor(name):
+    """Each image's run is the processor's count for its size; the counts differ per image."""
+    eng = engine(name)
+    proc = transformers_model(checkpoint(name)[0])[0]
+    imgs = [image(5, WIDE), image(6, TALL), image(7, SQUARE)]
+    prep = prepare(eng.processor, "A<image> b<image><image>", imgs, eng.target.image_token_id, eng.tokens_per_image)
+    counts = [n for _, n in prep.image_spans]
+    assert len(set(counts)) == 3
+    for im, n in zip(imgs, counts):
+        assert proc(text="<image>", images=[im])["input_ids"][0].count(eng.target.image_token_id) == n
+
+
+# ---------------------------------------------------------------------------- greedy equality
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+@pytest.mark.parametrize("name", NEXT)
+def test_ar_equals_transformers(name, prompt_name):
+    ref = reference(name, prompt_name)
+    assert len(set(ref)) >= 4, "the fixture's greedy output is too uniform to compare"
+    out = generate(engine(name), prompt_name, speculative=False)
+    assert out.token_ids == ref and not out.stats.speculative
+
+
+@pytest.mark.parametrize("views,policy,gamma", SD_CONFIGS, ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+@pytest.mark.parametrize("name", NEXT + ["mixed"])
+def test_sd_equals_transformers(name, prompt_name, views, policy, gamma):
+    out = generate(engine(name, views, policy, gamma), prompt_name, speculative=True)
+    assert out.token_ids == reference(name, prompt_name)
+    s = out.stats
+    assert s.speculative and len(s.accepted_lengths) == s.target_forwards >= 1
+    assert all(len(w) == len(views) for w in s.weights)
+
+
+@pytest.mark.parametrize("name,least", [("vicuna", 3), ("mistral", 3), ("llama3", 3), ("mixed", 1)])
+def test_drafts_are_accepted(name, least):
+    """The LLaVA-NeXT drafts are close enough that blocks accept several tokens (so the equality
+    tests cover acceptance and rollback, not only rejection). The LLaVA-1.5 draft sees 16 tokens
+    of another preprocessing where the target sees 34-88: with random weights its blocks
+    accept 0-1 tokens."""
+    acc = [a for p in PROMPTS for a in generate(engine(name, ("M", "T"), "kld"), p, True).stats.accepted_lengths]
+    assert max(acc) >= least and min(acc) == 0
+
+
+def test_views_have_their_own_spans():
+    """M rows carry the draft's own image tokens: a LLaVA-NeXT draft packs like the target,
+    a LLaVA-1.5 draft has its fixed grid (4x4 = 16) whatever the image; P packs the pooled tiles
+    (2x2 grids here); T has one escape token an image."""
+    imgs = images("two")
+    sizes = [(im.height, im.width) for im in imgs]
+    for name, m_counts in (("vicuna", None), ("mixed", [16, 16])):
+        eng = engine(name, ("M", "T", "P"))
+        req = eng._request(PROMPTS["two"][0], imgs, None, None, True)
+        prep = req.prep
+        assert [n for _, n in prep.image_spans] == eng.tokens_per_image(imgs)
+        assert (prep.draft_pixel_values is None) == (name == "vicuna")
+        m, t, p = build_views(eng, prep, None, None)
+        assert [n for _, n in m.spans] == (m_counts or eng.tokens_per_image(imgs))
+        layout = eng.draft.vision.anyres
+        assert [n for _, n in p.spans] == ([4, 4] if layout is None else [layout.num_tokens(s, grid=2) for s in sizes])
+        assert t.ids.count(eng.escape_token) >= 2 and eng.target.image_token_id not in t.ids
+        assert all(f.shape[0] == n for f, (_, n) in zip(m.feats + p.feats, m.spans + p.spans))
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_batched_equals_alone(speculative):
+    eng = engine("mixed", ("M", "T", "P"), "w-grid", 3)
+    a, b, c = image(41, WIDE), image(42, TALL), image(43, SQUARE)
+    p1, p2 = "USER: <image>\nWhat is this? ASSISTANT:", "USER: <image> and <image>\nCompare them. ASSISTANT:"
+    sp = SamplingParams(max_new_tokens=N_NEW)
+    both = eng.generate([p1, p2], images=[[a], [b, c]], sampling=sp, speculative=speculative)
+    alone = [eng.generate(p1, images=[a], sampling=sp, speculative=speculative),
+             eng.generate(p2, images=[b, c], sampling=sp, speculative=speculative)]
+    assert [o.token_ids for o in both] == [o.token_ids for o in alone]
+    assert all(len(set(o.token_ids)) >= 3 for o in alone)
+
+
+def test_token_id_prompt_equals_transformers():
+    """One image token per image in a token-id prompt expands to each image's own count."""
+    eng = engine("vicuna", ("M", "T"), "kld", 3)
+    ids = eng.tokenizer.encode(PROMPTS["two"][0])
+    assert ids.count(eng.target.image_token_id) == 2
+    out = eng.generate(ids, images=images("two"), sampling=SamplingParams(max_new_tokens=N_NEW))
+    assert out.token_ids == reference("vicuna", "two")
+
+
+# ---------------------------------------------------------------------------- mixed pairs
+def test_from_pretrained_mixed_pair_and_cli(capsys, tmp_path):
+    """from_pretrained loads the LLaVA-1.5 draft's own processor; the CLI runs the pair."""
+    from tabed_engine.cli import main as cli_main
+
+    target, draft = checkpoint("mixed")
+    eng = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, views=("M", "T"))
+    assert type(eng.draft_processor.image_processor).__name__.startswith("CLIPImageProcessor")
+    assert generate(eng, "wide", True).token_ids == reference("mixed", "wide")
+    path = tmp_path / "wide.png"
+    images("wide")[0].save(path)
+    rc = cli_main(["generate", "--target", target, "--draft", draft, "--image", str(path), "--prompt",
+                   "Describe the picture in detail.", "--max-new-tokens", str(N_NEW), "--device", "cpu",
+                   "--dtype", "float32", "--json"])
+    assert rc == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == reference("mixed", "wide") and got["stats"]["speculative"]
+
+
+def test_mixed_pair_needs_the_draft_processor():
+    target, draft, processor, _ = loaded("mixed")
+    with pytest.raises(ValueError, match="draft_processor"):
+        Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32)
+
+
+def test_draft_tokenizer_must_match(tmp_path):
+    """A draft whose tokenizer maps two tokens to each other's ids (same size) is refused with
+    a ValueError naming the tokenizer, before any weight loads; so is one of another size."""
+    target, draft = checkpoint("mixed")
+    bad = tmp_path / "draft"
+    shutil.copytree(draft, bad)
+    tok = json.loads((bad / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "▁the", "▁a"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    os.remove(bad / "model.safetensors")              # nothing may load before the check fails
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        Engine.from_pretrained(target, str(bad), device="cpu", dtype=torch.float32)
+    t, d, processor, draft_proc = loaded("mixed")
+    other = load_processor(checkpoint("vicuna")[0])
+    other.tokenizer.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        Engine(t, processor, draft=d, draft_processor=other, device="cpu", dtype=torch.float32)
+    eng = Engine(t, processor, draft=d, draft_processor=draft_proc, device="cpu", dtype=torch.float32)
+    assert generate(eng, "wide", True).token_ids == reference("mixed", "wide")
