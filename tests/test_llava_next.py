@@ -275,3 +275,55 @@ def test_draft_tokenizer_must_match(tmp_path):
         Engine(t, processor, draft=d, draft_processor=other, device="cpu", dtype=torch.float32)
     eng = Engine(t, processor, draft=d, draft_processor=draft_proc, device="cpu", dtype=torch.float32)
     assert generate(eng, "wide", True).token_ids == reference("mixed", "wide")
+
+
+# ---------------------------------------------------------------------------- sampling
+SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.7, top_k=3, stop_at_eos=False)
+SAMPLES, SHARDS, PER_CALL = 6400, 4, 16
+
+
+@pytest.fixture(scope="module")
+def next_exact_dist():
+    """The exact distribution of the first 3 sampled tokens of the vicuna fixture's target for
+    the "wide" prompt, enumerated with transformers' model as the oracle (the processed
+    distribution: `target_probs`, temperature and top-k)."""
+    from tabed_engine.sampling import target_probs
+
+    proc, hf = transformers_model(checkpoint("vicuna")[0])
+    enc = encode(proc, PROMPTS["wide"][0], images("wide"))
+    dist = {(): 1.0}
+    for _ in range(SAMPLING.max_new_tokens):
+        nxt = {}
+        for seq, pr in dist.items():
+            ids = torch.cat([enc["input_ids"], torch.tensor([seq], dtype=torch.long)], 1) if seq else enc["input_ids"]
+            with torch.no_grad():
+                logits = hf(**{**enc, "input_ids": ids, "attention_mask": torch.ones_like(ids)}).logits[:, -1]
+            p = target_probs(logits, SAMPLING)[0]
+            for t in torch.nonzero(p > 0).flatten().tolist():
+                nxt[seq + (t,)] = pr * float(p[t])
+        dist = nxt
+    return dist
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_sampling_is_lossless_on_llava_next(shard, next_exact_dist, tmp_path_factory):
+    """Speculative sampling (M+T+P, kld) on a LLaVA-NeXT target and draft, 16 requests per batch,
+    each its own seed: the first 3 tokens follow the exact distribution (and the check rejects a
+    3.5% shift of mass; an oracle at temperature 0.8 instead of 0.7 fails it)."""
+    from collections import Counter
+
+    from test_speculative import check_when_complete
+
+    eng = engine("vicuna", views=("M", "T", "P"), policy="kld", gamma=2)
+    prompt, imgs = PROMPTS["wide"][0], images("wide")
+    n = SAMPLES // SHARDS
+    counts, accepted = Counter(), 0
+    for call in range(n // PER_CALL):
+        sps = [SamplingParams(**{**SAMPLING.__dict__, "seed": (shard * 1000 + call) * PER_CALL + i})
+               for i in range(PER_CALL)]
+        for o in eng.generate([prompt] * PER_CALL, images=[imgs] * PER_CALL, sampling=sps):
+            counts[tuple(o.token_ids)] += 1
+            accepted += sum(o.stats.accepted_lengths)
+    assert accepted > n * 0.15                       # drafts really were accepted
+    check_when_complete(tmp_path_factory, "lossless-next", shard, SHARDS, counts, next_exact_dist, SAMPLES, 0.035)
