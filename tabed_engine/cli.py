@@ -100,8 +100,9 @@ def add_serve_parser(sub):
                    help="the model name clients send and /v1/models lists (default: the target directory's name)")
     s.add_argument("--max-batch", type=int, default=None,
                    help="requests decoded together at most (default: the engine's, 16, fewer where memory is short)")
-    s.add_argument("--max-tokens-default", type=int, default=128,
-                   help="max_tokens of a request that gives none (default 128)")
+    s.add_argument("--max-tokens-default", type=int, default=None,
+                   help="max_tokens of a request that gives none (default: as many as the context holds, "
+                        "as OpenAI's API does)")
     s.add_argument("--image-root", default=None, metavar="DIR",
                    help="accept local image paths only inside DIR (default: any file the server can read)")
 

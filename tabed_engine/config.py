@@ -99,7 +99,8 @@ def check_real(name: str, value) -> float:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters;
+    """How to pick tokens. max_new_tokens None = as many as the engine's cache holds after the
+    prompt (OpenAI's default). temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters;
     seed None draws a fresh seed per generation (from the OS, not from torch's global RNG); a
     seeded request reproduces its tokens when it runs alone; in a batch the draws of later tokens
     are shared with the other requests (seeded by the batch's first request: a batch call with
@@ -111,7 +112,7 @@ class SamplingParams:
     Frozen and validated once here: the engine never re-checks a params object it was given.
     Derive variants with `dataclasses.replace(sp, seed=1)`."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: Optional[int] = 128
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -122,7 +123,8 @@ class SamplingParams:
 
     def __post_init__(self):
         fix = partial(object.__setattr__, self)   # frozen: normalise numpy scalars to int/float
-        fix("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
+        if self.max_new_tokens is not None:
+            fix("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
         fix("temperature", check_real("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")

@@ -544,8 +544,12 @@ class Engine:
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the model's vocabulary ({vocab})")
-        need = len(prep.ids) + sp.max_new_tokens + self.lookahead + 2
-        if need > self.max_len:
+        room = self.max_len - len(prep.ids) - self.lookahead - 2     # tokens the cache holds after the prompt
+        if sp.max_new_tokens is None and room < 1:
+            raise ValueError(f"the prompt ({len(prep.ids)} tokens) + draft lookahead exceeds the cache length "
+                             f"{self.max_len} (no room for new tokens): shorten it or build the engine with a "
+                             "larger max_len")
+        if sp.max_new_tokens is not None and sp.max_new_tokens > room:
             raise ValueError(f"prompt ({len(prep.ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
                              f"+ draft lookahead exceeds the cache length {self.max_len}: lower "
                              "max_new_tokens or build the engine with a larger max_len")
@@ -568,7 +572,8 @@ class Engine:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, prep, sp, caption, use_sd, gen, self.tokenizer, frozenset(self.eos_ids))
+        return Request(rid, prep, sp, caption, use_sd, gen, self.tokenizer, frozenset(self.eos_ids),
+                       max_new=room if sp.max_new_tokens is None else sp.max_new_tokens)
 
 
 # probe strings for check_same_tokenizer: spaces, digits, a newline, punctuation, non-ASCII

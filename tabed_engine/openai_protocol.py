@@ -97,7 +97,7 @@ def check_model(body: dict, served: str):
         raise ApiError(f"model {model!r} is not served here; this server serves {served!r}", "model")
 
 
-def parse_sampling(body: dict, default_max_tokens: int) -> dict:
+def parse_sampling(body: dict, default_max_tokens: Optional[int]) -> dict:
     """SamplingParams keyword arguments from OpenAI's fields (OpenAI's defaults: temperature 1,
     top_p 1), plus the extensions `top_k` and `ignore_eos`."""
     for name, allowed in _UNSUPPORTED.items():

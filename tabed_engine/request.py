@@ -44,6 +44,7 @@ class Request:
     generator: torch.Generator
     tokenizer: Any
     eos_ids: frozenset
+    max_new: int = 0                      # sp.max_new_tokens, or what the cache holds (None)
     arrival: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
     slot: Optional[int] = None
@@ -84,7 +85,7 @@ class Request:
         (max_new_tokens, EOS or a stop token inclusive, a stop string); sets `finish_reason`.
         Returns the tokens kept."""
         sp = self.sp
-        new = new[: sp.max_new_tokens - len(self.tokens)]
+        new = new[: self.max_new - len(self.tokens)]
         for i, t in enumerate(new):
             if (sp.stop_at_eos and t in self.eos_ids) or t in sp.stop_token_ids:
                 new = new[: i + 1]
@@ -100,7 +101,7 @@ class Request:
                     self.finish_reason = "stop"
                     break
         self.tokens += new
-        if self.finish_reason is None and len(self.tokens) >= sp.max_new_tokens:
+        if self.finish_reason is None and len(self.tokens) >= self.max_new:
             self.finish_reason = "length"
         return new
 

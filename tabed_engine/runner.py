@@ -174,7 +174,10 @@ class Runner:
         if req.speculative:
             rows = build_views(self.eng, req.prep, sel, req.caption)
             longest = max(len(r.ids) for r in rows)
-            if longest + sp.max_new_tokens + self.eng.lookahead + 2 > self.max_len:
+            room = self.max_len - longest - self.eng.lookahead - 2
+            if sp.max_new_tokens is None and 1 <= room < req.max_new:    # "as many as fit": the views' too
+                req.max_new = room
+            if req.max_new > room:
                 raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
                                  f"{self.max_len}")
             view_len, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K))
@@ -240,7 +243,7 @@ class Runner:
         host.copy_(tok, non_blocking=True)
         ready = self._record()
         # queue the next step before waiting for this one (its input never leaves the device)
-        if not all(r is None or r.finished or len(r.tokens) + 1 >= r.sp.max_new_tokens for r in reqs[:b]):
+        if not all(r is None or r.finished or len(r.tokens) + 1 >= r.max_new for r in reqs[:b]):
             tl2 = torch.clamp(tl + self.active[:b].int(), max=self.max_len - 1)
             logits = self.run_graph(("ar", b), step_fn, {"tok": tok[:, None], "lens": tl2},
                                     kv_len=self.kv_bucket(longest + 2))
@@ -415,7 +418,7 @@ class Runner:
 
         # the next block's draft, unless every request certainly ends with this block: its
         # rows' last two tokens are (d_n, next) and they are n + 1 tokens further on
-        if any(len(r.tokens) + 1 < r.sp.max_new_tokens for r in live):
+        if any(len(r.tokens) + 1 < r.max_new for r in live):
             step = ((n_acc + 1) * self.active[:b]).repeat_interleave(K)
             inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
             dl2 = torch.clamp(dl + step, max=self.max_len - eng.lookahead - 2)

@@ -151,7 +151,7 @@ def _finish_error(out) -> ApiError:
 class OpenAIServer:
     """The ASGI app: routes, request handling and the engine loop's lifetime."""
 
-    def __init__(self, engine, model_name: str, default_max_tokens: int = 128,
+    def __init__(self, engine, model_name: str, default_max_tokens: Optional[int] = None,
                  image_root: Optional[str] = None):
         self.model, self.default_max_tokens, self.image_root = model_name, default_max_tokens, image_root
         self.metrics = ServerMetrics()

@@ -214,6 +214,27 @@ def test_step_loop_abort_and_request_ids():
     assert final[other].token_ids == expected("text")
 
 
+def test_max_new_tokens_none_fills_the_cache():
+    """max_new_tokens=None: as many tokens as the cache holds after the prompt (and after the
+    longest draft view: here a long caption in the C view), cut like any other length."""
+    eng = engine(views=("M", "T", "C"), max_len=160, gamma=3)
+    prompt, n = PROMPTS["one_image"]
+    sp = SamplingParams(max_new_tokens=None, stop_at_eos=False)
+    caption = "a long caption " * 12
+    req = eng._request(prompt, images(n), sp, caption, True)
+    room = eng.max_len - len(req.prep.ids) - eng.lookahead - 2
+    assert req.max_new == room
+    out, alone = eng.generate([prompt, prompt], images=[images(n)] * 2, sampling=sp, captions=[caption, "short"])
+    longest = max(len(out.token_ids), len(alone.token_ids))
+    assert len(alone.token_ids) == room and out.finish_reason == alone.finish_reason == "length"
+    assert len(out.token_ids) < room and longest == room            # the long C view leaves less room
+    assert out.token_ids == alone.token_ids[:len(out.token_ids)]
+    ar = eng.generate(prompt, images=images(n), sampling=sp, speculative=False)
+    assert ar.token_ids == alone.token_ids
+    with pytest.raises(ValueError, match="no room for new tokens"):
+        eng.generate("w " * 200, sampling=sp)
+
+
 def test_kinds_of_sampling_take_turns():
     """A sampled request queued between greedy ones waits for the greedy batch to drain (one
     kind per batch), and the greedy request queued after it does not overtake it."""
