@@ -105,6 +105,9 @@ def add_serve_parser(sub):
                         "as OpenAI's API does)")
     s.add_argument("--image-root", default=None, metavar="DIR",
                    help="accept local image paths only inside DIR (default: any file the server can read)")
+    s.add_argument("--warmup", action="store_true",
+                   help="before serving, decode a few tokens at every batch size the engine has (captures the "
+                        "CUDA graphs and compiles the kernels the first requests would otherwise wait for)")
 
 
 def serve_main(args) -> int:
@@ -126,6 +129,8 @@ def serve_main(args) -> int:
                                         log=lambda s: print(s, end="", file=sys.stderr, flush=True), **kw)
     except (ValueError, TypeError, OSError) as e:
         return _error(e)
+    if args.warmup:
+        print(f"warm-up done in {engine.warmup():.1f} s", file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(engine, host=args.host, port=args.port, model_name=name,
           default_max_tokens=args.max_tokens_default, image_root=args.image_root)

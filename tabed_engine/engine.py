@@ -441,6 +441,30 @@ class Engine:
                     yield index[o.request_id], o.new_text
         return pieces()
 
+    def warmup(self, max_batch: Optional[int] = None, images: bool = True) -> float:
+        """Decode a few tokens at every batch bucket up to `max_batch` (default: all the engine
+        has), autoregressively and, with a draft, speculatively, with one image per request when
+        `images`: the CUDA graphs of those buckets are captured and the kernels compiled before
+        the first real request (a server would otherwise stall its first requests at each new
+        batch size). The cost model keeps the block times it measured. Returns the seconds taken."""
+        from PIL import Image
+
+        from .runner import BUCKETS
+
+        t0 = time.perf_counter()
+        n = self.runner.max_batch if max_batch is None else min(check_int("max_batch", max_batch, 1),
+                                                                 self.runner.max_batch)
+        buckets = sorted({b for b in BUCKETS if b < n} | {n})
+        vc = self.target.config.get("vision_config", {})
+        side = vc.get("image_size", 336)
+        prompt = (getattr(self.processor, "image_token", "<image>") + "\n" if images else "") + "Describe it."
+        img = [Image.new("RGB", (side, side), (127, 127, 127))] if images else None
+        sp = SamplingParams(max_new_tokens=2 * self.lookahead + 4, stop_at_eos=False)
+        for b in buckets:
+            for speculative in ((False, True) if self.draft is not None else (False,)):
+                self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=speculative)
+        return time.perf_counter() - t0
+
     def prefill_target(self, prep):
         """Diagnostics and benchmarks: prefill a prepared prompt (`tabed_engine.prompt.prepare`)
         into slot 0 of an idle engine. Returns (the slot's cache, logits of the last prompt

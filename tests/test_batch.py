@@ -235,6 +235,15 @@ def test_max_new_tokens_none_fills_the_cache():
         eng.generate("w " * 200, sampling=sp)
 
 
+def test_warmup_runs_every_bucket_and_leaves_the_engine_as_it_was():
+    eng = engine(max_batch=4)
+    assert eng.warmup() > 0
+    assert {b for _, b in eng.scheduler.cost.times} == {1, 2, 4}       # block times of every bucket
+    assert not eng.has_unfinished()
+    names, prompts, imgs, sps = batch_inputs()
+    assert [o.token_ids for o in eng.generate(prompts, images=imgs, sampling=sps)] == [expected(n) for n in names]
+
+
 def test_kinds_of_sampling_take_turns():
     """A sampled request queued between greedy ones waits for the greedy batch to drain (one
     kind per batch), and the greedy request queued after it does not overtake it."""

@@ -71,7 +71,8 @@ def server(tmp_path_factory):
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "tabed_engine.cli", "serve", "--target", os.path.join(DEMO, "target"),
            "--draft", os.path.join(DEMO, "draft"), "--device", "cpu", "--dtype", "float32",
-           "--port", str(port), "--model-name", MODEL, "--max-batch", "8"]    # 16 clients: some wait
+           "--port", str(port), "--model-name", MODEL, "--max-batch", "8",    # 16 clients: some wait
+           "--warmup"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
@@ -134,6 +135,7 @@ def chat(server, messages, max_tokens, **kw):
 
 def test_health_and_models(server):
     assert server.http.get("/health").json() == {"status": "ok"}
+    assert "warm-up done in" in server.log()            # --warmup ran before serving
     assert [m.id for m in server.openai.models.list().data] == [MODEL]
     assert server.openai.models.retrieve(MODEL).id == MODEL
 
