@@ -233,6 +233,14 @@ def test_max_new_tokens_none_fills_the_cache():
     assert ar.token_ids == alone.token_ids
     with pytest.raises(ValueError, match="no room for new tokens"):
         eng.generate("w " * 200, sampling=sp)
+    # every request of a batch fills its own room: rows run to the cache's end while others go on
+    names = ["one_image", "text", "separated"]
+    for speculative in (False, True):
+        outs = eng.generate([PROMPTS[n][0] for n in names], images=[images(PROMPTS[n][1]) for n in names],
+                            sampling=sp, captions=["c"] * 3, speculative=speculative)
+        for name, o in zip(names, outs):
+            room = eng._request(PROMPTS[name][0], images(PROMPTS[name][1]), sp, "c", True).max_new
+            assert len(o.token_ids) == room and o.finish_reason == "length", name
 
 
 def test_warmup_runs_every_bucket_and_leaves_the_engine_as_it_was():
