@@ -359,10 +359,11 @@ class Engine:
     # ends or is closed (or garbage-collected); a call made meanwhile from the thread that runs
     # the open stream would wait for itself, so it raises RuntimeError instead.
     def add_request(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None, caption=None,
-                    speculative: bool = True, request_id: Optional[str] = None) -> str:
+                    speculative: bool = True, request_id: Optional[str] = None, views=None) -> str:
         """Queue one request for `step()`; returns its id. The input is checked and tokenized
-        here (ValueError/TypeError naming the problem; the engine stays usable)."""
-        req = self._request(prompt, images, sampling, caption, speculative, request_id)
+        here (ValueError/TypeError naming the problem; the engine stays usable). views: the
+        subset of the engine's views this request's ensemble mixes (default all)."""
+        req = self._request(prompt, images, sampling, caption, speculative, request_id, views)
         self.scheduler.add(req)
         return req.request_id
 
@@ -384,7 +385,7 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     def generate(self, prompt: Any, images=None, sampling=None, caption=None, speculative: bool = True,
-                 captions=None):
+                 captions=None, views=None):
         """Generate completions.
 
         prompt: a string with one `<image>` per image, a list of chat messages (rendered by
@@ -397,6 +398,10 @@ class Engine:
         list of prompts, one such list per prompt (or None).
         sampling: a `SamplingParams`, or one per prompt.
         caption: the C view's caption (a string, or one per image); `captions`: one per prompt.
+        views: the subset of the engine's views the request's ensemble mixes (a tuple of names;
+        for a list of prompts one tuple for all or one per prompt); default all. The other
+        views' rows still run (weight 0): a request without a caption can leave out "C".
+        Policies "kld", "tvd", "hedge" and "uniform" only.
         speculative=False (or no draft) decodes autoregressively.
         Returns a `GenerationOutput` (token ids, text, stats, finish_reason), or a list of
         them in prompt order. Raises ValueError/TypeError on bad input before any work (the
@@ -404,7 +409,7 @@ class Engine:
         finish_reason "error" while the others finish, a single call raises RuntimeError.
         """
         batch = _is_batch(prompt)
-        reqs = self._requests(prompt, images, sampling, caption, captions, speculative, batch)
+        reqs = self._requests(prompt, images, sampling, caption, captions, speculative, batch, views)
         for _ in self._drive(reqs):
             pass
         outs = [r.output() for r in reqs]
@@ -415,7 +420,7 @@ class Engine:
         return outs
 
     def stream(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
-               caption=None, speculative: bool = True) -> Generator[str, None, GenerationOutput]:
+               caption=None, speculative: bool = True, views=None) -> Generator[str, None, GenerationOutput]:
         """Like `generate` for one prompt, but yields text pieces as tokens are accepted. The
         input is checked here, at the call; the generator's return value
         (`StopIteration.value`) is the `GenerationOutput`. The loop body runs outside the
@@ -424,15 +429,15 @@ class Engine:
         if _is_batch(prompt):
             raise ValueError("stream() takes one prompt; stream_batch() streams a list of prompts (with images, "
                              "sampling and captions one per prompt)")
-        req = self._request(prompt, images, sampling, caption, speculative)
+        req = self._request(prompt, images, sampling, caption, speculative, views=views)
         return self._stream_one(req)
 
     def stream_batch(self, prompts: Sequence, images=None, sampling=None, captions=None,
-                     speculative: bool = True) -> Iterator[tuple[int, str]]:
+                     speculative: bool = True, views=None) -> Iterator[tuple[int, str]]:
         """Decode several prompts as one batch, yielding (prompt index, text piece) as tokens
         are accepted; each prompt's pieces join to its final text. Arguments as `generate`
         with a list of prompts. The engine is held until the iterator ends or is closed."""
-        reqs = self._requests(prompts, images, sampling, None, captions, speculative, True)
+        reqs = self._requests(prompts, images, sampling, None, captions, speculative, True, views)
         index = {r.request_id: i for i, r in enumerate(reqs)}
 
         def pieces():
@@ -519,13 +524,13 @@ class Engine:
             self._holder = None
             self._lock.release()
 
-    def _requests(self, prompt, images, sampling, caption, captions, speculative, batch) -> list[Request]:
+    def _requests(self, prompt, images, sampling, caption, captions, speculative, batch, views=None) -> list[Request]:
         """Validate every request of a call before any work. Raises ValueError/TypeError naming
         the prompt's index for a list call."""
         if not batch:
             if captions is not None:
                 raise TypeError("captions= is for a list of prompts; pass caption= with one prompt")
-            return [self._request(prompt, images, sampling, caption, speculative)]
+            return [self._request(prompt, images, sampling, caption, speculative, views=views)]
         if caption is not None:
             raise TypeError("caption= is for one prompt; pass captions= (one per prompt) with a list of prompts")
         prompts = list(prompt) if not isinstance(prompt, torch.Tensor) else [p for p in prompt]
@@ -542,15 +547,16 @@ class Engine:
             raise ValueError(f"images must be a list of {n} image lists (one per prompt, None or [] for none)")
         sps = per_prompt("sampling", sampling, lambda v: isinstance(v, SamplingParams))
         caps = per_prompt("captions", captions, lambda v: False)
+        vws = per_prompt("views", views, lambda v: isinstance(v, str) or all(isinstance(x, str) for x in v))
         reqs = []
         for i in range(n):
             try:
-                reqs.append(self._request(prompts[i], imgs[i], sps[i], caps[i], speculative))
+                reqs.append(self._request(prompts[i], imgs[i], sps[i], caps[i], speculative, views=vws[i]))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         return reqs
 
-    def _request(self, prompt, images, sampling, caption, speculative, request_id=None) -> Request:
+    def _request(self, prompt, images, sampling, caption, speculative, request_id=None, views=None) -> Request:
         """Validate one request and tokenize it (no device work). Raises ValueError/TypeError."""
         sp = SamplingParams() if sampling is None else sampling
         if not isinstance(sp, SamplingParams):
@@ -578,6 +584,7 @@ class Engine:
                              f"+ draft lookahead exceeds the cache length {self.max_len}: lower "
                              "max_new_tokens or build the engine with a larger max_len")
         use_sd = speculative and self.draft is not None
+        mask = self._view_mask(views)
         if use_sd and self.draft_processor is not None and prep.num_images:
             with self._prepare_lock:
                 prep.draft_pixel_values = pixels(self.draft_processor, prep.images)
@@ -588,7 +595,8 @@ class Engine:
                                 f"{type(caption).__name__}")
             if not isinstance(caption, str) and len(caption) != prep.num_images:
                 raise ValueError(f"caption has {len(caption)} strings for {prep.num_images} image(s)")
-        elif use_sd and "C" in self.views and self.captioner is None and prep.num_images > 0:
+        elif (use_sd and "C" in self.views and (mask is None or mask[self.views.index("C")])
+              and self.captioner is None and prep.num_images > 0):
             raise ValueError("view 'C' needs a caption per image: pass caption= to generate() / stream() "
                              "(CLI: --caption) or give the engine a captioner")
         # the request's own generator, seeded from the OS when unseeded: torch's global RNG
@@ -597,7 +605,23 @@ class Engine:
         gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, prep, sp, caption, use_sd, gen, self.tokenizer, frozenset(self.eos_ids),
-                       max_new=room if sp.max_new_tokens is None else sp.max_new_tokens)
+                       max_new=room if sp.max_new_tokens is None else sp.max_new_tokens, view_mask=mask)
+
+    def _view_mask(self, views) -> Optional[tuple[bool, ...]]:
+        """A request's `views=` as a mask over the engine's views (None: all)."""
+        if views is None:
+            return None
+        if isinstance(views, str):
+            views = [v.strip() for v in views.split(",") if v.strip()]
+        if not isinstance(views, (list, tuple)) or not views or any(v not in self.views for v in views):
+            raise ValueError(f"views must be a non-empty subset of the engine's views {self.views}, got {views!r}")
+        mask = tuple(v in views for v in self.views)
+        if all(mask):
+            return None
+        if self.ensemble.policy in ("w-grid", "confidence"):
+            raise ValueError(f"per-request views need a policy of kld, tvd, hedge or uniform (the engine's is "
+                             f"{self.ensemble.policy!r})")
+        return mask
 
 
 # probe strings for check_same_tokenizer: spaces, digits, a newline, punctuation, non-ASCII

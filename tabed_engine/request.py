@@ -45,6 +45,7 @@ class Request:
     tokenizer: Any
     eos_ids: frozenset
     max_new: int = 0                      # sp.max_new_tokens, or what the cache holds (None)
+    view_mask: Optional[tuple] = None     # the engine's views this request mixes (None: all)
     arrival: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
     slot: Optional[int] = None

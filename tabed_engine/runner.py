@@ -95,6 +95,7 @@ class Runner:
                 cap = 1 << (self.depth * (self.max_len + 2) - 1).bit_length()
                 self.state = EnsembleState(self.eng.ensemble, B, cap, dev)
             self.w = torch.full((B, K), 1.0 / K, device=dev)
+            self.view_mask = torch.ones(B, K, device=dev)     # per slot: the views its request mixes
             self.active = torch.zeros(B, dtype=torch.long, device=dev)
             self.seed = torch.zeros(1, dtype=torch.long, device=dev)
             self.offset = torch.zeros(1, dtype=torch.long, device=dev)
@@ -172,7 +173,8 @@ class Runner:
         logits, sel = self.prefill_target(req.prep, cache_rows(self.tcache, slot, slot + 1))
         first = pick_tokens(logits, sp, req.generator)                         # [1]
         if req.speculative:
-            rows = build_views(self.eng, req.prep, sel, req.caption)
+            skip = frozenset(v for v, m in zip(self.eng.views, req.view_mask or ()) if not m)
+            rows = build_views(self.eng, req.prep, sel, req.caption, skip)
             longest = max(len(r.ids) for r in rows)
             room = self.max_len - longest - self.eng.lookahead - 2
             if sp.max_new_tokens is None and 1 <= room < req.max_new:    # "as many as fit": the views' too
@@ -185,6 +187,7 @@ class Runner:
             req.prompt_tail = [r.ids[-1] for r in rows]
             req.draft_valid = 0
             self.state.reset_rows(slice(slot, slot + 1))
+            self.view_mask[slot] = torch.tensor(req.view_mask or (True,) * K, dtype=torch.float32)
             self.w[slot] = 1.0 / K
             if self.state.adaptive:
                 # the prefill already verified one position: the target's distribution of the
@@ -194,6 +197,8 @@ class Runner:
                                     st.cursor, temperature=1.0 if sp.greedy else sp.temperature)
                 st.cursor.copy_(cursor)
                 self.w[slot] = w[0]
+            if req.view_mask is not None:
+                self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
         self.pending = None               # the batch changed: the queued half is stale
         req.append([int(first[0])])
         now = time.perf_counter()
@@ -259,6 +264,14 @@ class Runner:
             r.stats.target_forwards += 1
             out.append(r.append([toks[i]]))
         return out
+
+    def _masked(self, w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Weights w [n, K] of slots [start, stop) restricted to the views their requests mix."""
+        m = self.view_mask[start:stop]
+        w = w * m
+        total = w.sum(-1, keepdim=True)
+        # every kept view's weight underflowed (a left-out view dominated): uniform over the kept
+        return torch.where(total > 0, w / total.clamp_min(1e-30), m / m.sum(-1, keepdim=True))
 
     def _record(self):
         if self.device.type != "cuda":
@@ -411,6 +424,8 @@ class Runner:
                 if norms:
                     h_in.update(t_lse=t_lse, q_lse=q_lse)
             w, cursor = self.run_graph(hist_key, hist_fn, h_in)
+            if any(r.view_mask is not None for r in live):
+                w = self._masked(w, 0, b)
             act = self.active[:b].bool()
             self.w[:b].copy_(torch.where(act[:, None], w, self.w[:b]))
             state.cursor.copy_(torch.where(act, cursor, state.cursor))   # empty slots stay put
@@ -457,7 +472,7 @@ class Runner:
         r.stats.weights.append([round(x, 4) for x in self.w[0].tolist()])
         w, cursor = state.step_views(p_views, q_views, state.cursor, temperature=1.0)
         state.cursor.copy_(cursor)
-        self.w[:1].copy_(w)
+        self.w[:1].copy_(self._masked(w, 0, 1) if r.view_mask is not None else w)
         r.blocks += 1
         r.tau = n + 1
         timer.lap("time_verify")

@@ -66,8 +66,9 @@ def _replace_images(prep: Prepared, pieces: list[list[int]]) -> tuple[list[int],
 
 
 def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
-                caption) -> list[ViewRow]:
-    """One `ViewRow` per engine view, in `engine.views` order."""
+                caption, skip: frozenset = frozenset()) -> list[ViewRow]:
+    """One `ViewRow` per engine view, in `engine.views` order. Views in `skip` (left out of the
+    request's mixture) get the T view's row: it costs the least and needs no caption."""
     draft, target = engine.draft, engine.target
     sel = None
     if prep.num_images:
@@ -81,6 +82,7 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
     img_tok = target.image_token_id
     rows = []
     for v in engine.views:
+        v = "T" if v in skip else v
         if v in ("M", "P") and sel is not None:
             pool = 0 if v == "M" else engine.pool_size or max(draft.vision.grid // 2, 1)
             feats = draft.vision.image_features(sel, prep.image_sizes, pool=pool)

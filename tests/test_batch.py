@@ -214,6 +214,28 @@ def test_step_loop_abort_and_request_ids():
     assert final[other].token_ids == expected("text")
 
 
+def test_per_request_views():
+    """An engine with M, T and C: a request without a caption mixes M and T only (its C row runs
+    with weight 0), next to one that mixes all three; both equal transformers, the left-out
+    view's weight is 0 in every block, and a view set the engine lacks is refused."""
+    eng = engine(views=("M", "T", "C"), policy="hedge")
+    sp = SamplingParams(max_new_tokens=LENGTHS["one_image"])
+    prompt, n = PROMPTS["one_image"]
+    with pytest.raises(ValueError, match="caption"):
+        eng.generate(prompt, images=images(n), sampling=sp)
+    outs = eng.generate([prompt, prompt], images=[images(n)] * 2, sampling=sp, captions=[None, "a street"],
+                        views=[("M", "T"), None])
+    for o in outs:
+        assert o.token_ids == expected("one_image")
+    assert all(w[2] == 0 for w in outs[0].stats.weights) and any(w[2] > 0 for w in outs[1].stats.weights)
+    alone = eng.generate(prompt, images=images(n), sampling=sp, views="M,T")
+    assert alone.token_ids == expected("one_image") and all(w[2] == 0 for w in alone.stats.weights)
+    with pytest.raises(ValueError, match="subset"):
+        eng.generate(prompt, images=images(n), sampling=sp, views=("M", "P"))
+    with pytest.raises(ValueError, match="policy"):
+        engine(views=("M", "T"), policy="w-grid").generate(prompt, images=images(n), sampling=sp, views=("M",))
+
+
 def test_max_new_tokens_none_fills_the_cache():
     """max_new_tokens=None: as many tokens as the cache holds after the prompt (and after the
     longest draft view: here a long caption in the C view), cut like any other length."""
