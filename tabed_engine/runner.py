@@ -77,6 +77,7 @@ class Runner:
         self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
         self.pending: Optional[dict] = None   # the next block's queued first half
         self._views: dict = {}
+        self._host_bufs: dict = {}
         self._allocated = False
         self.bench_accept_schedule = None
 
@@ -221,15 +222,22 @@ class Runner:
         return p
 
     def _target_inputs(self, reqs, b):
-        """Host-built (committed target lengths [b] int32, last tokens [b], active [b])."""
-        tl, last, act = [], [], []
-        for r in reqs[:b]:
-            live = r is not None and not r.finished
-            tl.append(r.n_prompt + len(r.tokens) - 1 if live else 0)
-            last.append(r.tokens[-1] if live else 0)
-            act.append(1 if live else 0)
-        self.active[:b].copy_(self.to_device(act))
-        return self.to_device(tl, torch.int32), self.to_device(last), max(tl)
+        """Host-built (committed target lengths [b] int32, last tokens [b], the longest length),
+        in one copy to the device; sets `active` [b]."""
+        rows = [[r.n_prompt + len(r.tokens) - 1, r.tokens[-1], 1] if r is not None and not r.finished else [0, 0, 0]
+                for r in reqs[:b]]
+        v = self.to_device(rows)                                  # [b, 3]
+        self.active[:b].copy_(v[:, 2])
+        return v[:, 0].int(), v[:, 1], max(row[0] for row in rows)
+
+    def _host(self, name: str, shape: tuple, dtype=torch.long) -> torch.Tensor:
+        """A pinned host buffer for a block's one read, kept per name and shape (each is read
+        back before the next block copies into it)."""
+        key = (name, shape, dtype)
+        buf = self._host_bufs.get(key)
+        if buf is None:
+            buf = self._host_bufs[key] = torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return buf
 
     def ar_step(self, reqs: list, b: int, sp, gen) -> list[list[int]]:
         """One autoregressive step for slots [0, b): returns each slot's new tokens (empty for
@@ -244,7 +252,7 @@ class Runner:
             tok = pick_tokens(logits, sp, gen)
         else:
             tok, tl, longest = p["tok"], p["tl"], p["longest"]
-        host = torch.empty(b, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        host = self._host("ar", (b,))
         host.copy_(tok, non_blocking=True)
         ready = self._record()
         # queue the next step before waiting for this one (its input never leaves the device)
@@ -407,9 +415,7 @@ class Runner:
                 packed = pack_head(n_acc, nxt, drafted)
             else:
                 path, d_last, nxt, packed = forced_tree_path(tokens, parents, tlogits, n, tree)
-        cuda = dev.type == "cuda"
-        head = torch.empty(b, 2 + depth, dtype=torch.long, pin_memory=cuda)
-        w_host = torch.empty(b, K, pin_memory=cuda)
+        head, w_host = self._host("head", (b, 2 + depth)), self._host("w", (b, K), torch.float32)
         head.copy_(packed, non_blocking=True)
         w_host.copy_(self.w[:b], non_blocking=True)   # this block's weights, before they are replaced
         ready = self._record()
