@@ -410,6 +410,8 @@ class Engine:
         """
         batch = _is_batch(prompt)
         reqs = self._requests(prompt, images, sampling, caption, captions, speculative, batch, views)
+        for r in reqs:
+            r.pieces = False              # the text once at the end, not a piece per block
         for _ in self._drive(reqs):
             pass
         outs = [r.output() for r in reqs]

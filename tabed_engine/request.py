@@ -46,6 +46,7 @@ class Request:
     eos_ids: frozenset
     max_new: int = 0                      # sp.max_new_tokens, or what the cache holds (None)
     view_mask: Optional[tuple] = None     # the engine's views this request mixes (None: all)
+    pieces: bool = True                   # text pieces per step (generate() needs only the end)
     arrival: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
     slot: Optional[int] = None

@@ -160,7 +160,7 @@ class Scheduler:
                 outputs.append(self._output(r, toks))
 
     def _output(self, r: Request, toks: list[int]) -> RequestOutput:
-        piece = r.piece()
+        piece = r.piece() if r.pieces else ""      # decoding the text each block costs host time
         return RequestOutput(r.request_id, toks, piece, r.finished, r.output() if r.finished else None)
 
     def _apply_aborts(self, outputs):
