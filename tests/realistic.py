@@ -292,3 +292,15 @@ def prompt(n_images):
     """A request in the fixtures' language: n images separated by text, and the images."""
     text = "".join(f"<image>\nPicture {i + 1} shows a street. " for i in range(n_images))
     return text + "Describe what you see in detail.", [image(100 + i) for i in range(n_images)]
+
+
+def greedy_new_tokens(hf, enc, n_new: int) -> list[int]:
+    """transformers' greedy new tokens for the processor output `enc`, up to and including EOS."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(**enc, max_new_tokens=n_new, do_sample=False)
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return next((new[:i + 1] for i, t in enumerate(new) if t in eos), new)

@@ -15,7 +15,7 @@ from transformers import AutoProcessor, LlavaNextConfig, LlavaNextForConditional
 from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
 
 from next_models import FIXTURES, checkpoint
-from realistic import image
+from realistic import greedy_new_tokens, image
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.anyres import AnyRes, pack
 from tabed_engine.loader import load_lvlm, load_processor, lvlm_from_hf
@@ -76,12 +76,7 @@ def reference(name, prompt_name):
     """transformers' greedy new tokens (up to and including EOS) through its own processor."""
     proc, hf = transformers_model(checkpoint(name)[0])
     enc = encode(proc, PROMPTS[prompt_name][0], images(prompt_name))
-    with torch.no_grad():
-        out = hf.generate(**enc, max_new_tokens=N_NEW, do_sample=False)
-    new = out[0, enc["input_ids"].shape[1]:].tolist()
-    eos = hf.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    return next((new[:i + 1] for i, t in enumerate(new) if t in eos), new)
+    return greedy_new_tokens(hf, enc, N_NEW)
 
 
 def generate(eng, prompt_name, speculative):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoProcessor, AutoTokenizer, LlamaTokenizer, LlavaForConditionalGeneration
 
-from realistic import FIXTURES, checkpoint, image
+from realistic import FIXTURES, checkpoint, greedy_new_tokens, image
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.cli import main as cli_main
 from tabed_engine.loader import load_lvlm, load_processor
@@ -76,12 +76,7 @@ def reference(name, prompt_name):
                                        return_tensors="pt")
     else:
         enc = proc(text=prompt, images=imgs or None, return_tensors="pt")
-    with torch.no_grad():
-        out = hf.generate(**enc, max_new_tokens=N_NEW, do_sample=False)
-    new = out[0, enc["input_ids"].shape[1]:].tolist()
-    eos = hf.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    return next((new[:i + 1] for i, t in enumerate(new) if t in eos), new)
+    return greedy_new_tokens(hf, enc, N_NEW)
 
 
 def generate(eng, prompt_name, speculative):
