@@ -161,7 +161,8 @@ class ServeBench:
 
         self.args = args
         self.bb = BatchBench(argparse.Namespace(preset=args.preset, device=args.device, max_len=args.max_len,
-                                                max_batch=max(args.streams), out=args.out))
+                                                max_batch=max(args.streams), out=args.out,
+                                                batches=list(args.streams)))
         self.p = self.bb.p
         self.n_new = args.new_tokens or self.p.new_tokens
         self.R = {"provenance": self.bb.R["provenance"], "preset": args.preset, "command": " ".join(sys.argv)}

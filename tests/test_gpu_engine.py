@@ -115,6 +115,24 @@ def test_no_memory_growth_over_1000_generations(engine):
     assert torch.cuda.memory_allocated() <= base + (1 << 20)
 
 
+def test_device_images_equal_processor_pixels(engine):
+    """Preprocessing on the device (the GPU default) and through the processor on the host give
+    the same tokens, AR and SD, one and two images."""
+    _configure(engine, ("M", "T", "P"))
+    assert engine.device_images
+    sp = SamplingParams(max_new_tokens=24)
+    for n in (1, 2):
+        text, imgs = _prompt(n)
+        for speculative in (False, True):
+            on = engine.generate(text, images=imgs, sampling=sp, speculative=speculative).token_ids
+            engine.device_images = False
+            try:
+                off = engine.generate(text, images=imgs, sampling=sp, speculative=speculative).token_ids
+            finally:
+                engine.device_images = True
+            assert on == off
+
+
 def test_llava_7b_shaped_bf16_smoke():
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 

@@ -322,3 +322,24 @@ def test_sampling_is_lossless_on_llava_next(shard, next_exact_dist, tmp_path_fac
             accepted += sum(o.stats.accepted_lengths)
     assert accepted > n * 0.15                       # drafts really were accepted
     check_when_complete(tmp_path_factory, "lossless-next", shard, SHARDS, counts, next_exact_dist, SAMPLES, 0.035)
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["vicuna", "mixed"])
+def test_gpu_graphs_equal_transformers(name):
+    """On CUDA (float32): CUDA graphs keyed by tile count, device preprocessing, AR and SD
+    alone and batched, equal to transformers' greedy output on the CPU."""
+    target, draft = checkpoint(name)
+    eng = Engine.from_pretrained(target, draft, device="cuda", dtype=torch.float32, views=("M", "T", "P"),
+                                 policy="w-grid", gamma=3, max_len=512)
+    sp = SamplingParams(max_new_tokens=N_NEW)
+    names = ["wide", "two"]
+    for speculative in (False, True):
+        outs = eng.generate([PROMPTS[n][0] for n in names], images=[images(n) for n in names], sampling=sp,
+                            speculative=speculative)
+        for n, o in zip(names, outs):
+            alone = generate(eng, n, speculative).token_ids
+            assert o.token_ids == alone
+            assert o.token_ids == reference(name, n)
+    assert len(eng.graphs) > 0

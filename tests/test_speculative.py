@@ -238,7 +238,7 @@ SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eo
 @functools.lru_cache(maxsize=None)
 def sampling_engine(views, policy, device="cpu"):
     return Engine.from_pretrained(target_dir(), model_dir("mha", perturb=0.25), device=device,
-                                  dtype=torch.float32, views=views, policy=policy, gamma=2)
+                                  dtype=torch.float32, views=views, policy=policy, gamma=2, adaptive=False)
 
 
 def sample(eng, seeds):

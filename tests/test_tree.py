@@ -280,7 +280,7 @@ def test_graph_tree_equals_ar_fp32(views, policy, tree):
     """CUDA graphs (tree draft, tree verification with compaction, history), float32: the
     tree's tokens are the target's greedy tokens and the one-block CPU result's."""
     eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.25), device="cuda",
-                                 dtype=torch.float32, views=views, policy=policy, tree=tree)
+                                 dtype=torch.float32, views=views, policy=policy, tree=tree, adaptive=False)
     for n in (1, 2):
         text, imgs = prompt(n)
         sp = SamplingParams(max_new_tokens=40, stop_at_eos=False)
@@ -297,7 +297,7 @@ def test_graph_tree_sampling_seeded():
     stochastic walk): seeded runs repeat exactly and drafts are accepted. Losslessness itself
     is checked on the CPU (test_tree_sampling_is_lossless), the same code."""
     eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.25), device="cuda",
-                                 dtype=torch.float32, views=("M", "T"), policy="kld", tree="3x2x2")
+                                 dtype=torch.float32, views=("M", "T"), policy="kld", tree="3x2x2", adaptive=False)
     text, imgs = prompt(1)
     sp = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, stop_at_eos=False)
     a, b = eng.generate(text, images=imgs, sampling=sp), eng.generate(text, images=imgs, sampling=sp)
