@@ -224,3 +224,33 @@ def test_warmup_captures_every_prefill_bucket():
     text, imgs = _prompt(2, 20)
     eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=8))
     assert len(eng.graphs) == n                                      # no capture after warm-up
+
+
+# ------------------------------------------------------------------ benchmark smoke (CPU)
+def test_ttft_benchmark_smoke(tmp_path):
+    """benchmarks/ttft.py --preset tiny on the CPU: every section written, every mode timed,
+    and (float32, greedy) every engine mode's first token equal to transformers'."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    spec = importlib.util.spec_from_file_location("bench_ttft", os.path.join(root, "benchmarks", "ttft.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    mod.main(["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path)])
+    R = json.loads((tmp_path / "ttft_tiny.json").read_text())
+    for section in ("setup", "ttft", "split", "target_prefill", "hf"):
+        assert "error" not in R[section], (section, R[section])
+    for name in ("1_image", "3_images"):
+        modes = R["ttft"][name]
+        assert {"AR", "AR eager prefill", "SD K=1", "SD K=2", "SD K=4"} <= set(modes)
+        assert all(v["wall_ms"] > 0 and v["stat_ms"] > 0 for k, v in modes.items() if k != "floor_ms")
+        assert R["split"][name]["target_prefill_ms"] > 0 and R["split"][name]["draft_views_K4_ms"] > 0
+        tp = R["target_prefill"][name]
+        assert tp["tokens"] <= tp["bucket"] < tp["tokens"] + 64
+    assert R["setup"]["prompts"]["3_images"]["tokens"] > R["setup"]["prompts"]["1_image"]["tokens"]
+    assert R["targets"]["first_tokens_agree"]["value"] is True
+    assert "| SD K=2 |" in (tmp_path / "ttft_tiny.md").read_text()
