@@ -298,7 +298,8 @@ class Bench(E2EBench):
 
             for _ in range(2):
                 first = int(gen(enc)[0, -1])
-            out[name] = {"first_token": first, "generate_ms": statistics.median(wall_ms(lambda: gen(enc), self.device)[1]
+            out[name] = {"first_token": first,
+                         "generate_ms": statistics.median(wall_ms(lambda: gen(enc), self.device)[1]
                                                           for _ in range(self.reps)),
                          "with_processor_ms": statistics.median(wall_ms(lambda: gen(inputs()), self.device)[1]
                                                                 for _ in range(self.reps)),
@@ -337,7 +338,8 @@ class Bench(E2EBench):
         lines = [f"## ttft {R['preset']} — {pv['device']}",
                  f"torch {pv['torch']}, triton {pv['triton']}, transformers {pv['transformers']}, CUDA {pv['cuda']}, "
                  f"{pv['date_utc']}, commit {pv['git']['commit'][:10]}{' (dirty)' if pv['git'].get('dirty') else ''}; "
-                 f"bf16 GEMM {fmt(su.get('bf16_gemm_tflops'), '.0f')} TFLOP/s, copy {fmt(su.get('copy_GBs'), '.0f')} GB/s",
+                 f"bf16 GEMM {fmt(su.get('bf16_gemm_tflops'), '.0f')} TFLOP/s, "
+                 f"copy {fmt(su.get('copy_GBs'), '.0f')} GB/s",
                  f"`{pv['command']}`", ""]
         tt, hf = R.get("ttft", {}), R.get("hf", {})
         if tt and "error" not in tt:
@@ -348,8 +350,8 @@ class Bench(E2EBench):
                                                       f"{fmt(tt[n][m]['stat_ms'], '.2f')}" for n in tt) + " |")
             lines.append("| floor | " + " | ".join(fmt(tt[n]["floor_ms"], ".2f") for n in tt) + " |")
             if hf and "skipped" not in hf and "error" not in hf:
-                lines.append("| transformers generate (+ processor) | " + " | ".join(
-                    f"{fmt(hf[n]['generate_ms'], '.2f')} ({fmt(hf[n]['with_processor_ms'], '.2f')})" for n in tt) + " |")
+                cells = [f"{fmt(hf[n]['generate_ms'], '.2f')} ({fmt(hf[n]['with_processor_ms'], '.2f')})" for n in tt]
+                lines.append("| transformers generate (+ processor) | " + " | ".join(cells) + " |")
         sp = R.get("split", {})
         if sp and "error" not in sp:
             keys = [k for k in next(iter(sp.values())) if k.endswith("_ms")]

@@ -96,7 +96,7 @@ def _prompt(n_images, n_words=6):
 
 def _gpu_engine(dtype=torch.float32, **kw):
     return Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda", dtype=dtype,
-                                  max_batch=4, max_len=512, **kw)
+                                  **{"max_batch": 4, "max_len": 512, **kw})
 
 
 def _prefill_both(eng, prep, slot):
@@ -182,7 +182,7 @@ def test_graph_prefill_engine_lossless_batched(overlap):
     draft's views on a second stream or not."""
     from test_gpu_engine import assert_same_or_fp_tie
 
-    eng = _gpu_engine(views=("M", "T", "P"), gamma=4)
+    eng = _gpu_engine(views=("M", "T", "P"), gamma=4, adaptive=False)   # speculate every block
     eng.runner.overlap_draft = overlap
     eager = _gpu_engine(views=("M", "T", "P"), gamma=4, cuda_graphs=False)
     cases = [_prompt(n, w) for n, w in ((1, 6), (0, 9), (3, 2), (2, 150))]
@@ -206,7 +206,7 @@ def test_second_stream_gives_the_same_weights():
     the second stream the weights trace and tokens equal those of the one-stream prefill."""
     outs = []
     for overlap in (True, False):
-        eng = _gpu_engine(views=("M", "T"), policy="kld", gamma=4, view_tree=False)
+        eng = _gpu_engine(views=("M", "T"), policy="kld", gamma=4, view_tree=False, adaptive=False)
         eng.runner.overlap_draft = overlap
         text, imgs = _prompt(1)
         outs.append(eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=24), caption="w1 w2"))
