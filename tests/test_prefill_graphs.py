@@ -189,7 +189,7 @@ def test_graph_prefill_engine_lossless_batched(overlap):
     texts, imgs = [c[0] for c in cases], [c[1] for c in cases]
     sp = SamplingParams(max_new_tokens=24)
     ar = eng.generate(texts, images=imgs, sampling=sp, speculative=False)
-    sd = eng.generate(texts, images=imgs, sampling=sp, caption="w1 w2")
+    sd = eng.generate(texts, images=imgs, sampling=sp)
     ref = eager.generate(texts, images=imgs, sampling=sp, speculative=False)
     prefill_keys = {k for k in eng.graphs.graphs if k[0] == "prefill"}
     assert len(prefill_keys) >= 3                                    # several buckets ran as graphs
