@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
-#   (stages: env build test kernels bench layer-kernels profile e2e batch serve e2e-demo world)
+#   (stages: env build test kernels bench layer-kernels profile e2e ttft batch serve e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -63,6 +63,11 @@ for stage in "$@"; do
       ;;
     e2e)
       timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -60
+      ;;
+    ttft)
+      # time to first token: 616 / 1,800 tokens, AR and SD K=1/2/4, prefill graph vs eager,
+      # draft views on a second stream or not, the FLOP floor and transformers
+      timeout 560 $PY benchmarks/ttft.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -50
       ;;
     batch)
       # many requests at once: B in 1/4/16/64, AR vs SD at fixed tau, mixed arrivals

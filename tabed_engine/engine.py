@@ -453,7 +453,9 @@ class Engine:
         has), autoregressively and, with a draft, speculatively, with one image per request when
         `images`: the CUDA graphs of those buckets are captured and the kernels compiled before
         the first real request (a server would otherwise stall its first requests at each new
-        batch size). The cost model keeps the block times it measured. Returns the seconds taken."""
+        batch size). The target's prefill graphs of every prompt-length bucket are captured too
+        (`Runner.capture_prefill`). The cost model keeps the block times it measured. Returns
+        the seconds taken."""
         from PIL import Image
 
         from .runner import BUCKETS
@@ -470,6 +472,9 @@ class Engine:
         for b in buckets:
             for speculative in ((False, True) if self.draft is not None else (False,)):
                 self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=speculative)
+        with self._lock:              # idle (generate has returned): row 0 is free to scribble on
+            if not self.scheduler.has_unfinished():
+                self.runner.capture_prefill()
         return time.perf_counter() - t0
 
     def prefill_target(self, prep):
@@ -481,9 +486,8 @@ class Engine:
         r = self.runner
         r.allocate()
         r.pending = None
-        cache = cache_rows(r.tcache, 0, 1)
-        logits, sel = r.prefill_target(prep, cache)
-        return cache, logits, sel
+        logits, sel = r.prefill_target(prep, 0)
+        return cache_rows(r.tcache, 0, 1), logits.clone(), sel     # a copy: not a graph's output buffer
 
     # ------------------------------------------------------------------ internals
     def _stream_one(self, req: Request) -> Generator[str, None, GenerationOutput]:

@@ -55,11 +55,15 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict = {}
 
-    def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor]):
+    def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor], shared: tuple = ()):
+        """Replay the graph of `key` on `inputs` (captured on first use). `shared`: tensors the
+        caller keeps as static buffers of its own (one buffer serving several graphs), used in
+        place instead of copied into the graph's own."""
         g = self.graphs.get(key)
         if g is None:
             static = frozenset(t.data_ptr() for c in self.graphs.values()
                                for t in ((c.outputs,) if isinstance(c.outputs, torch.Tensor) else c.outputs))
+            static |= {t.data_ptr() for t in shared}
             g = self.graphs[key] = CapturedFn(fn, inputs, self.pool, static)
         return g(inputs)
 

@@ -130,8 +130,12 @@ class Attention(nn.Module):
             # (the indexed write took 3.0 of a 1,800-token prefill's 45.9 ms on the H200,
             # benchmarks/results/profile_prefill.json)
             new_k, new_v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-            k_cache[:, :, :T] = new_k
-            v_cache[:, :, :T] = new_v
+            if ctx.slot is None:
+                k_cache[:, :, :T] = new_k
+                v_cache[:, :, :T] = new_v
+            else:   # into cache row `slot`, a device index: one captured graph serves every row
+                k_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_k)
+                v_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_v)
         else:
             # the new tokens at each row's own slots: cache[r, :, slots[r, t]] = k[r, t]
             k_cache[ctx.row_index, :, ctx.slots] = k
@@ -213,15 +217,22 @@ class ForwardContext:
     both read each row's own length on the device (no slot index, no mask tensor, no length
     bucket: CUDA-graph friendly). Otherwise SDPA with a
     dense boolean mask, or plain causal SDPA (FlashAttention) for a fresh single-row prefill.
+    `slot` ([1] int64, device): a fresh single-row prefill written into that cache row
+    (`lengths` unused).
     """
 
-    def __init__(self, lengths, T: int, kv_len: int, tree_mask=None, fresh: bool = False):
+    def __init__(self, lengths, T: int, kv_len: int, tree_mask=None, fresh: bool = False, slot=None):
         # lengths: [R] committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
-        R = lengths.shape[0]
-        dev = lengths.device
         self.kv_len = kv_len
         self.fresh = fresh
+        self.slot = slot
         self.tree_bits = self.mask = None
+        if slot is not None:
+            if not fresh or tree_mask is not None:
+                raise ValueError("slot= is for a fresh causal prefill of one row")
+            return                                  # causal SDPA over the new keys, no mask
+        R = lengths.shape[0]
+        dev = lengths.device
         if dev.type == "cuda" and T <= 64 and not fresh:
             self.lengths32 = lengths.int()  # rope_kv_write derives the cache slots from it
             self.tree_bits = chain_bits(T, dev)[None].expand(R, T) if tree_mask is None \
@@ -265,7 +276,7 @@ class LlamaLM(nn.Module):
     def forward(self, cache: KVCache, positions: torch.Tensor, *, input_ids=None, embeds=None,
                 tree_mask: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
                 kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
-                fresh: bool = False, float_logits: bool = True):
+                fresh: bool = False, slot: Optional[torch.Tensor] = None, float_logits: bool = True):
         """Run T new tokens per row; returns logits in float32 (in the model's dtype with
         `float_logits=False`: no conversion kernel, for consumers that read any float dtype).
 
@@ -275,12 +286,14 @@ class LlamaLM(nn.Module):
         (None = all). kv_len: attend over cache slots [0, kv_len) (default: whole cache).
         lengths: per-row committed prefix (default `cache.lengths`). Does not update lengths.
         fresh: every row starts at length 0 (a prefill), so a single row can use causal SDPA.
+        slot: [1] int64 device tensor: a fresh prefill of one row (R = 1) written into cache row
+        `slot` of a many-row `cache` (CUDA-graph friendly: the row is an input, not a shape).
         """
         x = self.embed_tokens(input_ids) if embeds is None else embeds
         R, T = positions.shape
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
-        ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh)
+        ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot)
         cs = self.rope(max(self.cfg.max_position_embeddings, cache.max_len), x.device)[positions]  # [R, T, 2D]
         D = self.cfg.head_dim
         cos, sin = cs[:, :, None, :D], cs[:, :, None, D:]

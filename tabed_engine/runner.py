@@ -12,6 +12,7 @@ nobody reads; their lengths stay put (`active` masks every device-side update).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from functools import partial
@@ -32,11 +33,45 @@ from .views import build_views
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CATCH_UP = 16          # tokens per draft catch-up forward (see Runner.catch_up)
+# prompts are padded to a multiple of 64 tokens for the prefill graphs: at most 63 wasted
+# tokens (about one image's worth over ten), and a graph per 64 tokens of cache stays few
+PREFILL_STEP = 64
+# longer prompts prefill eagerly: their GEMMs dwarf the launch overhead a graph removes, and
+# the graphs' shared pool stays the size of one 4,096-token prefill's activations
+PREFILL_GRAPH_MAX = 4096
 
 
 def bucket_of(n: int, max_batch: int) -> int:
     """The smallest batch bucket holding n slots (graphs are captured per bucket)."""
     return min(next((b for b in BUCKETS if b >= n), n), max_batch)
+
+
+def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Optional[int]:
+    """The padded length P >= n a prompt of n tokens is prefilled at through the graph of
+    bucket P, or None when it prefills eagerly at its own length (n above `limit` or the
+    cache). P is n rounded up to a multiple of PREFILL_STEP, at most the cache length."""
+    if n < 1 or n > min(limit, max_len):
+        return None
+    return min(-(-n // PREFILL_STEP) * PREFILL_STEP, max_len)
+
+
+def prefill_buckets(max_len: int, limit: int = PREFILL_GRAPH_MAX) -> list[int]:
+    """Every bucket `prefill_bucket` can return for a cache of `max_len` slots, ascending."""
+    return sorted({prefill_bucket(n, max_len, limit) for n in range(1, min(limit, max_len) + 1)})
+
+
+def prefill_step(lm, cache: KVCache, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor,
+                 kv_len: Optional[int] = None) -> torch.Tensor:
+    """Causal prefill of one padded prompt into cache row `slot`; the captured graph of a
+    prompt-length bucket.
+
+    x: [1, P, hidden] embeddings, the prompt's n tokens first (the padding after them is never
+    attended to by a real token; its K/V lands in slots [n, P) of the row, past the row's
+    length, which the next forward overwrites or masks). slot: [1] int64 cache row; last:
+    [1, 1] int64, n - 1. Returns the logits of position `last` [1, V]. `kv_len` is unused (the
+    keys are the prompt's own)."""
+    pos = torch.arange(x.shape[1], device=x.device)[None]
+    return lm(cache, pos, embeds=x, logits_index=last, fresh=True, slot=slot)[:, -1]
 
 
 def cache_rows(cache: KVCache, start: int, stop: int) -> KVCache:
@@ -76,6 +111,15 @@ class Runner:
         self.depth = eng.gamma if eng.tree is None else eng.tree.depth
         self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
         self.pending: Optional[dict] = None   # the next block's queued first half
+        # the target's prefill padded to a prompt-length bucket, a captured graph per bucket (on
+        # the GPU with graphs; eager elsewhere, where it only serves tests of the padding), up
+        # to `prefill_graph_max` tokens; off: eager at the prompt's own length
+        self.prefill_graphs = self.graphs is not None
+        self.prefill_graph_max = PREFILL_GRAPH_MAX
+        # CUDA: the draft's view prefill on a second stream, overlapping the target's prefill
+        self.overlap_draft = self.device.type == "cuda"
+        self._prefill_bufs = None
+        self._side = None
         self._views: dict = {}
         self._host_bufs: dict = {}
         self._allocated = False
@@ -145,20 +189,77 @@ class Runner:
             x[start:start + n] = feats[i].to(x.dtype)
         return x
 
-    def prefill_target(self, prep: Prepared, cache: KVCache):
-        """Encode the images and prefill one target row; returns (logits of the last prompt
-        position [1, V], pre-projector image features: per image, or per tile of any-resolution
-        images)."""
-        n = len(prep.ids)
+    def encode(self, prep: Prepared):
+        """The target's vision tower and projector: (pre-projector image features: per image, or
+        per tile of any-resolution images; projected features, one [n_i, D] per image), or
+        (None, None) for a text-only prompt."""
+        if prep.pixel_values is None:
+            return None, None
         vision = self.target.vision
-        sel = None if prep.pixel_values is None else \
-            vision.select_images(prep.pixel_values.to(self.device), prep.image_sizes)
-        feats = None if sel is None else vision.image_features(sel, prep.image_sizes)   # one [n_i, D] per image
+        sel = vision.select_images(prep.pixel_values.to(self.device), prep.image_sizes)
+        return sel, vision.image_features(sel, prep.image_sizes)
+
+    def prefill_lm(self, prep: Prepared, feats, slot: int) -> torch.Tensor:
+        """Prefill the target's language model on the prompt into cache row `slot`; returns the
+        logits of the last prompt position [1, V] (with a graph, its output buffer: read it
+        before the next prefill of the same bucket)."""
+        n = len(prep.ids)
         x = self.embed(self.target, prep.ids, prep.image_spans, feats)
-        pos = torch.arange(n, device=self.device)[None]
-        logits = self.target.lm(cache, pos, embeds=x[None], logits_index=torch.tensor([[n - 1]], device=self.device),
-                                kv_len=self.kv_bucket(n), fresh=True)[:, -1]
-        return logits, sel
+        P = prefill_bucket(n, self.max_len, self.prefill_graph_max) if self.prefill_graphs else None
+        if P is None:           # eager at the prompt's own length
+            pos = torch.arange(n, device=self.device)[None]
+            return self.target.lm(cache_rows(self.tcache, slot, slot + 1), pos, embeds=x[None],
+                                  logits_index=torch.tensor([[n - 1]], device=self.device),
+                                  kv_len=self.kv_bucket(n), fresh=True)[:, -1]
+        buf, slot_t, last_t = self._prefill_inputs()
+        buf[0, :n].copy_(x)
+        buf[0, n:P].zero_()
+        slot_t.fill_(slot)
+        last_t.fill_(n - 1)
+        return self._prefill_padded(P)
+
+    def _prefill_inputs(self):
+        """The padded prefill's static inputs, one set shared by every bucket's graph: embeddings
+        [1, max_len, hidden], cache row [1], last real position [1, 1]."""
+        if self._prefill_bufs is None:
+            with torch.inference_mode(False):
+                hidden = self.target.lm.cfg.hidden_size
+                self._prefill_bufs = (torch.zeros(1, self.max_len, hidden, device=self.device, dtype=self.dtype),
+                                      torch.zeros(1, dtype=torch.long, device=self.device),
+                                      torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        return self._prefill_bufs
+
+    def _prefill_padded(self, P: int) -> torch.Tensor:
+        buf, slot_t, last_t = self._prefill_bufs
+        fn = partial(prefill_step, self.target.lm, self.tcache)
+        inputs = dict(x=buf[:, :P], slot=slot_t, last=last_t)
+        if self.graphs is None:
+            return fn(**inputs)
+        return self.graphs.run(("prefill", P), fn, inputs, shared=(buf, slot_t, last_t))
+
+    def capture_prefill(self, buckets=None) -> int:
+        """Capture the target prefill graphs of `buckets` (default: every bucket of the cache
+        length up to `prefill_graph_max`) on an idle runner: each capture writes padding into
+        cache row 0. Returns how many were captured."""
+        if self.graphs is None or not self.prefill_graphs:
+            return 0
+        self.allocate()
+        buf, slot_t, last_t = self._prefill_inputs()
+        todo = [P for P in (buckets or prefill_buckets(self.max_len, self.prefill_graph_max))
+                if ("prefill", P) not in self.graphs.graphs]
+        buf.zero_()
+        slot_t.zero_()
+        for P in todo:
+            last_t.fill_(P - 1)
+            self._prefill_padded(P)
+        self.pending = None
+        return len(todo)
+
+    def prefill_target(self, prep: Prepared, slot: int):
+        """Encode the images and prefill target cache row `slot`; returns (logits of the last
+        prompt position [1, V], pre-projector image features or None)."""
+        sel, feats = self.encode(prep)
+        return self.prefill_lm(prep, feats, slot), sel
 
     def prefill(self, req: Request, slot: int):
         """Prefill `req` into `slot` (target row and, speculating, its K draft rows) and pick
@@ -171,24 +272,22 @@ class Runner:
         if req.prep.num_images and req.prep.pixel_values is None:    # preprocessed here, on the device
             from .image_ops import device_pixels
             req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
-        logits, sel = self.prefill_target(req.prep, cache_rows(self.tcache, slot, slot + 1))
+        sel, feats = self.encode(req.prep)
+        vision_done = self._record()         # where the draft's views may start (they share `sel`)
+        logits = self.prefill_lm(req.prep, feats, slot)
         first = pick_tokens(logits, sp, req.generator)                         # [1]
+        host = self._host("first", (1,))
+        host.copy_(first, non_blocking=True)
+        ready = self._record()
+        first_q = self._prefill_views(req, sel, slot, vision_done) if req.speculative else None
+        self._wait(ready)                    # the first token: not behind the draft's views
+        req.append([int(host[0])])
+        req.stats.time_first_token = time.perf_counter() - req.arrival
         if req.speculative:
-            skip = frozenset(v for v, m in zip(self.eng.views, req.view_mask or ()) if not m)
-            rows = build_views(self.eng, req.prep, sel, req.caption, skip)
-            longest = max(len(r.ids) for r in rows)
-            room = self.max_len - longest - self.eng.lookahead - 2
-            if sp.max_new_tokens is None and 1 <= room < req.max_new:    # "as many as fit": the views' too
-                req.max_new = room
-            if req.max_new > room:
-                raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
-                                 f"{self.max_len}")
-            view_len, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K))
-            req.view_len = [len(r.ids) for r in rows]
-            req.prompt_tail = [r.ids[-1] for r in rows]
-            req.draft_valid = 0
+            if self._side is not None:
+                torch.cuda.current_stream().wait_stream(self._side)   # later work reads the draft rows
             self.state.reset_rows(slice(slot, slot + 1))
-            self.view_mask[slot] = torch.tensor(req.view_mask or (True,) * K, dtype=torch.float32)
+            self.view_mask[slot].copy_(self.to_device(req.view_mask or (True,) * K, torch.float32))
             self.w[slot] = 1.0 / K
             if self.state.adaptive:
                 # the prefill already verified one position: the target's distribution of the
@@ -201,10 +300,42 @@ class Runner:
             if req.view_mask is not None:
                 self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
         self.pending = None               # the batch changed: the queued half is stale
-        req.append([int(first[0])])
-        now = time.perf_counter()
-        req.stats.time_prefill = now - t0
-        req.stats.time_first_token = now - req.arrival
+        req.stats.time_prefill = time.perf_counter() - t0
+
+    def _prefill_views(self, req: Request, sel, slot: int, after) -> torch.Tensor:
+        """Build `req`'s draft views and prefill them into the slot's K draft rows; returns each
+        view's logits of the first generated token [K, V]. With `overlap_draft` (CUDA) the work
+        is queued on a second stream from event `after` (the target's vision tower done), so it
+        runs beside the target's prefill; the caller joins the streams before the rows are read."""
+        side = None
+        if self.overlap_draft and self.device.type == "cuda":
+            if self._side is None:
+                self._side = torch.cuda.Stream()
+            side = self._side
+            side.wait_event(after)
+        K = self.K
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            skip = frozenset(v for v, m in zip(self.eng.views, req.view_mask or ()) if not m)
+            rows = build_views(self.eng, req.prep, sel, req.caption, skip)
+            longest = max(len(r.ids) for r in rows)
+            room = self.max_len - longest - self.eng.lookahead - 2
+            if req.sp.max_new_tokens is None and 1 <= room < req.max_new:  # "as many as fit": the views' too
+                req.max_new = room
+            if req.max_new > room:
+                raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
+                                 f"{self.max_len}")
+            _, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K))
+        if side is not None:
+            # the caching allocator must not hand these to the other stream while still in use
+            main = torch.cuda.current_stream()
+            for t in (sel, req.prep.pixel_values):
+                if t is not None and t.is_cuda:
+                    t.record_stream(side)
+            first_q.record_stream(main)
+        req.view_len = [len(r.ids) for r in rows]
+        req.prompt_tail = [r.ids[-1] for r in rows]
+        req.draft_valid = 0
+        return first_q
 
     # ------------------------------------------------------------------ steps
     def _slots_key(self, reqs):
