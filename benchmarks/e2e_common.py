@@ -1,5 +1,6 @@
 """Shared pieces of the end-to-end benchmarks (`e2e.py`: the LLaVA-1.5-7B shape against the
-bandwidth floor; `e2e_demo.py`: the bundled pair with real acceptance): random LLaVA models
+bandwidth floor; `e2e_next.py`: the same at the LLaVA-NeXT llava-v1.6-vicuna-7b shape;
+`e2e_demo.py`: the bundled pair with real acceptance): random LLaVA and LLaVA-NeXT models
 built on the device, the target's weight bytes, the run skeleton that saves JSON and markdown
 after every section, and the common command-line options."""
 from __future__ import annotations
@@ -35,18 +36,28 @@ def default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: int, image_token_id: int):
-    """A random `LlavaForConditionalGeneration` built directly on `device` in `dtype`:
-    matrices ~ N(0, std), norm weights 1, other vectors ~ N(0, std) (never zeros)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: int, image_token_id: int,
+                   pinpoints=None):
+    """A random `LlavaForConditionalGeneration` (or, with `pinpoints`, the
+    `image_grid_pinpoints` of an any-resolution model, a `LlavaNextForConditionalGeneration`
+    with its `image_newline`) built directly on `device` in `dtype`: matrices ~ N(0, std),
+    norm weights 1, other vectors ~ N(0, std) (never zeros). Vision feature layer -2,
+    strategy "default", as LLaVA-1.5 and LLaVA-NeXT publish them."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaNextConfig, LlavaNextForConditionalGeneration)
 
     tc = LlamaConfig(**text, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     grid = (vision["image_size"] // vision["patch_size"]) ** 2
-    cfg = LlavaConfig(vision_config=CLIPVisionConfig(**vision), text_config=tc, image_token_index=image_token_id,
-                      vision_feature_layer=-2, vision_feature_select_strategy="default",
-                      image_seq_length=grid, tie_word_embeddings=False)
+    common = dict(vision_config=CLIPVisionConfig(**vision), text_config=tc, image_token_index=image_token_id,
+                  vision_feature_layer=-2, vision_feature_select_strategy="default",
+                  image_seq_length=grid, tie_word_embeddings=False)
+    if pinpoints is None:
+        cfg, cls = LlavaConfig(**common), LlavaForConditionalGeneration
+    else:
+        cfg = LlavaNextConfig(image_grid_pinpoints=[list(p) for p in pinpoints], **common)
+        cls = LlavaNextForConditionalGeneration
     with default_dtype(dtype), torch.device(device):
-        model = LlavaForConditionalGeneration(cfg)
+        model = cls(cfg)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
-#   (stages: env build test kernels bench layer-kernels profile e2e ttft batch serve e2e-demo world)
+#   (stages: env build test kernels bench layer-kernels profile e2e e2e-next ttft batch serve e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -68,6 +68,11 @@ for stage in "$@"; do
       # time to first token: 616 / 1,800 tokens, AR and SD K=1/2/4, prefill graph vs eager,
       # draft views on a second stream or not, the FLOP floor and transformers
       timeout 560 $PY benchmarks/ttft.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -50
+      ;;
+    e2e-next)
+      # LLaVA-NeXT target at the llava-v1.6-vicuna-7b shape (672x672 image: 2,928 image tokens)
+      # with a LLaVA-1.5-style draft: prefill split, TTFT, AR vs floor and transformers, SD
+      timeout 540 $PY benchmarks/e2e_next.py --preset llava-v1.6-vicuna-7b --out "$OUT" 2>&1 | tail -45
       ;;
     batch)
       # many requests at once: B in 1/4/16/64, AR vs SD at fixed tau, mixed arrivals
