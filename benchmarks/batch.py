@@ -3,14 +3,17 @@
 Sections:
 * `fixed`: for B in {1, 4, 16, 64} requests admitted together (one image + 40 words each,
   128 new tokens): throughput (generated tokens / decode wall time, prefills excluded) and
-  per-request ms/token, for AR and for SD at fixed acceptance schedules tau in {1, 2.31, 4}
-  (`Engine.bench_accept_schedule`), the cost model on (the default); at tau = 1 also with
-  the cost model off (always speculating). The floor per step is (target weight bytes + the
-  batch's KV bytes at the mean context) / copy bandwidth measured in the same run.
+  per-request ms/token, for AR and for SD at fixed acceptance rates: each draft accepted with
+  the probability alpha that gives tau in {1, 2.31, 4} tokens per block to chains of gamma = 5
+  (`e2e.geometric_schedule` through `Engine.bench_accept_schedule`; a shorter chain gets what
+  it would really get at that rate), with the cost model on (the default: AR or a chain of
+  1..gamma per block; the kinds it chose are recorded) and off (every block a gamma-chain).
+  The floor per step is (target weight bytes + the batch's KV bytes at the mean context) /
+  copy bandwidth measured in the same run.
 * `mixed`: requests of different prompt lengths and answer lengths arriving over time (a
   Poisson process) on a warmed-up engine (`Engine.warmup`: every bucket's graphs): throughput,
   p50 / p99 time to first token (from arrival) and inter-token latency, AR against SD at tau =
-  2.31.
+  2.31 (the geometric schedule).
 
     python benchmarks/batch.py --out DIR [--preset tiny]
 """
@@ -29,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
-from e2e import PRESETS, accept_schedule  # noqa: E402
+from e2e import PRESETS, geometric_schedule  # noqa: E402
 from e2e_common import build_hf_llava, default_dtype, lm_weight_bytes, log  # noqa: E402
 
 BATCHES = (1, 4, 16, 64)
@@ -114,16 +117,19 @@ class BatchBench:
         n_tok = sum(len(o.token_ids) - 1 for o in outs)
         itl = [(o.stats.time_total - o.stats.time_first_token) / (len(o.token_ids) - 1) * 1e3 for o in outs]
         blocks = sum(o.stats.target_forwards for o in outs) / B
+        kinds, eng.scheduler.kinds = dict(sorted(eng.scheduler.kinds.items())), type(eng.scheduler.kinds)()
         acc = [a for o in outs for a in o.stats.accepted_lengths]
         return {"B": B, "prompt_tokens": outs[0].stats.prompt_tokens, "tokens_per_s": n_tok / wall, "decode_wall_s": wall,
                 "ms_per_token_per_request": wall / (n_tok / B) * 1e3,
                 "itl_ms_median": pct(itl, 50), "target_forwards_per_request": blocks,
                 "speculative_blocks_per_request": len(acc) / B,
-                "tau_measured": (sum(acc) / len(acc) + 1) if acc else None}
+                "tau_measured": (sum(acc) / len(acc) + 1) if acc else None,
+                "blocks_by_kind": {("ar" if g == 0 else f"chain{g}"): n for g, n in kinds.items()}}
 
     def fixed(self) -> dict:
         eng, n_new = self.eng, self.p.new_tokens
         out = {}
+        self.R["warmup_s"] = eng.warmup()         # every bucket and kind of block captured
         for B in self.batches:
             eng.bench_accept_schedule = None
             self.run_batch(B, 8, False)                                   # warm-up: capture graphs
@@ -135,9 +141,9 @@ class BatchBench:
             if floor:
                 ar["ratio_to_floor"] = ar["ms_per_token_per_request"] / floor
             for tau in self.args.taus:
-                for adaptive in ((True, False) if tau == 1.0 else (True,)):
+                for adaptive in (True, False):
                     eng.configure(adaptive=adaptive)
-                    eng.bench_accept_schedule = accept_schedule(tau, self.p.gamma)
+                    eng.bench_accept_schedule = geometric_schedule(tau, self.p.gamma)
                     # warm-up: graphs, and at tau 1 the cost model's probes (draft catch-up kernels)
                     self.run_batch(B, n_new if tau == 1.0 else 16, True)
                     r = self.run_batch(B, n_new, True)
@@ -165,7 +171,7 @@ class BatchBench:
             reqs.append((t, self.prompt(i, rng.randint(8, 120)), rng.choice((16, 32, 64, 128, 256))))
         out = {}
         for mode, tau in (("ar", None), ("sd", 2.31)):
-            eng.bench_accept_schedule = accept_schedule(tau, self.p.gamma) if tau else None
+            eng.bench_accept_schedule = geometric_schedule(tau, self.p.gamma) if tau else None
             pending, done = list(reqs), {}
             t0 = time.perf_counter()
             while pending or eng.has_unfinished():

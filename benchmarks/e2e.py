@@ -23,7 +23,7 @@ How each number is measured
   synchronized wall-clock generations after a warm-up (the prefill cancels in expectation;
   the JSON keeps this estimate for the engine rows too, `ms_per_token_diff`: the engine's
   prefill is host-bound and its run-to-run spread moves the difference by up to 0.3 ms).
-* SD runs use the engine's benchmark-only hook `bench_accept_schedule(block) -> accepted`
+* SD runs use the engine's benchmark-only hook `bench_accept_schedule(block, depth) -> accepted`
   with a deterministic floor/ceil pattern of mean tau - 1 accepted drafts per block, so
   the block efficiency is tau (the last block is cut at 128 tokens: `tau_realized`).
 * draft step / verification: from the engine's own timing (`timing=True`: syncs around
@@ -111,7 +111,9 @@ METHOD = {
                            "first (graph capture / compile)",
     "floor": "target LM weight bytes (decoder layers + final norm + lm_head) / copy bandwidth",
     "copy_bandwidth": "2 x bytes / median CUDA-event time of a device-to-device copy",
-    "sd": "engine.bench_accept_schedule: deterministic floor/ceil accepted counts with mean tau - 1",
+    "sd": "engine.bench_accept_schedule: deterministic floor/ceil accepted counts with mean tau - 1; the SD "
+          "engines run with adaptive=False (every block a gamma-chain: the cost model would shorten chains, "
+          "which this schedule would credit with the same tau)",
     "draft_step_ms": "engine timing=True: time_draft / (blocks x gamma); *_graph_*: back-to-back replays of "
                      "the captured graph (CUDA events) / gamma",
     "verify_ms": "time_verify / blocks (includes acceptance and the block's host sync); verify_graph_ms: replay",
@@ -156,11 +158,46 @@ def decode_ms(gen, n_new: int, repeats: int, device, one_ms=None, warmup: bool =
 
 
 def accept_schedule(tau: float, gamma: int):
-    """Deterministic accepted-count pattern with mean tau - 1 (each block floor or ceil)."""
+    """Deterministic accepted-count pattern with mean tau - 1 (each block floor or ceil), for
+    blocks of `gamma` drafts (the engine's hook also passes the block's depth: unused)."""
     m = tau - 1.0
     if not 0.0 <= m <= gamma:
         raise ValueError(f"tau must be in [1, gamma + 1] = [1, {gamma + 1}], got {tau}")
-    return lambda b: int(math.floor((b + 1) * m + 1e-9) - math.floor(b * m + 1e-9))
+    return lambda b, depth=None: int(math.floor((b + 1) * m + 1e-9) - math.floor(b * m + 1e-9))
+
+
+def draft_acceptance(tau: float, gamma: int) -> float:
+    """The per-draft acceptance rate alpha whose chains of `gamma` drafts give tau tokens per
+    block when each draft is accepted with probability alpha until the first rejection:
+    sum_{i <= gamma} alpha^i = tau (bisection)."""
+    if not 1.0 <= tau <= gamma + 1:
+        raise ValueError(f"tau must be in [1, gamma + 1] = [1, {gamma + 1}], got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(gamma + 1)) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def geometric_schedule(tau: float, gamma: int, seed: int = 0):
+    """Accepted drafts per block when each draft is accepted with the same probability alpha
+    (`draft_acceptance(tau, gamma)`) until the first rejection, for any chain length: block b
+    of depth d accepts min(run_b, d), run_b a seeded geometric draw of block b. Chains of
+    `gamma` drafts average tau tokens per block; shorter chains give what they would really
+    give at that acceptance rate (the floor/ceil `accept_schedule` would credit a 2-draft
+    chain with the same tau)."""
+    import random
+
+    alpha = draft_acceptance(tau, gamma)
+
+    def accepted(b: int, depth: int = gamma) -> int:
+        rng = random.Random(seed * 1_000_003 + b)
+        n = 0
+        while n < depth and rng.random() < alpha:
+            n += 1
+        return n
+    accepted.alpha = alpha
+    return accepted
 
 
 # ---------------------------------------------------------------------------- benchmark
@@ -196,7 +233,7 @@ class Bench(E2EBench):
             torch.cuda.empty_cache()
         self.engines = {K: Engine(target, self.processor, draft=draft, device=dev, dtype=dt, views=views,
                                   policy=self.args.policy, gamma=p.gamma, max_len=p.max_len, timing=False,
-                                  max_batch=1)
+                                  max_batch=1, adaptive=False)   # every block a gamma-chain (see METHOD)
                         for K, views in VIEW_SETS.items()}
         # "<image>\n" + words: the newline and the words are the text tokens (BOS apart)
         self.prompt = "<image>\n " + words(0, p.text_tokens - 1, vocab)
@@ -391,7 +428,7 @@ class Bench(E2EBench):
         for shape in TREE_SHAPES:
             eng = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
                          views=base.views, policy=self.args.policy, max_len=self.p.max_len, tree=shape,
-                         max_batch=1)
+                         max_batch=1, adaptive=False)
             depth, r = eng.tree.depth, {"nodes": eng.tree.nodes, "depth": eng.tree.depth}
             for tau, d in self.schedule_sweep(eng, [t for t in TREE_TAUS if t - 1 <= depth], depth):
                 r[f"tau={tau}"] = {"ms_per_token": d["ms_per_token"], "tau_realized": self.last_stats.block_efficiency,

@@ -2,7 +2,8 @@
 
 One in-process engine built like benchmarks/batch.py (LLaVA-1.5-7B shape, random weights).
 For N in {1, 4, 16} concurrent streams (one image + 40 words each, greedy, 128 tokens, EOS
-ignored), AR and SD (at tau = 2.31 through `Engine.bench_accept_schedule`), each repeat runs:
+ignored), AR and SD (at tau = 2.31 for 5-draft chains: `e2e.geometric_schedule` through
+`Engine.bench_accept_schedule`), each repeat runs:
 * direct: N `add_request`s at once, `step()` until done, the times taken when `step()` returns
   each request's tokens (where the server's engine thread hands them on);
 * HTTP: `tabed_engine.server.OpenAIServer` on that engine under uvicorn on 127.0.0.1 (a thread
@@ -252,10 +253,10 @@ class ServeBench:
 
     def one(self, n: int, mode: str) -> dict:
         """Direct and HTTP runs of N streams, interleaved over the repeats (after a warm-up of each)."""
-        from e2e import accept_schedule
+        from e2e import geometric_schedule
 
         spec = mode == "sd"
-        self.eng.bench_accept_schedule = accept_schedule(TAU, self.p.gamma) if spec else None
+        self.eng.bench_accept_schedule = geometric_schedule(TAU, self.p.gamma) if spec else None
         engine = self.eng if spec else _NoSpeculation(self.eng)
         self.direct(n, 16, spec)                                # warm-up: graphs for this batch size
         runs = {"direct": [], "http": []}

@@ -166,7 +166,7 @@ class Engine:
         # CUDA graphs; the scheduler the queue and the batch
         self._cuda_graphs, self._adaptive = cuda_graphs, adaptive
         self.runner = Runner(self, self._max_batch(max_batch, memory_fraction), cuda_graphs)
-        self.scheduler = Scheduler(self.runner, CostModel(self.adaptive))
+        self.scheduler = self._new_scheduler()
         self._ids = itertools.count()
         self._undelivered: list[RequestOutput] = []   # step() outputs produced inside generate()
         # the static caches, ensemble history and graphs are shared by every call: calls are
@@ -300,7 +300,9 @@ class Engine:
 
     @property
     def adaptive(self) -> bool:
-        """Whether the cost model may decode a block autoregressively instead of speculating.
+        """Whether the cost model picks each block: autoregressive, or a speculative chain of
+        the length (1..γ) it expects to give the most tokens per second (trees: the tree or
+        AR); off, every block of a speculative request is a γ-chain (or the tree).
         `adaptive=None` (default): where CUDA graphs make block times steady (the GPU)."""
         if self._adaptive is not None:
             return self._adaptive
@@ -335,7 +337,10 @@ class Engine:
             max_batch = self.runner.max_batch
             self.runner = None                          # free the old caches before allocating
             self.runner = Runner(self, max_batch, self._cuda_graphs)
-            self.scheduler = Scheduler(self.runner, CostModel(self.adaptive))
+            self.scheduler = self._new_scheduler()
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.runner, CostModel(self.adaptive, self.gamma, chains=self.tree is None))
 
     @property
     def graphs(self):
@@ -450,7 +455,8 @@ class Engine:
 
     def warmup(self, max_batch: Optional[int] = None, images: bool = True) -> float:
         """Decode a few tokens at every batch bucket up to `max_batch` (default: all the engine
-        has), autoregressively and, with a draft, speculatively, with one image per request when
+        has), autoregressively and, with a draft, speculatively at every chain length the cost
+        model may pick, with one image per request when
         `images`: the CUDA graphs of those buckets are captured and the kernels compiled before
         the first real request (a server would otherwise stall its first requests at each new
         batch size). The target's prefill graphs of every prompt-length bucket are captured too
@@ -469,9 +475,18 @@ class Engine:
         prompt = (getattr(self.processor, "image_token", "<image>") + "\n" if images else "") + "Describe it."
         img = [Image.new("RGB", (side, side), (127, 127, 127))] if images else None
         sp = SamplingParams(max_new_tokens=2 * self.lookahead + 4, stop_at_eos=False)
-        for b in buckets:
-            for speculative in ((False, True) if self.draft is not None else (False,)):
-                self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=speculative)
+        cost = self.scheduler.cost
+        # every kind of block the cost model may pick: AR and, speculating, each chain length
+        kinds = [0] + ([] if self.draft is None else list(range(1, self.gamma + 1)) if cost.chains and cost.enabled
+                       else [self.gamma])
+        prior = cost.prior                   # a gray image's acceptance says nothing about real requests
+        try:
+            for b in buckets:
+                for g in kinds:
+                    cost.forced = g
+                    self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=g > 0)
+        finally:
+            cost.forced, cost.prior = None, prior
         with self._lock:              # idle (generate has returned): row 0 is free to scribble on
             if not self.scheduler.has_unfinished():
                 self.runner.capture_prefill()

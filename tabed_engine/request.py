@@ -31,6 +31,9 @@ class RequestOutput:
     output: Optional[GenerationOutput] = None
 
 
+ACCEPT_DECAY = 0.85    # per block: the acceptance estimate follows the last ~7 blocks
+
+
 @dataclass(eq=False)
 class Request:
     """A request from `add_request` to its end. `tokens` are the generated tokens so far;
@@ -59,7 +62,9 @@ class Request:
     prompt_tail: list[int] = field(default_factory=list)
     draft_valid: int = 0
     blocks: int = 0                       # speculative blocks run
-    tau: float = 0.0                      # running tokens per block (cost model); 0 = none yet
+    # the cost model's running acceptance: drafts accepted and rejections, decayed per block
+    accepted: float = 0.0
+    rejected: float = 0.0
     stats: GenerationStats = None
     _shown: str = ""                      # text already returned as pieces
     _text: Optional[str] = None           # final text once a stop string cut it
@@ -71,6 +76,19 @@ class Request:
     @property
     def n_prompt(self) -> int:
         return len(self.prep.ids)
+
+    def record_block(self, n: int, depth: int):
+        """A speculative block of `depth` drafted positions accepted `n` of them."""
+        self.blocks += 1
+        self.accepted = ACCEPT_DECAY * self.accepted + n
+        self.rejected = ACCEPT_DECAY * self.rejected + (n < depth)
+
+    @property
+    def alpha(self) -> Optional[float]:
+        """Running per-draft acceptance rate (None before any speculative block): drafts
+        accepted over drafts verified up to and including the first rejected one."""
+        total = self.accepted + self.rejected
+        return self.accepted / total if total > 0 else None
 
     @property
     def finished(self) -> bool:

@@ -465,11 +465,15 @@ class Runner:
                 dl[r.slot * K + k] = r.view_len[k] + G - 2
         return self.to_device(inp2), self.to_device(dl)
 
-    def sd_block(self, reqs: list, b: int, sp, gen) -> list[list[int]]:
+    def sd_block(self, reqs: list, b: int, sp, gen, gamma: Optional[int] = None) -> list[list[int]]:
         """One speculative block (chain or tree) for slots [0, b): draft, verify, history.
-        Returns each slot's new tokens."""
+        `gamma`: the chain's length this block (at most the engine's γ, its default; trees
+        keep their shape). Returns each slot's new tokens."""
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
-        gamma, depth, V = eng.gamma, self.depth, self.draft.lm.cfg.vocab_size
+        gamma = eng.gamma if gamma is None or tree is not None else gamma
+        if not 1 <= gamma <= eng.gamma:
+            raise ValueError(f"chain length {gamma} outside 1..{eng.gamma}")
+        depth, V = (gamma if tree is None else tree.depth), self.draft.lm.cfg.vocab_size
         tcache, dcache, state = self.views(b)
         greedy = sp.greedy
         temp = 1.0 if greedy else sp.temperature   # draft softmax and divergence temperature
@@ -481,7 +485,7 @@ class Runner:
         schedule = self.bench_accept_schedule
         timer = _Timer(self, live)
 
-        p = self._pending_for("sd", b, reqs)      # taken now: whatever runs, it is used or stale
+        p = self._pending_for(("sd", gamma), b, reqs)   # taken now: whatever runs, it is used or stale
         first = [r for r in live if r.blocks == 0]
         if (b == 1 and first and eng.view_tree and tree is None and greedy and K > 1 and schedule is None
                 and eng.ensemble.policy in ("kld", "tvd", "hedge")
@@ -539,7 +543,7 @@ class Runner:
                                                                kv_len=self.kv_bucket(t_max + 1 + gamma + 1))
             d_last = vin.gather(1, n_acc[:, None])
         if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
-            n = min(int(schedule(live[0].blocks)), depth)
+            n = min(int(schedule(live[0].blocks, depth)), depth)
             n_acc = torch.full_like(n_acc, n)
             if tree is None:
                 nxt = tlogits[torch.arange(b, device=dev), n_acc].argmax(-1)
@@ -574,7 +578,7 @@ class Runner:
             step = ((n_acc + 1) * self.active[:b]).repeat_interleave(K)
             inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
             dl2 = torch.clamp(dl + step, max=self.max_len - eng.lookahead - 2)
-            self.pending = dict(mode="sd", b=b, slots=self._slots_key(reqs), dl=dl2,
+            self.pending = dict(mode=("sd", gamma), b=b, slots=self._slots_key(reqs), dl=dl2,
                                 res=queue_draft(inp2, dl2, G_max + 1 + eng.lookahead))
         self._wait(ready)
         heads, ws = head.tolist(), w_host.tolist()
@@ -587,8 +591,7 @@ class Runner:
             r.stats.accepted_lengths.append(n)
             r.stats.target_forwards += 1
             r.stats.weights.append([round(x, 4) for x in ws[i]])
-            r.blocks += 1
-            r.tau = n + 1 if r.tau == 0 else 0.7 * r.tau + 0.3 * (n + 1)
+            r.record_block(n, depth)
             out.append(r.append(d[:n] + [t_next]))
             r.draft_valid = len(r.tokens) - 2
         timer.lap("time_other")
@@ -610,8 +613,7 @@ class Runner:
         w, cursor = state.step_views(p_views, q_views, state.cursor, temperature=1.0)
         state.cursor.copy_(cursor)
         self.w[:1].copy_(self._masked(w, 0, 1) if r.view_mask is not None else w)
-        r.blocks += 1
-        r.tau = n + 1
+        r.record_block(n, gamma)
         timer.lap("time_verify")
         kept = r.append(new)
         r.draft_valid = len(r.tokens) - 2

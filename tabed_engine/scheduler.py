@@ -1,6 +1,7 @@
 """The scheduler: a queue of waiting requests, the batch's slots, and one `step` at a time:
 admit waiting requests into free slots (prefill), run one block for the batch (an
-autoregressive step, or a speculative block when the cost model expects it to pay), emit
+autoregressive step, or a speculative block of the chain length the cost model expects to
+pay most), emit
 each request's new tokens and retire finished requests.
 
 Requests of one batch share how target tokens are picked (`Request.sampling_key`: greedy or
@@ -13,7 +14,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Optional
 
 import torch
@@ -21,56 +22,102 @@ import torch
 from .request import Request, RequestOutput
 from .runner import Runner, bucket_of
 
-TAU_PRIOR = 2.0   # tokens per block assumed for a request that has not speculated yet
+ALPHA_PRIOR = 0.5   # per-draft acceptance assumed before any request has speculated
 
 
 class CostModel:
-    """Whether the next block speculates: from block times measured per (mode, batch bucket)
-    on this machine and the running requests' tokens per block (τ). Speculating pays when
-    mean τ / t_sd > 1 / t_ar. A time is a block's steady cost: the interval between two
-    consecutive blocks of the same mode and bucket; each key's first such interval is dropped
-    and later ones are capped at twice the estimate (graph capture and kernel compilation are
-    one-off costs, not the block's). While decoding autoregressively, `probe_len` speculative
-    blocks every `probe_every` steps re-measure τ and t_sd (a request's draft may start to
-    help)."""
+    """How the next block decodes: autoregressively (0) or as a speculative chain of g drafts
+    (1 <= g <= γ; a tree keeps its shape: γ only), whichever gives the batch the most tokens
+    per second. A request accepting each draft with probability α (`Request.alpha`, running)
+    gets 1 + α + ... + α^g tokens from a chain of g. Block times are measured per (g, batch
+    bucket) on this machine: the steady interval between two consecutive blocks of the same
+    kind; each key's first interval is dropped and later ones are capped at twice the estimate
+    (graph capture and kernel compilation are one-off costs). A kind not measured yet is
+    interpolated linearly in g between measured ones (an AR step is g = 0; before one is
+    measured it is taken as a γ-chain's time / `prior_ratio`). The running choice is kept
+    unless another promises `margin` times its throughput (a switch discards the queued half
+    block). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
+    steps re-measure acceptance (a request's draft may start to help). A request that has not
+    speculated yet counts as the batch's others, or with none, as the recent finished requests
+    (`observe`). `forced`: always this kind (warm-up)."""
 
-    def __init__(self, enabled: bool, probe_every: int = 64, probe_len: int = 2, prior_ratio: float = 1.25):
-        self.enabled, self.probe_every, self.probe_len = enabled, probe_every, probe_len
-        self.prior_ratio = prior_ratio
-        self.times: dict[tuple[str, int], float] = {}
-        self._seen: dict[tuple[str, int], int] = {}
+    def __init__(self, enabled: bool, gamma: int = 5, chains: bool = True, probe_every: int = 64,
+                 probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03):
+        self.enabled, self.gamma, self.chains = enabled, gamma, chains
+        self.probe_every, self.probe_len = probe_every, probe_len
+        self.prior_ratio, self.margin = prior_ratio, margin
+        self.times: dict[tuple[int, int], float] = {}     # (g, bucket) -> seconds per block
+        self._seen: dict[tuple[int, int], int] = {}
+        self._last: dict[int, int] = {}                     # bucket -> the last choice there
         self.ar_run = 0
         self._probe = 0           # speculative blocks of a probe still to run
+        self.forced: Optional[int] = None
+        self.prior = ALPHA_PRIOR
 
-    def record(self, mode: str, b: int, seconds: float):
-        key = (mode, b)
+    def observe(self, alpha: Optional[float]):
+        """A finished request's acceptance: the prior for the next requests moves toward it."""
+        if alpha is not None:
+            self.prior = 0.8 * self.prior + 0.2 * alpha
+
+    def record(self, g: int, b: int, seconds: float):
+        """One steady block interval of kind g (0 = AR) at bucket b."""
+        key = (g, b)
         self._seen[key] = self._seen.get(key, 0) + 1
         if self._seen[key] == 1:
             return
         old = self.times.get(key)
         self.times[key] = seconds if old is None else 0.8 * old + 0.2 * min(seconds, 2 * old)
 
-    def choose(self, b: int, taus: list[float]) -> str:
-        """"sd" or "ar" for a batch in bucket b whose requests have running τ `taus` (0 = none)."""
+    def time(self, g: int, b: int) -> Optional[float]:
+        """Seconds per block of kind g at bucket b: measured, or interpolated (None when no
+        kind was measured at b)."""
+        known = {k: t for (k, bb), t in self.times.items() if bb == b}
+        if g in known or not known:
+            return known.get(g)
+        if 0 not in known:
+            top = max(known)
+            known[0] = known[top] / (1 + (self.prior_ratio - 1) * top / self.gamma)
+            if g == 0:
+                return known[0]
+        lo = max((k for k in known if k < g), default=None)
+        hi = min((k for k in known if k > g), default=None)
+        if hi is None:                      # beyond the longest measured: the last two points' slope
+            a, c = sorted(known)[-2:]
+            return known[c] + (known[c] - known[a]) / (c - a) * (g - c)
+        return known[lo] + (known[hi] - known[lo]) * (g - lo) / (hi - lo)
+
+    def choose(self, b: int, alphas: list) -> int:
+        """The next block's kind for a batch in bucket b whose requests have running per-draft
+        acceptance `alphas` (None = not measured yet): 0 = autoregressive, g = a chain of g."""
+        if self.forced is not None:
+            return self.forced
         if not self.enabled:
-            return "sd"
-        known = [t for t in taus if t > 0]
-        fill = sum(known) / len(known) if known else TAU_PRIOR
-        tau = sum(t if t > 0 else fill for t in taus) / len(taus)
-        t_sd = self.times.get(("sd", b))
-        t_ar = self.times.get(("ar", b))
-        if self._probe > 0:
-            self._probe -= 1
-            mode = "sd"
-        elif t_sd is None:
-            mode = "sd"                              # measure speculative blocks first
+            return self.gamma
+        known = [a for a in alphas if a is not None]
+        fill = sum(known) / len(known) if known else self.prior
+        al = [a if a is not None else fill for a in alphas]
+        lengths = range(1, self.gamma + 1) if self.chains else (self.gamma,)
+
+        def rate(g):
+            return sum(sum(a ** i for i in range(g + 1)) for a in al) / self.time(g, b)
+
+        if self.time(self.gamma, b) is None:
+            choice = self.gamma                     # measure speculative blocks first
         else:
-            ratio = t_sd / t_ar if t_ar is not None else self.prior_ratio
-            mode = "sd" if tau > ratio else "ar"
-            if mode == "ar" and self.ar_run >= self.probe_every:
-                mode, self._probe = "sd", self.probe_len - 1
-        self.ar_run = self.ar_run + 1 if mode == "ar" else 0
-        return mode
+            best = max(lengths, key=rate)
+            if self._probe > 0:
+                self._probe -= 1
+                choice = best
+            else:
+                choice = best if rate(best) > rate(0) else 0
+                prev = self._last.get(b)
+                if prev is not None and prev != choice and rate(choice) < self.margin * rate(prev):
+                    choice = prev
+                if choice == 0 and self.ar_run >= self.probe_every:
+                    choice, self._probe = best, self.probe_len - 1
+        self._last[b] = choice
+        self.ar_run = self.ar_run + 1 if choice == 0 else 0
+        return choice
 
 
 class Scheduler:
@@ -82,7 +129,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self._lock = threading.Lock()        # add / abort may come from other threads
         self._aborts: set[str] = set()
-        self._last: Optional[tuple] = None   # (mode, bucket, time) of the last block's end
+        self._last: Optional[tuple] = None   # (kind, bucket, time) of the last block's end
+        self.kinds: Counter = Counter()      # blocks run per kind (0 = AR, g = a chain of g)
         self._batch_gen = torch.Generator(device=runner.device)
         self._batch_gen.manual_seed(secrets.randbits(63))
 
@@ -127,6 +175,7 @@ class Scheduler:
                 self._block(outputs)
         for i, r in enumerate(self.slots):            # retire
             if r is not None and r.finished:
+                self.cost.observe(r.alpha)
                 self.slots[i] = None
         return outputs
 
@@ -138,10 +187,10 @@ class Scheduler:
         reqs = self.slots[:b]
         sp = live[0].sp
         gen = live[0].generator if len(live) == 1 else self._batch_gen
-        mode = self.cost.choose(b, [r.tau for r in live]) if live[0].speculative else "ar"
+        g = self.cost.choose(b, [r.alpha for r in live]) if live[0].speculative else 0
         try:
-            if mode == "sd":
-                new = self.runner.sd_block(reqs, b, sp, gen)
+            if g:
+                new = self.runner.sd_block(reqs, b, sp, gen, g)
             else:
                 new = self.runner.ar_step(reqs, b, sp, gen)
         except Exception as e:                       # a device failure: the batch cannot go on
@@ -152,9 +201,10 @@ class Scheduler:
         # steady state (the same mode and bucket as the block before): the interval between
         # two block ends is the device's time per block
         now = time.perf_counter()
-        if self._last is not None and self._last[:2] == (mode, b):
-            self.cost.record(mode, b, now - self._last[2])
-        self._last = (mode, b, now)
+        if self._last is not None and self._last[:2] == (g, b):
+            self.cost.record(g, b, now - self._last[2])
+        self._last = (g, b, now)
+        self.kinds[g] += 1
         for r, toks in zip(reqs, new):
             if r is not None and (toks or r.finished):
                 outputs.append(self._output(r, toks))

@@ -79,13 +79,14 @@ def test_images_preprocessed_on_the_device_equal_transformers(speculative):
 class Scripted(CostModel):
     """A cost model that follows a fixed pattern of modes (exercises every switch)."""
 
-    def __init__(self, pattern):
-        super().__init__(True)
+    def __init__(self, pattern, gamma=5):
+        super().__init__(True, gamma)
         self.pattern, self.i = pattern, 0
 
-    def choose(self, b, taus):
+    def choose(self, b, alphas):
         self.i += 1
-        return self.pattern[(self.i - 1) % len(self.pattern)]
+        kind = self.pattern[(self.i - 1) % len(self.pattern)]
+        return {"ar": 0, "sd": self.gamma}.get(kind, kind)
 
 
 @pytest.mark.parametrize("pattern", [("ar", "ar", "ar", "sd"), ("sd", "ar", "sd", "sd", "ar", "ar")])
@@ -121,7 +122,7 @@ def test_draft_rows_catch_up_after_ar_blocks():
     target, _, processor = loaded("llama")
     eng = Engine(target, processor, draft=target, device="cpu", dtype=torch.float32, views=("M",), gamma=3,
                  max_len=256, max_batch=8)
-    eng.scheduler.cost = Scripted(("ar", "ar", "sd", "ar", "sd", "sd"))
+    eng.scheduler.cost = Scripted(("ar", "ar", "sd", "ar", "sd", "sd"), gamma=3)
     names, prompts, imgs, _ = batch_inputs()
     sps = [SamplingParams(max_new_tokens=40, stop_at_eos=False)] * len(names)
     for out in eng.generate(prompts, images=imgs, sampling=sps):
@@ -130,22 +131,53 @@ def test_draft_rows_catch_up_after_ar_blocks():
 
 
 def test_cost_model_choices():
-    cm = CostModel(True, probe_every=4, probe_len=2)
-    assert cm.choose(4, [0, 0]) == "sd"                # nothing measured: measure blocks first
-    cm.record("sd", 4, 5.0)                            # the first steady interval: dropped (capture)
-    assert cm.choose(4, [1.0, 1.1]) == "sd"
-    cm.record("sd", 4, 0.012)
-    cm.record("sd", 4, 0.5)                            # a spike counts as at most twice the estimate
-    assert cm.times["sd", 4] == pytest.approx(0.8 * 0.012 + 0.2 * 0.024)
-    assert cm.choose(4, [1.0, 1.1]) == "ar"            # tau 1.05 < the prior ratio 1.25
-    cm.record("ar", 4, 1.0)
-    cm.record("ar", 4, 0.011)                          # measured ratio 0.0144 / 0.011 = 1.31
-    assert cm.choose(4, [1.4, 1.4]) == "sd"            # tau 1.4 > 1.31
-    assert cm.choose(4, [1.2, 1.2]) == "ar"
-    assert cm.choose(4, [3.0, 0]) == "sd"              # an unmeasured request counts as the others' mean
-    modes = "".join(cm.choose(4, [1.0])[0] for _ in range(14))   # a useless draft: AR, 2-block probes
-    assert modes == "aaaassaaaassaa", modes
-    assert CostModel(False).choose(4, [1.0]) == "sd"   # off: always speculate
+    cm = CostModel(True, gamma=4, probe_every=4, probe_len=2)
+    assert cm.choose(4, [None, None]) == 4             # nothing measured: measure gamma-chains first
+    cm.record(4, 4, 5.0)                               # the first steady interval: dropped (capture)
+    assert cm.choose(4, [0.0, 0.1]) == 4
+    cm.record(4, 4, 0.012)
+    cm.record(4, 4, 0.5)                               # a spike counts as at most twice the estimate
+    assert cm.times[4, 4] == pytest.approx(0.8 * 0.012 + 0.2 * 0.024)
+    t4 = cm.times[4, 4]
+    # no AR time yet: t_ar = t4 / 1.25 and chains in between interpolated linearly
+    assert cm.time(0, 4) == pytest.approx(t4 / 1.25)
+    assert cm.time(2, 4) == pytest.approx(t4 / 1.25 + (t4 - t4 / 1.25) / 2)
+    assert cm.choose(4, [0.02, 0.02]) == 0             # a useless draft: AR
+    cm.record(0, 4, 1.0)
+    cm.record(0, 4, 0.011)                             # measured: AR 11 ms, a 4-chain 14.4 ms
+    assert cm.choose(4, [0.9, 0.9]) == 4               # a good draft: the longest chain pays most
+    cm.record(1, 4, 1.0)
+    cm.record(1, 4, 0.0115)                            # a 1-chain: 11.5 ms
+    # alpha 0.3: 1.3 tokens / 11.5 ms beats 1.39 / 12.5 ms (2-chain, interpolated), 1.43 / 14.4 ms
+    # and 1 / 11 ms
+    assert cm.choose(4, [0.3, None]) == 1              # an unmeasured request counts as the others' mean
+    assert cm.choose(4, [0.36, 0.36]) == 1             # a 2-chain 1% faster, within the margin: stays
+    cm2 = CostModel(True, gamma=4, probe_every=4, probe_len=2)
+    cm2.times = {(4, 4): 0.0144, (0, 4): 0.011}
+    modes = "".join(str(cm2.choose(4, [0.0])) for _ in range(14))   # a useless draft: AR, 2-block probes
+    assert modes == "00001100001100", modes
+    tree = CostModel(True, gamma=3, chains=False)      # trees: their own shape or AR
+    tree.times = {(3, 1): 0.01, (0, 1): 0.008}
+    assert tree.choose(1, [0.6]) == 3 and tree.choose(1, [0.1]) == 0
+    assert CostModel(False, gamma=4).choose(4, [0.0]) == 4   # off: always the full chain
+    for _ in range(10):
+        cm2.observe(0.0)                               # finished requests never accepted a draft:
+    assert cm2.prior < 0.06 and cm2.choose(4, [None]) == 0   # a new one starts autoregressive
+    forced = CostModel(True, gamma=4)
+    forced.forced = 2
+    assert forced.choose(4, [0.9]) == 2
+
+
+def test_chain_length_per_block_is_lossless():
+    """Blocks of different chain lengths in a row (and AR steps between them): tokens stay the
+    target's, each block drafts no more than its chain."""
+    eng = engine(max_batch=8, gamma=4)
+    eng.scheduler.cost = Scripted((1, 3, "ar", 4, 2, 2, 1, "ar", "ar", 3), gamma=4)
+    names, prompts, imgs, sps = batch_inputs()
+    outs = eng.generate(prompts, images=imgs, sampling=sps)
+    for name, out in zip(names, outs):
+        assert out.token_ids == expected(name), name
+    assert any(a > 0 for o in outs for a in o.stats.accepted_lengths)
 
 
 def test_stop_conditions_cut_each_request_as_one_token_at_a_time():
