@@ -182,20 +182,19 @@ def draft_acceptance(tau: float, gamma: int) -> float:
 def geometric_schedule(tau: float, gamma: int, seed: int = 0):
     """Accepted drafts per block when each draft is accepted with the same probability alpha
     (`draft_acceptance(tau, gamma)`) until the first rejection, for any chain length: block b
-    of depth d accepts min(run_b, d), run_b a seeded geometric draw of block b. Chains of
-    `gamma` drafts average tau tokens per block; shorter chains give what they would really
-    give at that acceptance rate (the floor/ceil `accept_schedule` would credit a 2-draft
-    chain with the same tau)."""
-    import random
-
+    of depth d accepts min(run_b, d), run_b = floor(ln u_b / ln alpha) (P(run_b >= k) =
+    alpha^k) with u_b a golden-ratio sequence (low discrepancy: a run of a few dozen blocks
+    already averages tau). Chains of `gamma` drafts average tau tokens per block; shorter
+    chains give what they would really give at that acceptance rate (the floor/ceil
+    `accept_schedule` would credit a 2-draft chain with the same tau)."""
     alpha = draft_acceptance(tau, gamma)
+    phi = (math.sqrt(5) - 1) / 2
 
     def accepted(b: int, depth: int = gamma) -> int:
-        rng = random.Random(seed * 1_000_003 + b)
-        n = 0
-        while n < depth and rng.random() < alpha:
-            n += 1
-        return n
+        u = 1.0 - (seed * 0.5 + (b + 1) * phi) % 1.0          # in (0, 1]
+        if alpha <= 0.0:
+            return 0
+        return min(depth, int(math.log(u) / math.log(alpha)) if alpha < 1.0 else depth)
     accepted.alpha = alpha
     return accepted
 

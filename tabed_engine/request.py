@@ -31,7 +31,7 @@ class RequestOutput:
     output: Optional[GenerationOutput] = None
 
 
-ACCEPT_DECAY = 0.85    # per block: the acceptance estimate follows the last ~7 blocks
+ACCEPT_DECAY = 0.95    # per block: the acceptance estimate follows the last ~20 blocks
 
 
 @dataclass(eq=False)

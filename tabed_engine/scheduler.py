@@ -28,8 +28,10 @@ ALPHA_PRIOR = 0.5   # per-draft acceptance assumed before any request has specul
 class CostModel:
     """How the next block decodes: autoregressively (0) or as a speculative chain of g drafts
     (1 <= g <= γ; a tree keeps its shape: γ only), whichever gives the batch the most tokens
-    per second. A request accepting each draft with probability α (`Request.alpha`, running)
-    gets 1 + α + ... + α^g tokens from a chain of g. Block times are measured per (g, batch
+    per second. A request accepting each draft with probability α gets 1 + α + ... + α^g
+    tokens from a chain of g; α is estimated from its running counts of accepted and rejected
+    drafts (`Request.accepted`, `.rejected`) with `prior_weight` pseudo-drafts at the prior
+    (one unlucky block does not make a draft look useless; a new request is the prior). Block times are measured per (g, batch
     bucket) on this machine: the steady interval between two consecutive blocks of the same
     kind; each key's first interval is dropped and later ones are capped at twice the estimate
     (graph capture and kernel compilation are one-off costs). A kind not measured yet is
@@ -37,15 +39,14 @@ class CostModel:
     measured it is taken as a γ-chain's time / `prior_ratio`). The running choice is kept
     unless another promises `margin` times its throughput (a switch discards the queued half
     block). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
-    steps re-measure acceptance (a request's draft may start to help). A request that has not
-    speculated yet counts as the batch's others, or with none, as the recent finished requests
-    (`observe`). `forced`: always this kind (warm-up)."""
+    steps re-measure acceptance (a request's draft may start to help). The prior follows the
+    finished requests (`observe`). `forced`: always this kind (warm-up)."""
 
     def __init__(self, enabled: bool, gamma: int = 5, chains: bool = True, probe_every: int = 64,
-                 probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03):
+                 probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03, prior_weight: float = 1.0):
         self.enabled, self.gamma, self.chains = enabled, gamma, chains
         self.probe_every, self.probe_len = probe_every, probe_len
-        self.prior_ratio, self.margin = prior_ratio, margin
+        self.prior_ratio, self.margin, self.prior_weight = prior_ratio, margin, prior_weight
         self.times: dict[tuple[int, int], float] = {}     # (g, bucket) -> seconds per block
         self._seen: dict[tuple[int, int], int] = {}
         self._last: dict[int, int] = {}                     # bucket -> the last choice there
@@ -86,16 +87,15 @@ class CostModel:
             return known[c] + (known[c] - known[a]) / (c - a) * (g - c)
         return known[lo] + (known[hi] - known[lo]) * (g - lo) / (hi - lo)
 
-    def choose(self, b: int, alphas: list) -> int:
-        """The next block's kind for a batch in bucket b whose requests have running per-draft
-        acceptance `alphas` (None = not measured yet): 0 = autoregressive, g = a chain of g."""
+    def choose(self, b: int, counts: list) -> int:
+        """The next block's kind for a batch in bucket b whose requests have running counts
+        (accepted, rejected) of drafts: 0 = autoregressive, g = a chain of g."""
         if self.forced is not None:
             return self.forced
         if not self.enabled:
             return self.gamma
-        known = [a for a in alphas if a is not None]
-        fill = sum(known) / len(known) if known else self.prior
-        al = [a if a is not None else fill for a in alphas]
+        w = self.prior_weight
+        al = [(acc + w * self.prior) / (acc + rej + w) for acc, rej in counts]
         lengths = range(1, self.gamma + 1) if self.chains else (self.gamma,)
 
         def rate(g):
@@ -187,7 +187,7 @@ class Scheduler:
         reqs = self.slots[:b]
         sp = live[0].sp
         gen = live[0].generator if len(live) == 1 else self._batch_gen
-        g = self.cost.choose(b, [r.alpha for r in live]) if live[0].speculative else 0
+        g = self.cost.choose(b, [(r.accepted, r.rejected) for r in live]) if live[0].speculative else 0
         try:
             if g:
                 new = self.runner.sd_block(reqs, b, sp, gen, g)

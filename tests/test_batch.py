@@ -83,7 +83,7 @@ class Scripted(CostModel):
         super().__init__(True, gamma)
         self.pattern, self.i = pattern, 0
 
-    def choose(self, b, alphas):
+    def choose(self, b, counts):
         self.i += 1
         kind = self.pattern[(self.i - 1) % len(self.pattern)]
         return {"ar": 0, "sd": self.gamma}.get(kind, kind)
@@ -130,11 +130,17 @@ def test_draft_rows_catch_up_after_ar_blocks():
         assert full and all(a == 3 for a in full), out.stats.accepted_lengths
 
 
+def _counts(alpha, n=1000):
+    """(accepted, rejected) drafts of a request with acceptance rate `alpha` over n drafts."""
+    return alpha * n, (1 - alpha) * n
+
+
 def test_cost_model_choices():
+    c = _counts
     cm = CostModel(True, gamma=4, probe_every=4, probe_len=2)
-    assert cm.choose(4, [None, None]) == 4             # nothing measured: measure gamma-chains first
+    assert cm.choose(4, [(0, 0), (0, 0)]) == 4         # nothing measured: measure gamma-chains first
     cm.record(4, 4, 5.0)                               # the first steady interval: dropped (capture)
-    assert cm.choose(4, [0.0, 0.1]) == 4
+    assert cm.choose(4, [c(0.0), c(0.1)]) == 4
     cm.record(4, 4, 0.012)
     cm.record(4, 4, 0.5)                               # a spike counts as at most twice the estimate
     assert cm.times[4, 4] == pytest.approx(0.8 * 0.012 + 0.2 * 0.024)
@@ -142,30 +148,32 @@ def test_cost_model_choices():
     # no AR time yet: t_ar = t4 / 1.25 and chains in between interpolated linearly
     assert cm.time(0, 4) == pytest.approx(t4 / 1.25)
     assert cm.time(2, 4) == pytest.approx(t4 / 1.25 + (t4 - t4 / 1.25) / 2)
-    assert cm.choose(4, [0.02, 0.02]) == 0             # a useless draft: AR
+    assert cm.choose(4, [c(0.02), c(0.02)]) == 0       # a useless draft: AR
     cm.record(0, 4, 1.0)
     cm.record(0, 4, 0.011)                             # measured: AR 11 ms, a 4-chain 14.4 ms
-    assert cm.choose(4, [0.9, 0.9]) == 4               # a good draft: the longest chain pays most
+    assert cm.choose(4, [c(0.9), c(0.9)]) == 4         # a good draft: the longest chain pays most
     cm.record(1, 4, 1.0)
     cm.record(1, 4, 0.0115)                            # a 1-chain: 11.5 ms
     # alpha 0.3: 1.3 tokens / 11.5 ms beats 1.39 / 12.5 ms (2-chain, interpolated), 1.43 / 14.4 ms
     # and 1 / 11 ms
-    assert cm.choose(4, [0.3, None]) == 1              # an unmeasured request counts as the others' mean
-    assert cm.choose(4, [0.36, 0.36]) == 1             # a 2-chain 1% faster, within the margin: stays
+    assert cm.choose(4, [c(0.3), c(0.3)]) == 1
+    assert cm.choose(4, [c(0.36), c(0.36)]) == 1       # a 2-chain 1% faster, within the margin: stays
+    # one block that accepted nothing is not a useless draft: a pseudo-draft at the prior 0.5
+    assert cm.choose(4, [(0, 1)]) > 0
     cm2 = CostModel(True, gamma=4, probe_every=4, probe_len=2)
     cm2.times = {(4, 4): 0.0144, (0, 4): 0.011}
-    modes = "".join(str(cm2.choose(4, [0.0])) for _ in range(14))   # a useless draft: AR, 2-block probes
+    modes = "".join(str(cm2.choose(4, [c(0.0)])) for _ in range(14))   # a useless draft: AR, 2-block probes
     assert modes == "00001100001100", modes
-    tree = CostModel(True, gamma=3, chains=False)      # trees: their own shape or AR
-    tree.times = {(3, 1): 0.01, (0, 1): 0.008}
-    assert tree.choose(1, [0.6]) == 3 and tree.choose(1, [0.1]) == 0
-    assert CostModel(False, gamma=4).choose(4, [0.0]) == 4   # off: always the full chain
     for _ in range(10):
         cm2.observe(0.0)                               # finished requests never accepted a draft:
-    assert cm2.prior < 0.06 and cm2.choose(4, [None]) == 0   # a new one starts autoregressive
+    assert cm2.prior < 0.06 and cm2.choose(4, [(0, 0)]) == 0   # a new one starts autoregressive
+    tree = CostModel(True, gamma=3, chains=False)      # trees: their own shape or AR
+    tree.times = {(3, 1): 0.01, (0, 1): 0.008}
+    assert tree.choose(1, [c(0.6)]) == 3 and tree.choose(1, [c(0.1)]) == 0
+    assert CostModel(False, gamma=4).choose(4, [c(0.0)]) == 4   # off: always the full chain
     forced = CostModel(True, gamma=4)
     forced.forced = 2
-    assert forced.choose(4, [0.9]) == 2
+    assert forced.choose(4, [c(0.9)]) == 2
 
 
 def test_chain_length_per_block_is_lossless():
