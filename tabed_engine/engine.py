@@ -274,7 +274,8 @@ class Engine:
                              f"lookahead ({self.lookahead} + 2) exceeds {limit}: lower max_new_tokens (at most "
                              f"{max(droom, 0)} here), shorten the prompt or decode without the draft "
                              "(speculative=False)")
-        return caption, min(room, droom)
+        # (within the target's cache the runner fits max_new_tokens=None to the views at prefill)
+        return caption, min(room, droom) if self.draft_len < self.max_len else room
 
     def _pool_size(self, given: Optional[int]) -> Optional[int]:
         """The P view's pooled grid side: at most the draft's vision grid side."""
