@@ -14,7 +14,8 @@ from realistic import FIXTURES, checkpoint
 from tabed_engine.config import SamplingParams
 from tabed_engine.request import Request
 
-_EXTRA = ["中", "文", "字", "😀", "🚲", "é", "ü", "ß", "\n", "\n\n", " ", "  ", "3", "42", ".", ",", "?", "'s"]
+_EXTRA = ["中", "文", "字", "😀", "🚲", "é", "ü", "ß", "\n", "\n\n", " ", "  ", "3", "42", ".", ",", "?",
+          "'s"]
 
 
 @pytest.fixture(scope="module", params=list(FIXTURES))
@@ -44,8 +45,7 @@ def make_request(tok, n: int, stop=()) -> Request:
 
 
 def feed(req: Request, ids: list[int], rng: random.Random) -> list[str]:
-    """Append ids in blocks of 1..6 tokens as the runner does, taking a piece after each;
-    asserts that the pieces shown so far never change (they are a prefix of the final text)."""
+    """Append ids in blocks of 1..6 tokens as the runner does, taking a piece after each."""
     pieces, i = [], 0
     while not req.finished:
         k = rng.randint(1, 6)
@@ -149,7 +149,7 @@ def test_stop_string_inside_a_byte_group(tok):
     token that completes it, not before."""
     ids = tok.encode(" the cat 中 sat", add_special_tokens=False)
     n_keep, text = reference_stop(tok, ids, ["中"])
-    assert text == "the cat " or text == " the cat "
+    assert text.strip() == "the cat" and n_keep < len(ids)
     for k in range(1, 4):
         req = make_request(tok, len(ids), ["中"])
         pieces = []
