@@ -20,7 +20,7 @@ from .request import Request, RequestOutput
 from .runner import Runner, cache_rows
 from .scheduler import CostModel, Scheduler
 from .tree import parse_tree
-from .views import resolve_escape_token
+from .views import _captions, resolve_escape_token, view_lengths
 
 VIEW_NAMES = ("M", "T", "P", "C")
 _KEEP = object()          # configure(): an option not given keeps its value
@@ -121,6 +121,11 @@ class Engine:
         self.tokenizer = processor.tokenizer
         tcfg = target.lm.cfg
         self.max_len = self._max_len(max_len)
+        # the draft's view rows end within its own position limit, which may be shorter than
+        # the target's cache (a LLaVA-1.5 draft, 2048, for a LLaVA-NeXT target, 4096): checked
+        # per request (`_draft_room`); the draft cache keeps max_len slots (the runner's layout)
+        self.draft_len = (self.max_len if draft is None
+                          else min(self.max_len, draft.lm.cfg.max_position_embeddings))
         # dynamic draft trees (tabed_engine.tree) instead of chains: None, True, a TreeConfig,
         # a dict of its fields or "DEPTHxWIDTHxBRANCH"
         self.tree = parse_tree(tree)
@@ -230,15 +235,47 @@ class Engine:
         return self.gamma if self.tree is None else self.tree.nodes
 
     def _max_len(self, given: Optional[int]) -> int:
-        """The static cache length: `given` (at most every model's max_position_embeddings,
-        past which RoPE positions were never trained), else min(that, 4096)."""
-        models = [("target", self.target)] + ([("draft", self.draft)] if self.draft is not None else [])
-        which, limit = min(((w, m.lm.cfg.max_position_embeddings) for w, m in models), key=lambda x: x[1])
+        """The static cache length of the target's rows: `given` (at most the target's
+        max_position_embeddings, past which its RoPE positions were never trained), else
+        min(that, 4096). The draft's rows are bounded by the draft's own limit (`draft_len`)."""
+        limit = self.target.lm.cfg.max_position_embeddings
         if given is None:
             return min(limit, 4096)
         if given > limit:
-            raise ValueError(f"max_len ({given}) exceeds the {which}'s max_position_embeddings ({limit})")
+            raise ValueError(f"max_len ({given}) exceeds the target's max_position_embeddings ({limit})")
         return given
+
+    def _draft_room(self, prep, caption, mask, sp: SamplingParams, room: int):
+        """A speculative request's draft views must hold their prompt, the new tokens and the
+        lookahead within `draft_len` (the draft's max_position_embeddings when it is shorter
+        than the target's cache). Returns (caption, room): the caption the C view will use and
+        the tokens both caches hold after the prompts. Raises ValueError naming the numbers."""
+        skip = frozenset(v for v, m in zip(self.views, mask or ()) if not m)
+        with self._prepare_lock:                      # (captions given: the tokenizer encodes them)
+            lengths = view_lengths(self, prep, caption, skip)
+        if None in lengths and self.draft_len < self.max_len:
+            # the C view's length needs its captions: the captioner runs now instead of at prefill
+            caption = _captions(self, prep, None)
+            with self._prepare_lock:
+                lengths = view_lengths(self, prep, caption, skip)
+        known = [n for n in lengths if n is not None]    # (None: the runner checks it at prefill)
+        if not known:
+            return caption, room
+        longest = max(known)
+        limit = (f"the draft's max_position_embeddings ({self.draft_len})" if self.draft_len < self.max_len
+                 else f"the cache length {self.max_len}")
+        droom = self.draft_len - longest - self.lookahead - 2
+        if sp.max_new_tokens is None and droom < 1:
+            raise ValueError(f"a draft view of {longest} tokens + draft lookahead ({self.lookahead} + 2) exceeds "
+                             f"{limit} (no room for new tokens): shorten the prompt or decode without the draft "
+                             "(speculative=False)")
+        if sp.max_new_tokens is not None and sp.max_new_tokens > droom:
+            raise ValueError(f"a draft view of {longest} tokens + max_new_tokens ({sp.max_new_tokens}) + draft "
+                             f"lookahead ({self.lookahead} + 2) exceeds {limit}: lower max_new_tokens (at most "
+                             f"{max(droom, 0)} here), shorten the prompt or decode without the draft "
+                             "(speculative=False)")
+        # (within the target's cache the runner fits max_new_tokens=None to the views at prefill)
+        return caption, min(room, droom) if self.draft_len < self.max_len else room
 
     def _pool_size(self, given: Optional[int]) -> Optional[int]:
         """The P view's pooled grid side: at most the draft's vision grid side."""
@@ -620,6 +657,8 @@ class Engine:
               and self.captioner is None and prep.num_images > 0):
             raise ValueError("view 'C' needs a caption per image: pass caption= to generate() / stream() "
                              "(CLI: --caption) or give the engine a captioner")
+        if use_sd:
+            caption, room = self._draft_room(prep, caption, mask, sp, room)
         # the request's own generator, seeded from the OS when unseeded: torch's global RNG
         # (the user's) is neither reseeded nor advanced
         gen = torch.Generator(device=self.device)

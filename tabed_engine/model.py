@@ -294,6 +294,10 @@ class LlamaLM(nn.Module):
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
         ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot)
+        # the table spans the cache: a draft's cache may be longer than the draft's position
+        # limit (it has the target's length); a request's draft rows stay within the limit
+        # (`Engine._draft_room`, checked when it is added), and only the slots drafted past a
+        # request's end in the block it finishes (tokens that are dropped) may go beyond it
         cs = self.rope(max(self.cfg.max_position_embeddings, cache.max_len), x.device)[positions]  # [R, T, 2D]
         D = self.cfg.head_dim
         cos, sin = cs[:, :, None, :D], cs[:, :, None, D:]

@@ -4,7 +4,6 @@ pieces for streaming and stats. The scheduler owns requests; the runner reads an
 the fields it needs."""
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -12,10 +11,9 @@ from typing import Any, Optional
 import torch
 
 from .config import SamplingParams
+from .detok import Detokenizer
 from .outputs import GenerationOutput, GenerationStats
 from .prompt import Prepared
-
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # SentencePiece byte-fallback pieces
 
 
 @dataclass
@@ -66,12 +64,26 @@ class Request:
     accepted: float = 0.0
     rejected: float = 0.0
     stats: GenerationStats = None
-    _shown: str = ""                      # text already returned as pieces
-    _text: Optional[str] = None           # final text once a stop string cut it
+    # text: made final a window at a time (detok); `_recent` its last characters that a stop
+    # string may still start in; `_unshown` final text not yet returned as a piece
+    detok: Detokenizer = None
+    _n_text: int = 0                      # characters made final so far
+    _recent: str = ""
+    _unshown: str = ""
+    _shown: list = field(default_factory=list)   # the pieces returned
+    _cut: Optional[int] = None            # where a stop string cut the text
+    _final: Optional[str] = None          # the final text, decoded once at the end
 
     def __post_init__(self):
         if self.stats is None:
             self.stats = GenerationStats(speculative=self.speculative, prompt_tokens=len(self.prep.ids))
+        if self.detok is None:
+            self.detok = Detokenizer(self.tokenizer)
+
+    @property
+    def _hold(self) -> int:
+        """Characters of final text held back: the longest stop string less one."""
+        return max((len(s) for s in self.sp.stop), default=1) - 1
 
     @property
     def n_prompt(self) -> int:
@@ -111,44 +123,65 @@ class Request:
                 new = new[: i + 1]
                 self.finish_reason = "stop"
                 break
+        base = len(self.tokens)
+        self.tokens += new
         if sp.stop:
+            # one token at a time, as the whole text's decode after each token would find it:
+            # a stop string ends in the tokens' text, final or still pending (it may cross
+            # tokens and blocks, never lies before the last `_hold` final characters)
             for i in range(len(new)):
-                text = self.tokenizer.decode(self.tokens + new[: i + 1], skip_special_tokens=True)
-                cut = min((j for j in (text.find(s) for s in sp.stop) if j >= 0), default=-1)
+                done, pending = self.detok.update(self.tokens, base + i + 1, tail=True)
+                window = self._recent + done + pending
+                cut = min((j for j in (window.find(s) for s in sp.stop) if j >= 0), default=-1)
                 if cut >= 0:
+                    self._cut = self._n_text - len(self._recent) + cut
+                    del self.tokens[base + i + 1:]
                     new = new[: i + 1]
-                    self._text = text[:cut]
                     self.finish_reason = "stop"
                     break
-        self.tokens += new
+                self._take(done)
         if self.finish_reason is None and len(self.tokens) >= self.max_new:
             self.finish_reason = "length"
         return new
 
+    def _take(self, done: str):
+        """Account for text the detokenizer made final."""
+        if not done:
+            return
+        self._n_text += len(done)
+        hold = self._hold
+        self._recent = (self._recent + done)[-hold:] if hold else ""
+        if self.pieces:
+            self._unshown += done
+
     def text(self) -> str:
-        if self._text is not None:
-            return self._text
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        """The final text: the whole decode (once, at the end), cut before a stop string."""
+        if self._final is not None:
+            return self._final
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if self._cut is not None:
+            text = text[: self._cut]
+        if self.finished:
+            self._final = text
+        return text
 
     def piece(self) -> str:
-        """The text added since the last piece. While running: the text of the tokens before a
-        trailing run of byte-fallback pieces (bytes decode as a group, and an incomplete group
-        turns the bytes before it into U+FFFD), once it does not end in U+FFFD, less the
-        characters that may still turn into a stop string; at the end, everything left."""
+        """The text added since the last piece. While running: the text the detokenizer made
+        final (never a byte group or UTF-8 sequence that may still change), less the characters
+        that may still turn into a stop string; at the end, everything left."""
         if self.finished:
-            text = self.text()
-        else:
-            stable = len(self.tokens)
-            while stable and _BYTE_PIECE.fullmatch(self.tokenizer.convert_ids_to_tokens(self.tokens[stable - 1]) or ""):
-                stable -= 1
-            text = self.tokenizer.decode(self.tokens[:stable], skip_special_tokens=True)
-            if text.endswith("\ufffd"):
+            text, shown = self.text(), "".join(self._shown)
+            if len(text) <= len(shown) or not text.startswith(shown):
                 return ""
-            hold = max((len(s) for s in self.sp.stop), default=1) - 1
-            text = text[: len(text) - hold]
-        if len(text) <= len(self._shown) or not text.startswith(self._shown):
-            return ""
-        out, self._shown = text[len(self._shown):], text
+            out = text[len(shown):]
+        else:
+            if not self.sp.stop:           # (with stop strings `append` keeps the text up to date)
+                self._take(self.detok.update(self.tokens, len(self.tokens))[0])
+            out = self._unshown[: max(len(self._unshown) - self._hold, 0)]
+            if not out:
+                return ""
+            self._unshown = self._unshown[len(out):]
+        self._shown.append(out)
         return out
 
     def finish(self, reason: str, error: Optional[str] = None):

@@ -102,6 +102,36 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
     return rows
 
 
+def view_lengths(engine, prep: Prepared, caption, skip: frozenset = frozenset()) -> list[Optional[int]]:
+    """Each view row's prompt length as `build_views` builds it, without a vision tower (the
+    draft's image-token counts follow from its grid and the images' sizes); None for a C view
+    whose captions the engine's captioner has yet to write (caption None)."""
+    n = prep.num_images
+    if not n:
+        return [len(prep.ids)] * len(engine.views)
+    vision, sizes = engine.draft.vision, prep.image_sizes
+    text = len(prep.ids) - sum(k for _, k in prep.image_spans)
+    out = []
+    for v in engine.views:
+        v = "T" if v in skip else v
+        if v == "M":
+            per = sum(vision.tokens_per_image(sizes))
+        elif v == "P":
+            pool = engine.pool_size or max(vision.grid // 2, 1)
+            per = (sum(vision.anyres.num_tokens(s, grid=pool) for s in sizes) if vision.anyres is not None
+                   else n * (pool * pool + (vision.strategy == "full")))
+        elif v == "T":
+            per = 0 if engine.escape_token is None else n
+        elif caption is None and engine.captioner is not None:
+            out.append(None)
+            continue
+        else:
+            per = sum(len(engine.tokenizer.encode("image: " + c, add_special_tokens=False))
+                      for c in _captions(engine, prep, caption))
+        out.append(text + per)
+    return out
+
+
 def _captions(engine, prep: Prepared, caption) -> list[str]:
     n = prep.num_images
     if caption is not None:

@@ -20,7 +20,7 @@ from tabed_engine import Engine, SamplingParams
 from tabed_engine.anyres import AnyRes, pack
 from tabed_engine.loader import load_lvlm, load_processor, lvlm_from_hf
 from tabed_engine.prompt import prepare
-from tabed_engine.views import build_views
+from tabed_engine.views import build_views, view_lengths
 
 N_NEW = 16
 NEXT = ["vicuna", "mistral", "llama3"]          # LLaVA-NeXT targets with LLaVA-NeXT drafts
@@ -202,6 +202,22 @@ def test_views_have_their_own_spans():
         assert all(f.shape[0] == n for f, (_, n) in zip(m.feats + p.feats, m.spans + p.spans))
 
 
+@pytest.mark.parametrize("name", ["vicuna", "mistral", "mixed"])
+def test_view_lengths_without_the_tower(name):
+    """`view_lengths` (the add-time check of the draft's position limit) counts each view row
+    as `build_views` builds it, for every view, a view left out of the mixture, one and two
+    images, with and without the escape token."""
+    eng = engine(name, ("M", "T", "P", "C"))
+    for prompt_name in PROMPTS:
+        req = eng._request(PROMPTS[prompt_name][0], images(prompt_name), None, "a red car", True)
+        for skip in (frozenset(), frozenset({"M", "C"})):
+            rows = build_views(eng, req.prep, None, "a red car", skip)
+            assert view_lengths(eng, req.prep, "a red car", skip) == [len(r.ids) for r in rows]
+    eng.escape_token = None
+    rows = build_views(eng, req.prep, None, "a red car")
+    assert view_lengths(eng, req.prep, "a red car") == [len(r.ids) for r in rows]
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_batched_equals_alone(speculative):
     eng = engine("mixed", ("M", "T", "P"), "w-grid", 3)
@@ -343,3 +359,56 @@ def test_gpu_graphs_equal_transformers(name):
             assert o.token_ids == alone
             assert o.token_ids == reference(name, n)
     assert len(eng.graphs) > 0
+
+
+# ---------------------------------------------------------------------------- position limits
+@pytest.fixture(scope="module")
+def short_draft(tmp_path_factory):
+    """The mixed pair with the LLaVA-1.5 draft's max_position_embeddings lowered to what the
+    "two" prompt's draft views need (M: the draft's 16 tokens an image) + N_NEW + γ + 2: below
+    the target's own prompt (its any-resolution image tokens), as llava-v1.6-vicuna-7b (4096)
+    with LLaVA-68M (2048) on a 672x672 image. Returns (engine, the limit)."""
+    t, d, processor, draft_proc = loaded("mixed")
+    base = engine("mixed")
+    req = base._request(PROMPTS["two"][0], images("two"), None, None, True)
+    limit = max(view_lengths(base, req.prep, None)) + N_NEW + base.lookahead + 2
+    assert len(req.prep.ids) > limit
+    path = tmp_path_factory.mktemp("short") / "draft"
+    shutil.copytree(checkpoint("mixed")[1], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = limit
+    (path / "config.json").write_text(json.dumps(cfg))
+    eng = Engine(t, processor, draft=load_lvlm(str(path), "cpu", torch.float32), draft_processor=draft_proc,
+                 device="cpu", dtype=torch.float32, views=("M", "T"), policy="hedge", gamma=5, max_len=512)
+    return eng, limit
+
+
+def test_draft_limit_shorter_than_the_target_prompt(short_draft):
+    """The target's rows are bounded by the target's limit, the draft's by the draft's: a
+    prompt longer than the draft's limit for the target, whose draft views fit, decodes
+    speculatively equal to transformers."""
+    eng, limit = short_draft
+    assert eng.max_len == 512 and eng.draft_len == limit
+    out = generate(eng, "two", True)
+    assert out.token_ids == reference("mixed", "two") and out.stats.speculative
+    assert len(out.stats.accepted_lengths) >= 2
+    # "as many tokens as fit": what the draft's views leave
+    req = eng._request(PROMPTS["two"][0], images("two"), SamplingParams(max_new_tokens=None), None, True)
+    assert req.max_new == N_NEW
+
+
+def test_draft_views_that_do_not_fit_are_refused(short_draft):
+    """One token more than the draft's views hold: a ValueError naming the numbers when the
+    request is added; plain decoding is not limited by the draft; the engine serves on."""
+    eng, limit = short_draft
+    sp = SamplingParams(max_new_tokens=N_NEW + 1)
+    for call in (lambda: eng.generate(PROMPTS["two"][0], images=images("two"), sampling=sp),
+                 lambda: eng.add_request(PROMPTS["two"][0], images=images("two"), sampling=sp)):
+        with pytest.raises(ValueError, match=rf"draft view of \d+ tokens \+ max_new_tokens \({N_NEW + 1}\).*"
+                                             rf"max_position_embeddings \({limit}\).*at most {N_NEW}"):
+            call()
+    assert not eng.has_unfinished()
+    ar = eng.generate(PROMPTS["two"][0], images=images("two"), sampling=sp, speculative=False)
+    ref = reference("mixed", "two")
+    assert ar.token_ids[:len(ref)] == ref and not ar.stats.speculative
+    assert generate(eng, "two", True).token_ids == ref
