@@ -153,6 +153,9 @@ class BatchBench:
                         f"({r['speedup_vs_ar']:.2f}x AR)")
             eng.configure(adaptive=None)
             eng.bench_accept_schedule = None
+            # the cost model's block times at this bucket (kind 0 = AR, g = a chain of g), ms
+            row["cost_model_block_ms"] = {g: t * 1e3 for (g, b), t in sorted(eng.scheduler.cost.times.items())
+                                          if b == B}
             out[f"B={B}"] = row
             self.R["fixed"] = out
             self.save()
