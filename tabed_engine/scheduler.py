@@ -36,7 +36,8 @@ class CostModel:
     kind; each key's first interval is dropped and later ones are capped at twice the estimate
     (graph capture and kernel compilation are one-off costs). A kind not measured yet is
     interpolated linearly in g between measured ones (an AR step is g = 0; before one is
-    measured it is taken as a γ-chain's time / `prior_ratio`). The running choice is kept
+    measured it is taken as a γ-chain's time / `prior_ratio`, and with only AR measured a
+    γ-chain as `prior_ratio` AR steps). The running choice is kept
     unless another promises `margin` times its throughput (a switch discards the queued half
     block). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
     steps re-measure acceptance (a request's draft may start to help). The prior follows the
@@ -80,6 +81,8 @@ class CostModel:
             known[0] = known[top] / (1 + (self.prior_ratio - 1) * top / self.gamma)
             if g == 0:
                 return known[0]
+        if len(known) == 1:                 # only AR measured: a γ-chain at prior_ratio, linear in g
+            return known[0] * (1 + (self.prior_ratio - 1) * g / self.gamma)
         lo = max((k for k in known if k < g), default=None)
         hi = min((k for k in known if k > g), default=None)
         if hi is None:                      # beyond the longest measured: the last two points' slope

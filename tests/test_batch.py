@@ -167,6 +167,10 @@ def test_cost_model_choices():
     for _ in range(10):
         cm2.observe(0.0)                               # finished requests never accepted a draft:
     assert cm2.prior < 0.06 and cm2.choose(4, [(0, 0)]) == 0   # a new one starts autoregressive
+    ar_only = CostModel(True, gamma=4)                 # only AR measured (AR requests came first)
+    ar_only.times = {(0, 4): 0.01}
+    assert ar_only.time(4, 4) == pytest.approx(0.0125) and ar_only.time(2, 4) == pytest.approx(0.01125)
+    assert ar_only.choose(4, [c(0.9)]) == 4 and ar_only.choose(4, [c(0.0)]) == 0
     tree = CostModel(True, gamma=3, chains=False)      # trees: their own shape or AR
     tree.times = {(3, 1): 0.01, (0, 1): 0.008}
     assert tree.choose(1, [c(0.6)]) == 3 and tree.choose(1, [c(0.1)]) == 0
