@@ -40,8 +40,9 @@ class CostModel:
     γ-chain as `prior_ratio` AR steps). The running choice is kept
     unless another promises `margin` times its throughput (a switch discards the queued half
     block). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
-    steps re-measure acceptance (a request's draft may start to help). The prior follows the
-    finished requests (`observe`). `forced`: always this kind (warm-up)."""
+    steps re-measure acceptance (a request's draft may start to help), and so does a batch of
+    requests none of which has speculated yet (the prior, which follows the finished requests
+    (`observe`), may come from another kind of request). `forced`: always this kind (warm-up)."""
 
     def __init__(self, enabled: bool, gamma: int = 5, chains: bool = True, probe_every: int = 64,
                  probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03, prior_weight: float = 1.0):
@@ -107,6 +108,8 @@ class CostModel:
         if self.time(self.gamma, b) is None:
             choice = self.gamma                     # measure speculative blocks first
         else:
+            if self._probe == 0 and all(acc + rej == 0 for acc, rej in counts):
+                self._probe = self.probe_len        # a fresh batch measures its own acceptance first
             best = max(lengths, key=rate)
             if self._probe > 0:
                 self._probe -= 1

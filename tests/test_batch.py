@@ -166,7 +166,11 @@ def test_cost_model_choices():
     assert modes == "00001100001100", modes
     for _ in range(10):
         cm2.observe(0.0)                               # finished requests never accepted a draft:
-    assert cm2.prior < 0.06 and cm2.choose(4, [(0, 0)]) == 0   # a new one starts autoregressive
+    assert cm2.prior < 0.06
+    assert cm2.choose(4, [c(0.0), (0, 0)]) == 0        # a new request beside measured ones: the prior
+    # a batch of new requests probes its own acceptance first (the prior may be another draft's)
+    assert [cm2.choose(4, [(0, 0)]) for _ in range(2)] == [1, 1]
+    assert cm2.choose(4, [c(0.0)]) == 0
     ar_only = CostModel(True, gamma=4)                 # only AR measured (AR requests came first)
     ar_only.times = {(0, 4): 0.01}
     assert ar_only.time(4, 4) == pytest.approx(0.0125) and ar_only.time(2, 4) == pytest.approx(0.01125)
