@@ -437,7 +437,7 @@ class Runner:
             n = min(CATCH_UP, max(len(t) for t in need.values()))
             top = max(max(reqs[s_].view_len) + reqs[s_].draft_valid for s_ in need)
             T = CATCH_UP
-            if top + T > self.max_len:            # no room for the padding: the exact length
+            if top + T > self.eng.draft_len:      # no room for the padding: the exact length
                 T = n
             toks, lens = [[0] * T for _ in range(b * K)], [0] * (b * K)
             for slot, t in need.items():
@@ -577,7 +577,8 @@ class Runner:
         if any(len(r.tokens) + 1 < r.max_new for r in live):
             step = ((n_acc + 1) * self.active[:b]).repeat_interleave(K)
             inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
-            dl2 = torch.clamp(dl + step, max=self.max_len - eng.lookahead - 2)
+            # (a row whose request ends with this block drafts garbage: kept within the draft's positions)
+            dl2 = torch.clamp(dl + step, max=eng.draft_len - eng.lookahead - 2)
             self.pending = dict(mode=("sd", gamma), b=b, slots=self._slots_key(reqs), dl=dl2,
                                 res=queue_draft(inp2, dl2, G_max + 1 + eng.lookahead))
         self._wait(ready)
