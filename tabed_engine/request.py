@@ -107,10 +107,10 @@ class Request:
         return self.finish_reason is not None
 
     @property
-    def sampling_key(self) -> tuple:
-        """Requests of one batch share this: how target tokens are picked and whether a draft runs."""
-        sp = self.sp
-        return (self.speculative, sp.greedy, sp.temperature, sp.top_k, sp.top_p)
+    def batch_key(self) -> tuple:
+        """Requests of one batch share this: whether a draft runs (sampling settings may differ
+        per request: `sampling.RowSampling`)."""
+        return (self.speculative,)
 
     def append(self, new: list[int]) -> list[int]:
         """Add a block's tokens, cut exactly where decoding one token at a time would stop

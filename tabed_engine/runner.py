@@ -25,7 +25,7 @@ from .graphs import GraphCache
 from .model import KVCache
 from .prompt import Prepared
 from .request import Request
-from .sampling import pick_tokens, target_probs
+from .sampling import RowSampling, pick_tokens, sampling_key, target_probs
 from .speculative import (catch_up_forward, draft_block, forced_tree_path, pack_head, prefill_draft,
                           verify_block, view_tree_block)
 from .tree import node_depth_tensor, tree_draft, tree_history, tree_verify
@@ -142,6 +142,11 @@ class Runner:
             self.w = torch.full((B, K), 1.0 / K, device=dev)
             self.view_mask = torch.ones(B, K, device=dev)     # per slot: the views its request mixes
             self.active = torch.zeros(B, dtype=torch.long, device=dev)
+            # each slot's target sampling settings (batches that mix them: `RowSampling`)
+            self.row_temp = torch.ones(B, device=dev)
+            self.row_top_k = torch.zeros(B, dtype=torch.long, device=dev)
+            self.row_top_p = torch.ones(B, device=dev)
+            self.row_greedy = torch.zeros(B, dtype=torch.bool, device=dev)
             self.seed = torch.zeros(1, dtype=torch.long, device=dev)
             self.offset = torch.zeros(1, dtype=torch.long, device=dev)
         self._allocated = True
@@ -269,6 +274,11 @@ class Runner:
         req.stats.time_queued = t0 - req.arrival
         req.slot = slot
         sp, K = req.sp, self.K
+        v = self.to_device([1.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.greedy], torch.float32)
+        self.row_temp[slot:slot + 1].copy_(v[0:1])
+        self.row_top_k[slot:slot + 1].copy_(v[1:2])
+        self.row_top_p[slot:slot + 1].copy_(v[2:3])
+        self.row_greedy[slot:slot + 1].copy_(v[3:4])
         if req.prep.num_images and req.prep.pixel_values is None:    # preprocessed here, on the device
             from .image_ops import device_pixels
             req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
@@ -370,9 +380,26 @@ class Runner:
             buf = self._host_bufs[key] = torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
         return buf
 
-    def ar_step(self, reqs: list, b: int, sp, gen) -> list[list[int]]:
+    def batch_sampling(self, reqs: list, b: int):
+        """How the batch in slots [0, b) picks target tokens: its requests' common
+        `SamplingParams` when they agree (greedy, or the same temperature / top-k / top-p), else
+        `RowSampling` over the slots; and the temperature its draft mixes and its history
+        compares at (1 greedy, else the first sampling request's: either only shapes which
+        drafts are proposed and how views are weighted, never the output distribution)."""
+        sps = [r.sp for r in reqs[:b] if r is not None and not r.finished]
+        first = next((sp for sp in sps if not sp.greedy), sps[0])
+        if all((sp.temperature, sp.top_k, sp.top_p) == (first.temperature, first.top_k, first.top_p) for sp in sps):
+            return first, 1.0 if first.greedy else first.temperature
+        rows = RowSampling(self.row_temp[:b], self.row_top_k[:b], self.row_top_p[:b], self.row_greedy[:b],
+                           use_top_k=any(sp.top_k > 0 and not sp.greedy for sp in sps),
+                           use_top_p=any(sp.top_p < 1.0 and not sp.greedy for sp in sps),
+                           any_greedy=any(sp.greedy for sp in sps))
+        return rows, first.temperature
+
+    def ar_step(self, reqs: list, b: int, gen) -> list[list[int]]:
         """One autoregressive step for slots [0, b): returns each slot's new tokens (empty for
         empty or finished slots)."""
+        sp, _ = self.batch_sampling(reqs, b)
         tcache, _, _ = self.views(b)
         step_fn = partial(decode_step, self.target.lm, tcache)
         p = self._pending_for("ar", b, reqs)
@@ -465,7 +492,7 @@ class Runner:
                 dl[r.slot * K + k] = r.view_len[k] + G - 2
         return self.to_device(inp2), self.to_device(dl)
 
-    def sd_block(self, reqs: list, b: int, sp, gen, gamma: Optional[int] = None) -> list[list[int]]:
+    def sd_block(self, reqs: list, b: int, gen, gamma: Optional[int] = None) -> list[list[int]]:
         """One speculative block (chain or tree) for slots [0, b): draft, verify, history.
         `gamma`: the chain's length this block (at most the engine's γ, its default; trees
         keep their shape). Returns each slot's new tokens."""
@@ -475,10 +502,11 @@ class Runner:
             raise ValueError(f"chain length {gamma} outside 1..{eng.gamma}")
         depth, V = (gamma if tree is None else tree.depth), self.draft.lm.cfg.vocab_size
         tcache, dcache, state = self.views(b)
+        sp, temp = self.batch_sampling(reqs, b)      # temp: the draft's softmax and the divergences'
         greedy = sp.greedy
-        temp = 1.0 if greedy else sp.temperature   # draft softmax and divergence temperature
         confidence = eng.ensemble.policy == "confidence" and K > 1
-        norms = state.uses_normalisers and tree is None
+        # the target's normalisers serve the history only at the history's own temperature
+        norms = state.uses_normalisers and tree is None and not isinstance(sp, RowSampling)
         live = [r for r in reqs[:b] if r is not None and not r.finished]
         longest = max(max(r.view_len) for r in live)
         G_max = max(len(r.tokens) for r in live)
@@ -506,7 +534,7 @@ class Runner:
             hist_fn = partial(tree_history, state, depth=tree.depth, temperature=temp)
             noise = tree.depth * b * tree.width * V
         draft_key = ("draft", b, K, gamma, tree, greedy, temp, confidence)
-        verify_key = ("verify", b, gamma, tree, greedy, sp.temperature, sp.top_k, sp.top_p, norms)
+        verify_key = ("verify", b, gamma, tree, sampling_key(sp), norms)
         hist_key = ("hist", b, K, gamma, tree, greedy, temp)
 
         def queue_draft(inp2, dl, g_next):

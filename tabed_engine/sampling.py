@@ -1,14 +1,79 @@
 """Target-side token selection shared by autoregressive and speculative decoding, so that
-both sample from exactly the same processed distribution."""
+both sample from exactly the same processed distribution: one `SamplingParams` for a batch
+whose requests pick tokens alike, or `RowSampling` (settings per row) for a batch that mixes
+temperatures, top-k / top-p and greedy requests."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 
 from .config import SamplingParams
 
 
-def target_probs(logits: torch.Tensor, sp: SamplingParams, lse_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Processed target distribution: softmax(logits / T) restricted to top-k / top-p.
+@dataclass(frozen=True, eq=False)
+class RowSampling:
+    """Per-row target sampling settings of a batch, as device tensors [b] (views of the
+    runner's per-slot buffers: a captured graph reads them in place). A batch with these
+    samples (`greedy` is False); its greedy rows get a one-hot target distribution at the
+    argmax, which sampling and the lossless verification turn into exactly the greedy token.
+    The flags say which filters any row uses (they select the work, so they key graphs)."""
+
+    temperature: torch.Tensor   # [b] float32 > 0 (greedy rows: 1)
+    top_k: torch.Tensor         # [b] int64, 0 = no top-k
+    top_p: torch.Tensor         # [b] float32, 1 = no top-p
+    greedy_rows: torch.Tensor   # [b] bool
+    use_top_k: bool
+    use_top_p: bool
+    any_greedy: bool
+    greedy = False
+
+    @property
+    def key(self) -> tuple:
+        return ("rows", self.use_top_k, self.use_top_p, self.any_greedy)
+
+
+Sampling = Union[SamplingParams, RowSampling]
+
+
+def sampling_key(sp: Sampling) -> tuple:
+    """What about `sp` shapes a captured graph's work."""
+    return sp.key if isinstance(sp, RowSampling) else (sp.greedy, sp.temperature, sp.top_k, sp.top_p)
+
+
+def _row_probs(logits: torch.Tensor, rs: RowSampling, lse_out) -> torch.Tensor:
+    """`target_probs` with each row's own settings (rows = the first dimension of logits)."""
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    V = logits.shape[-1]
+    x = logits.float() / rs.temperature.view(shape)
+    if lse_out is not None:
+        torch.logsumexp(x, dim=-1, out=lse_out)
+    if rs.use_top_k or rs.use_top_p:
+        sx, idx = torch.sort(x, dim=-1, descending=True)
+    if rs.use_top_k:
+        k = rs.top_k.view(shape)
+        kth = sx.gather(-1, (torch.where(k > 0, k.clamp(max=V), V) - 1).expand(*x.shape[:-1], 1))
+        x = x.masked_fill(x < kth, float("-inf"))          # ties at the k-th value kept
+    probs = torch.softmax(x, dim=-1)
+    if rs.use_top_p:
+        top_p = rs.top_p.view(shape)
+        sorted_p = probs.gather(-1, idx)
+        before = sorted_p.cumsum(-1) - sorted_p           # mass strictly before each token
+        drop_sorted = (before >= top_p) & (top_p < 1.0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if rs.any_greedy:
+        top = logits.argmax(-1, keepdim=True)
+        onehot = torch.zeros_like(probs).scatter_(-1, top, 1.0)
+        probs = torch.where(rs.greedy_rows.view(shape), onehot, probs)
+    return probs
+
+
+def target_probs(logits: torch.Tensor, sp: Sampling, lse_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Processed target distribution: softmax(logits / T) restricted to top-k / top-p (per row
+    with `RowSampling`, where greedy rows are one-hot at the argmax).
 
     logits: [..., V] float32 -> probabilities [..., V] float32 (rows sum to 1).
     top-k keeps the k largest logits (ties at the k-th value kept); top-p keeps the smallest
@@ -16,6 +81,8 @@ def target_probs(logits: torch.Tensor, sp: SamplingParams, lse_out: torch.Tensor
     lse_out: optional [...] float32, filled with logsumexp(logits / T) before top-k / top-p
     (the unrestricted distribution's normaliser, for the history's divergences).
     """
+    if isinstance(sp, RowSampling):
+        return _row_probs(logits, sp, lse_out)
     x = logits.float() / sp.temperature
     if lse_out is not None:
         torch.logsumexp(x, dim=-1, out=lse_out)
@@ -39,7 +106,7 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.argmax(probs / e, dim=-1)
 
 
-def pick_tokens(logits: torch.Tensor, sp: SamplingParams, generator) -> torch.Tensor:
+def pick_tokens(logits: torch.Tensor, sp: Sampling, generator) -> torch.Tensor:
     """Next token per row from target logits [R, V]: argmax when greedy, else a sample."""
     if sp.greedy:
         return torch.argmax(logits, dim=-1)

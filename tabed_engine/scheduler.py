@@ -4,10 +4,10 @@ autoregressive step, or a speculative block of the chain length the cost model e
 pay most), emit
 each request's new tokens and retire finished requests.
 
-Requests of one batch share how target tokens are picked (`Request.sampling_key`: greedy or
-the same temperature / top-k / top-p, speculating or not); a request of another kind waits
-until the batch drains, and once it is the oldest waiting request no newer request of the
-running kind is admitted before it (first come, first served).
+Requests of one batch either all speculate or all decode autoregressively (`Request.batch_key`;
+their sampling settings may differ: greedy, temperature, top-k and top-p are per row); a request
+of the other kind waits until the batch drains, and once it is the oldest waiting request no
+newer request of the running kind is admitted before it (first come, first served).
 """
 from __future__ import annotations
 
@@ -191,14 +191,13 @@ class Scheduler:
             return
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
         reqs = self.slots[:b]
-        sp = live[0].sp
         gen = live[0].generator if len(live) == 1 else self._batch_gen
         g = self.cost.choose(b, [(r.accepted, r.rejected) for r in live]) if live[0].speculative else 0
         try:
             if g:
-                new = self.runner.sd_block(reqs, b, sp, gen, g)
+                new = self.runner.sd_block(reqs, b, gen, g)
             else:
-                new = self.runner.ar_step(reqs, b, sp, gen)
+                new = self.runner.ar_step(reqs, b, gen)
         except Exception as e:                       # a device failure: the batch cannot go on
             self.runner.pending = None
             for r in live:
@@ -247,9 +246,9 @@ class Scheduler:
                 if not self.waiting:
                     break
                 live = [r for r in self.slots if r is not None]
-                key = live[0].sampling_key if live else self.waiting[0].sampling_key
+                key = live[0].batch_key if live else self.waiting[0].batch_key
                 head = self.waiting[0]
-                if head.sampling_key != key or None not in self.slots:
+                if head.batch_key != key or None not in self.slots:
                     break                            # the oldest waits for the batch to drain
                 self.waiting.popleft()
             slot = self.slots.index(None)

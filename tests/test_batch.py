@@ -322,14 +322,14 @@ def test_warmup_runs_every_bucket_and_leaves_the_engine_as_it_was():
     assert [o.token_ids for o in eng.generate(prompts, images=imgs, sampling=sps)] == [expected(n) for n in names]
 
 
-def test_kinds_of_sampling_take_turns():
-    """A sampled request queued between greedy ones waits for the greedy batch to drain (one
-    kind per batch), and the greedy request queued after it does not overtake it."""
+def test_speculative_and_autoregressive_requests_take_turns():
+    """An autoregressive request (speculative=False) queued between speculative ones waits for
+    their batch to drain (one kind per batch), and the speculative request queued after it does
+    not overtake it."""
     eng = engine(max_batch=4)
     names, prompts, imgs, sps = batch_inputs()
-    hot = SamplingParams(max_new_tokens=6, temperature=0.9, seed=5)
-    kinds = [sps[0], sps[1], hot, sps[3]]
-    ids = [eng.add_request(prompts[i], images=imgs[i], sampling=kinds[i]) for i in range(4)]
+    spec = [True, True, False, True]
+    ids = [eng.add_request(prompts[i], images=imgs[i], sampling=sps[i], speculative=spec[i]) for i in range(4)]
     first, done, out, step = {}, {}, {}, 0
     while eng.has_unfinished():
         step += 1
@@ -338,10 +338,10 @@ def test_kinds_of_sampling_take_turns():
             if o.finished:
                 out[o.request_id], done[o.request_id] = o.output, step
     assert first[ids[0]] == first[ids[1]] < first[ids[2]] < first[ids[3]]
-    assert first[ids[2]] > max(done[ids[0]], done[ids[1]])      # admitted once the greedy batch drained
-    for i in (0, 1, 3):
+    assert first[ids[2]] > max(done[ids[0]], done[ids[1]])      # admitted once the speculative batch drained
+    for i in range(4):
         assert out[ids[i]].token_ids == expected(names[i])
-    assert len(out[ids[2]].token_ids) == 6
+    assert not out[ids[2]].stats.accepted_lengths and out[ids[3]].stats.accepted_lengths
 
 
 def test_generate_keeps_other_callers_outputs():
@@ -460,3 +460,102 @@ def test_batch_on_the_gpu_equals_alone(speculative):
         assert len(o.token_ids) == len(a)
         assert_same_or_fp_tie(eng, t, i, a, o.token_ids)
     assert len(eng.graphs) > 0
+
+
+# ---------------------------------------------------------------- different sampling settings in one batch
+def test_row_sampling_equals_each_rows_own_settings():
+    """`target_probs` with per-row settings (RowSampling) gives every row what its own
+    SamplingParams give it alone; greedy rows are one-hot at the argmax; lse per row."""
+    from tabed_engine.sampling import RowSampling, target_probs
+
+    g = torch.Generator().manual_seed(0)
+    sps = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(), SamplingParams(temperature=1.3, top_p=0.6),
+           SamplingParams(temperature=0.9, top_k=5, top_p=0.8), SamplingParams(temperature=1.0)]
+    rows = RowSampling(torch.tensor([1.0 if s.greedy else s.temperature for s in sps]),
+                       torch.tensor([s.top_k for s in sps]), torch.tensor([s.top_p for s in sps]),
+                       torch.tensor([s.greedy for s in sps]), use_top_k=True, use_top_p=True, any_greedy=True)
+    for shape in ((5, 37), (5, 3, 37)):
+        logits = torch.randn(*shape, generator=g) * 3
+        lse = torch.empty(shape[:-1])
+        probs = target_probs(logits, rows, lse)
+        for i, sp in enumerate(sps):
+            if sp.greedy:
+                want = torch.zeros_like(logits[i]).scatter_(-1, logits[i].argmax(-1, keepdim=True), 1.0)
+            else:
+                want = target_probs(logits[i], sp)
+                assert torch.allclose(lse[i], torch.logsumexp(logits[i] / sp.temperature, -1))
+            assert torch.allclose(probs[i], want, atol=1e-6), (i, sp)
+
+
+def test_requests_with_different_sampling_share_a_batch():
+    """Greedy and sampling requests with different temperatures / top-k / top-p are admitted
+    into one batch at once (no waiting for the batch to drain); the greedy ones still equal
+    transformers' greedy output, AR and speculative."""
+    eng = engine(max_batch=16)
+    names, prompts, imgs, sps = batch_inputs()
+    others = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=1),
+              SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.7, seed=2),
+              SamplingParams(max_new_tokens=12, temperature=0.5, top_k=4, seed=3)]
+    for speculative in (False, True):
+        ids = [eng.add_request(p, images=i, sampling=sp, speculative=speculative)
+               for p, i, sp in zip(prompts + prompts[:3], imgs + imgs[:3], sps + others)]
+        eng.step()
+        assert not eng.scheduler.waiting and sum(r is not None for r in eng.scheduler.slots) == len(ids)
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.output
+        for name, rid in zip(names, ids):
+            assert done[rid].token_ids == expected(name), (name, speculative)
+        assert all(len(done[rid].token_ids) == 12 for rid in ids[len(names):])
+
+
+MIXED_SECOND = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, top_p=0.8, stop_at_eos=False)
+
+
+@pytest.fixture(scope="module")
+def exact_dist_second():
+    from test_speculative import exact_first_tokens, target_dir, word_prompt
+
+    text, imgs = word_prompt(1)
+    return exact_first_tokens(Engine.from_pretrained(target_dir(), device="cpu", dtype=torch.float32), text, imgs,
+                              MIXED_SECOND, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_mixed_sampling_in_a_batch_is_lossless(shard, exact_dist, exact_dist_second, tmp_path_factory):
+    """One batch of 12: 6 requests at the first setting (T 0.6, top-k 3), 4 at a second (T 1.0,
+    top-k 4, top-p 0.8), a greedy one and one at T 0.9 with another prompt. Each group's first
+    3 tokens follow its own exact distribution; the second group's do NOT follow the first
+    group's (a batch that applied one request's settings to all rows fails); the greedy row is
+    the target's greedy output."""
+    from test_speculative import SAMPLING, assert_matches, check_when_complete, word_prompt
+
+    eng = sampling_engine()
+    text, imgs = word_prompt(1)
+    other, other_imgs = word_prompt(2)
+    greedy = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=3, stop_at_eos=False)).token_ids
+    calls = 150
+    first, second, accepted = Counter(), Counter(), 0
+    for call in range(calls):
+        seed = (shard * 1000 + call) * 12
+        sps = ([dataclasses.replace(SAMPLING, seed=seed + i) for i in range(6)]
+               + [dataclasses.replace(MIXED_SECOND, seed=seed + 6 + i) for i in range(4)]
+               + [SamplingParams(max_new_tokens=3, stop_at_eos=False),
+                  SamplingParams(max_new_tokens=3, temperature=0.9, stop_at_eos=False, seed=seed + 11)])
+        outs = eng.generate([text] * 11 + [other], images=[imgs] * 11 + [other_imgs], sampling=sps)
+        for o in outs[:6]:
+            first[tuple(o.token_ids)] += 1
+        for o in outs[6:10]:
+            second[tuple(o.token_ids)] += 1
+        assert outs[10].token_ids == greedy
+        accepted += sum(sum(o.stats.accepted_lengths) for o in outs)
+    assert accepted > calls * 12 * 0.15              # drafts really were accepted
+    n1, n2 = SHARDS * calls * 6, SHARDS * calls * 4
+    check_when_complete(tmp_path_factory, "lossless-mixed-1", shard, SHARDS, first, exact_dist, n1, 0.05)
+    check_when_complete(tmp_path_factory, "lossless-mixed-2", shard, SHARDS, second, exact_dist_second, n2, 0.05)
+    if shard == 0:     # the groups' distributions differ: a uniform-settings batch could not pass both
+        with pytest.raises(AssertionError):
+            assert_matches(second, exact_dist, calls * 4)
