@@ -559,3 +559,29 @@ def test_mixed_sampling_in_a_batch_is_lossless(shard, exact_dist, exact_dist_sec
     if shard == 0:     # the groups' distributions differ: a uniform-settings batch could not pass both
         with pytest.raises(AssertionError):
             assert_matches(second, exact_dist, calls * 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculative", [False, True])
+def test_mixed_sampling_batch_on_the_gpu(speculative):
+    """Per-row sampling settings through the CUDA graphs (float32): greedy requests in a batch
+    with sampling ones equal themselves alone (up to float ties); seeded sampling requests run
+    to their length."""
+    from models import model_dir
+    from test_gpu_engine import assert_same_or_fp_tie
+    from test_speculative import word_prompt
+
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
+                                 dtype=torch.float32, max_batch=8, max_len=512, adaptive=False)
+    reqs = [word_prompt(n) for n in (1, 0, 2, 1, 2)]
+    sps = [SamplingParams(max_new_tokens=20, stop_at_eos=False),
+           SamplingParams(max_new_tokens=20, temperature=0.8, seed=1, stop_at_eos=False),
+           SamplingParams(max_new_tokens=20, stop_at_eos=False),
+           SamplingParams(max_new_tokens=20, temperature=1.1, top_p=0.7, seed=2, stop_at_eos=False),
+           SamplingParams(max_new_tokens=20, temperature=0.6, top_k=5, seed=3, stop_at_eos=False)]
+    outs = eng.generate([t for t, _ in reqs], images=[i for _, i in reqs], sampling=sps, speculative=speculative)
+    for (t, i), sp, o in zip(reqs, sps, outs):
+        assert len(o.token_ids) == 20
+        if sp.greedy:
+            alone = eng.generate(t, images=i, sampling=sp, speculative=speculative).token_ids
+            assert_same_or_fp_tie(eng, t, i, alone, o.token_ids)
