@@ -40,14 +40,17 @@ class CostModel:
     γ-chain as `prior_ratio` AR steps). The running choice is kept
     unless another promises `margin` times its throughput (a switch discards the queued half
     block). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
-    steps re-measure acceptance (a request's draft may start to help), and so does a batch of
+    steps re-measure acceptance (a request's draft may start to help; each probe that finds
+    nothing doubles the interval, up to `probe_max`), and so does a batch of
     requests none of which has speculated yet (the prior, which follows the finished requests
     (`observe`), may come from another kind of request). `forced`: always this kind (warm-up)."""
 
     def __init__(self, enabled: bool, gamma: int = 5, chains: bool = True, probe_every: int = 64,
-                 probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03, prior_weight: float = 1.0):
+                 probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03, prior_weight: float = 1.0,
+                 probe_max: int = 1024):
         self.enabled, self.gamma, self.chains = enabled, gamma, chains
-        self.probe_every, self.probe_len = probe_every, probe_len
+        self.probe_every, self.probe_len, self.probe_max = probe_every, probe_len, probe_max
+        self._every, self._probed = probe_every, False    # the current probe interval; a probe just ended
         self.prior_ratio, self.margin, self.prior_weight = prior_ratio, margin, prior_weight
         self.times: dict[tuple[int, int], float] = {}     # (g, bucket) -> seconds per block
         self._seen: dict[tuple[int, int], int] = {}
@@ -114,13 +117,20 @@ class CostModel:
             if self._probe > 0:
                 self._probe -= 1
                 choice = best
+                self._probed = self._probe == 0
             else:
                 choice = best if rate(best) > rate(0) else 0
                 prev = self._last.get(b)
                 if prev is not None and prev != choice and rate(choice) < self.margin * rate(prev):
                     choice = prev
-                if choice == 0 and self.ar_run >= self.probe_every:
+                if choice:                           # speculation pays: probe at the base interval again
+                    self._every = self.probe_every
+                elif self._probed:                   # a probe that found nothing: probe half as often
+                    self._every = min(2 * self._every, self.probe_max)
+                self._probed = False
+                if choice == 0 and self.ar_run >= self._every:
                     choice, self._probe = best, self.probe_len - 1
+                    self._probed = self._probe == 0
         self._last[b] = choice
         self.ar_run = self.ar_run + 1 if choice == 0 else 0
         return choice

@@ -162,8 +162,15 @@ def test_cost_model_choices():
     assert cm.choose(4, [(0, 1)]) > 0
     cm2 = CostModel(True, gamma=4, probe_every=4, probe_len=2)
     cm2.times = {(4, 4): 0.0144, (0, 4): 0.011}
-    modes = "".join(str(cm2.choose(4, [c(0.0)])) for _ in range(14))   # a useless draft: AR, 2-block probes
-    assert modes == "00001100001100", modes
+    # a useless draft: AR, 2-block probes, each finding nothing doubles the interval (up to 16)
+    cm2.probe_max = 16
+    modes = "".join(str(cm2.choose(4, [c(0.0)])) for _ in range(70))
+    assert modes == "0000" "11" + "0" * 8 + "11" + ("0" * 16 + "11") * 3, modes
+    cm3 = CostModel(True, gamma=4, probe_every=4, probe_len=2)
+    cm3.times = {(4, 4): 0.0144, (0, 4): 0.011}
+    modes = "".join(str(cm3.choose(4, [c(0.0)])) for _ in range(12))
+    assert modes == "000011" "000000" and cm3._every == 8, modes
+    assert cm3.choose(4, [c(0.9)]) == 4 and cm3._every == 4    # a draft that helps again: the interval resets
     for _ in range(10):
         cm2.observe(0.0)                               # finished requests never accepted a draft:
     assert cm2.prior < 0.06
