@@ -356,3 +356,26 @@ def test_concurrent_clients_each_get_their_own_answer(server, engine):
     steps = server.http.get("/metrics").text
     single = float(re.search(r'^tabed_step_requests_bucket{le="1"} (\S+)$', steps, re.M).group(1))
     assert server.metric("tabed_step_requests_count") > single, "no engine step served two requests at once"
+
+
+def test_greedy_and_sampling_clients_at_once(server, engine):
+    """Clients with different sampling settings at the same time (they share the engine's
+    batch): each greedy answer equals its in-process greedy answer; sampled ones come back
+    whole, to their length."""
+    exs = examples("S3", 8, seed=5)
+    refs = [greedy(engine, ex, 12) for ex in exs]
+    settings = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(temperature=0),
+                dict(temperature=1.3, top_p=0.7, seed=2)]
+
+    def one(i):
+        kw = settings[i % len(settings)]
+        extra = {} if kw["temperature"] == 0 else {"extra_body": {"ignore_eos": True}}
+        r = server.openai.chat.completions.create(model=MODEL, messages=openai_messages(exs[i]), max_tokens=12,
+                                                  **kw, **extra).choices[0]
+        if kw["temperature"] == 0:
+            assert r.message.content == refs[i].text, i
+        else:
+            assert r.finish_reason == "length" and r.message.content, i
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(len(exs))))
