@@ -14,6 +14,8 @@ Sections:
   Poisson process) on a warmed-up engine (`Engine.warmup`: every bucket's graphs): throughput,
   p50 / p99 time to first token (from arrival) and inter-token latency, AR against SD at tau =
   2.31 (the geometric schedule).
+* `sampling`: B in {4, 16}, one sampling setting for every request against greedy requests
+  and three sampling settings mixed in the batch (per-row target processing), AR and SD.
 
     python benchmarks/batch.py --out DIR [--preset tiny]
 """
@@ -92,13 +94,16 @@ class BatchBench:
     def prompt(self, i: int, n_words: int):
         return "<image>\n " + self.words(1000 + i, n_words, self.p.target["vocab_size"])
 
-    def run_batch(self, B: int, n_new: int, speculative: bool) -> dict:
-        """B requests added at once; decode wall time from the step after the last admission."""
+    def run_batch(self, B: int, n_new: int, speculative: bool, sampling=None) -> dict:
+        """B requests added at once; decode wall time from the step after the last admission.
+        `sampling`: a list of SamplingParams fields (dicts) the requests take in turn (default
+        greedy)."""
         from tabed_engine import SamplingParams
 
         eng = self.eng
-        sp = SamplingParams(max_new_tokens=n_new, stop_at_eos=False)
-        ids = [eng.add_request(self.prompt(i, self.p.text_tokens - 1), images=[self.image], sampling=sp,
+        kinds = sampling or [{}]
+        sps = [SamplingParams(max_new_tokens=n_new, stop_at_eos=False, **kinds[i % len(kinds)]) for i in range(B)]
+        ids = [eng.add_request(self.prompt(i, self.p.text_tokens - 1), images=[self.image], sampling=sps[i],
                                speculative=speculative) for i in range(B)]
         outs, t_dec = {}, None
         while eng.has_unfinished():
@@ -204,12 +209,40 @@ class BatchBench:
         out["warmup_s"] = warm
         return out
 
+    def sampling(self) -> dict:
+        """What per-row sampling settings cost: a batch of one sampling setting against one
+        mixing greedy requests and three sampling settings (the target's distribution then
+        processed per row), AR and SD at tau 2.31 (cost model off: gamma-chains)."""
+        eng, n_new, out = self.eng, self.p.new_tokens, {}
+        same = [dict(temperature=0.8, seed=1)]
+        mixed = [dict(temperature=0.8, seed=1), {}, dict(temperature=1.0, top_p=0.9, seed=2),
+                 dict(temperature=0.6, top_k=20, seed=3)]
+        eng.configure(adaptive=False)
+        for B in [b for b in (4, 16) if b in self.batches]:
+            row = {}
+            for name, kinds in (("one_setting", same), ("mixed_settings", mixed)):
+                for spec in (False, True):
+                    eng.bench_accept_schedule = geometric_schedule(2.31, self.p.gamma) if spec else None
+                    self.run_batch(B, 16, spec, kinds)                          # warm-up: graphs
+                    row[f"{name}_{'sd' if spec else 'ar'}"] = r = self.run_batch(B, n_new, spec, kinds)
+                    log(f"sampling B={B} {name} {'sd' if spec else 'ar'}: {r['tokens_per_s']:.0f} tok/s")
+            for mode in ("ar", "sd"):
+                row[f"{mode}_mixed_vs_one"] = row[f"mixed_settings_{mode}"]["tokens_per_s"] / \
+                    row[f"one_setting_{mode}"]["tokens_per_s"]
+            out[f"B={B}"] = row
+        eng.configure(adaptive=None)
+        eng.bench_accept_schedule = None
+        return out
+
     def run(self):
         t0 = time.perf_counter()
         self.R["setup"] = self.setup()
         self.save()
         self.R["fixed"] = self.fixed()
         self.save()
+        if self.args.sampling:
+            self.R["sampling"] = self.sampling()
+            self.save()
         if self.args.mixed_requests:
             self.R["mixed"] = self.mixed()
         self.R["total_s"] = time.perf_counter() - t0
@@ -228,6 +261,7 @@ def main(argv=None):
     ap.add_argument("--taus", type=float, nargs="+", default=list(TAUS))
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--rate", type=float, default=40.0, help="mixed run: arrivals per second")
+    ap.add_argument("--sampling", type=int, default=1, help="0: skip the per-row sampling section")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     BatchBench(args).run()

@@ -50,3 +50,4 @@ def test_batch_benchmark_tiny(tmp_path):
         assert row["ar"]["blocks_by_kind"] == {"ar": row["ar"]["blocks_by_kind"]["ar"]}
     for mode in ("ar", "sd"):
         assert rep["mixed"][mode]["requests"] == 4
+        assert rep["sampling"]["B=4"][f"{mode}_mixed_vs_one"] > 0
