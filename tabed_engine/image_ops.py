@@ -1,4 +1,4 @@
-"""Image preprocessing on the device, equal to the checkpoint's CLIP image processor.
+"""Image preprocessing on the device, equal to the checkpoint's CLIP or LLaVA-NeXT image processor.
 
 `device_pixels(images, image_processor, device, dtype)` returns the processor's
 `pixel_values` computed on `device`; the host only uploads each image's uint8 pixels.
@@ -27,11 +27,22 @@ rounds it), rescale and normalise in float32 with the backend's own operation or
 torchvision backend folds the rescale into mean and std). Only the resized rows and columns
 the crop keeps are computed.
 
+Any resolution (LLaVA-NeXT: `LlavaNextImageProcessor` / `...Fast` in 4.x, `...` / `...Pil` in
+5.x): per image, the whole image resized to the base tile (`size`), and the image resized into
+its best `image_grid_pinpoints` resolution keeping its aspect ratio (the same two resamplings as
+above), zero-padded there centred (an odd padding's extra pixel after) and cut into tiles of
+crop_size's height, row by row; then every tile through the CLIP steps above (a no-op resize
+and crop as published); `do_pad` pads each image's tiles with zero tiles to the batch's most.
+The result is `[n, max_tiles, 3, h, w]`; `device_inputs` adds `image_sizes`. transformers 4.57's
+PIL processor misreads the channel axis of an image fitted to a 3-pixel side ([3, w, 3] is
+taken for channels-first) and tiles it wrongly; here it is tiled as 5.x tiles it.
+
 Supported: `CLIPImageProcessor` / `CLIPImageProcessorFast` / `CLIPImageProcessorPil` with
 bicubic resampling, `size` {shortest_edge} or {height, width}, any crop, rescale and
-normalisation; `do_pad` only where it is a no-op (all images cropped to one size). Not
-supported, so the processor runs: other processor classes (LLaVA's pad-to-square
-`LlavaImageProcessor`, SigLIP, ...), other filters (bilinear: torchvision's CPU rounding
+normalisation; `do_pad` only where it is a no-op (all images cropped to one size). LLaVA-NeXT
+processors with those CLIP steps, crop_size with a height, `size` {shortest_edge} or a square
+{height, width} (where 4.57 and 5.x agree). Not supported, so the processor runs: other
+processor classes (LLaVA's pad-to-square `LlavaImageProcessor`, SigLIP, ...), other filters (bilinear: torchvision's CPU rounding
 depends on the CPU's instruction set), `longest_edge` / `max_height` sizes. Images: RGB PIL
 images (what `prompt._to_pil` returns) or uint8 HWC RGB arrays / tensors (on any device);
 `do_convert_rgb` is then a no-op.
@@ -396,6 +407,12 @@ def _fit_size(h: int, w: int, th: int, tw: int) -> tuple[int, int]:
     return th, min(math.ceil(w * (th / h)), tw)
 
 
+def _pad_offsets(fh: int, fw: int, gh: int, gw: int) -> tuple[int, int]:
+    """(top, left) of the resized image in its zero-padded pinpoint: centred, an odd padding's
+    extra pixel after (bottom / right), as both backends pad."""
+    return (gh - fh) // 2, (gw - fw) // 2
+
+
 def grid_resolution(size: tuple[int, int], plan: PixelPlan) -> tuple[int, int]:
     """The (height, width) pinpoint the processor tiles an image of `size` (height, width) at."""
     from transformers.image_processing_utils import select_best_resolution
@@ -411,10 +428,9 @@ def num_tiles(size: tuple[int, int], plan: PixelPlan) -> int:
 
 def _anyres_tiles(img: torch.Tensor, plan: PixelPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 [H, W, 3] -> the processor's tiles before their CLIP steps, float64 uint8 values:
-    (base [3, bh, bw]: the whole image resized to the base size; tiles [rows*cols, 3, t, t]: the
-    image resized
-    into its pinpoint keeping its aspect ratio, zero-padded to it centred (odd padding: the extra
-    pixel after), cut into tiles row by row."""
+    base [3, bh, bw] (the whole image resized to the base size) and tiles [rows*cols, 3, t, t]
+    (the image resized into its pinpoint keeping its aspect ratio, zero-padded to it centred,
+    cut into tiles row by row)."""
     a, clip = plan.anyres, replace(plan, crop=None, anyres=None)
     h, w = img.shape[:2]
     gh, gw = grid_resolution((h, w), plan)
@@ -423,7 +439,7 @@ def _anyres_tiles(img: torch.Tensor, plan: PixelPlan) -> tuple[torch.Tensor, tor
     fit = _resample(x, replace(clip, resize=("exact", fh, fw)))
     t = a.tile
     padded = x.new_zeros(3, gh, gw)
-    top, left = (gh - fh) // 2, (gw - fw) // 2
+    top, left = _pad_offsets(fh, fw, gh, gw)
     padded[:, top:top + fh, left:left + fw] = fit
     tiles = padded.view(3, gh // t, t, gw // t, t).permute(1, 3, 0, 2, 4).reshape(-1, 3, t, t)
     base = _resample(x, replace(clip, resize=("exact",) + a.base))                         # [3, bh, bw]
