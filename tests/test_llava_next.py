@@ -298,6 +298,20 @@ def test_device_images_refused_where_the_layout_differs():
     assert not Engine(target, other, draft=draft, device="cpu", dtype=torch.float32).device_images
 
 
+def test_full_strategy_refused_as_transformers_cannot_pack_it():
+    """vision_feature_select_strategy="full" on a LLaVA-NeXT checkpoint is refused with a ValueError:
+    there is no reference to equal, transformers' own get_image_features fails on it (tiles of
+    g*g + 1 features viewed as g x g grids)."""
+    from tabed_engine.vision import VisionEncoder
+
+    proc, hf = transformers_model(checkpoint("vicuna")[0])
+    enc = proc(text="<image>", images=images("wide"), return_tensors="pt")
+    with pytest.raises(RuntimeError), torch.no_grad():
+        hf.model.get_image_features(enc["pixel_values"], enc["image_sizes"], vision_feature_select_strategy="full")
+    with pytest.raises(ValueError, match="'default'.*transformers cannot pack 'full'"):
+        VisionEncoder(hf.config, -2, "full")
+
+
 # ---------------------------------------------------------------------------- mixed pairs
 def test_from_pretrained_mixed_pair_and_cli(capsys, tmp_path):
     """from_pretrained loads the LLaVA-1.5 draft's own processor; the CLI runs the pair."""
