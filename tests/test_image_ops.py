@@ -408,3 +408,29 @@ def test_anyres_layout_must_match_the_model():
     assert not supports(ip, AnyRes(pins[::-1], 336, 24))    # ties go to the first pinpoint
     assert not supports(ip, AnyRes(((672, 672),), 224, 16))
     assert not supports(pil_processor(), AnyRes(pins, 336, 24))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+def test_cuda_anyres_equals_processor(backend):
+    """LLaVA-NeXT (llava-v1.6's settings) on CUDA against the processor of each backend installed,
+    one image at a time and as a padded batch; bfloat16 equal to the processor's values rounded once."""
+    if backend == "pil":
+        ip = next_processor()
+    else:
+        pytest.importorskip("torchvision")
+        import transformers
+
+        name = ("LlavaNextImageProcessor" if int(transformers.__version__.split(".")[0]) >= 5
+                else "LlavaNextImageProcessorFast")
+        ip = getattr(transformers, name)(**NEXT)
+    assert pixel_plan(ip).backend == backend
+    imgs = [im for im in NEXT_IMAGES if not misread_by_4x(im, ip)]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")["pixel_values"]
+        ours = device_pixels([im], ip, "cuda")
+        assert ours.shape == ref.shape and torch.equal(ours.cpu(), ref), (backend, im.size)
+    ref = ip(imgs[3:6], return_tensors="pt")["pixel_values"]
+    out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    device_pixels(imgs[3:6], ip, "cuda", out=out)
+    assert torch.equal(out.cpu(), ref.to(torch.bfloat16))
