@@ -42,8 +42,9 @@ bicubic resampling, `size` {shortest_edge} or {height, width}, any crop, rescale
 normalisation; `do_pad` only where it is a no-op (all images cropped to one size). LLaVA-NeXT
 processors with those CLIP steps, crop_size with a height, `size` {shortest_edge} or a square
 {height, width} (where 4.57 and 5.x agree). Not supported, so the processor runs: other
-processor classes (LLaVA's pad-to-square `LlavaImageProcessor`, SigLIP, ...), other filters (bilinear: torchvision's CPU rounding
-depends on the CPU's instruction set), `longest_edge` / `max_height` sizes. Images: RGB PIL
+processor classes (LLaVA's pad-to-square `LlavaImageProcessor`, SigLIP, ...), other filters
+(bilinear: torchvision's CPU rounding depends on the CPU's instruction set), `longest_edge` /
+`max_height` sizes. Images: RGB PIL
 images (what `prompt._to_pil` returns) or uint8 HWC RGB arrays / tensors (on any device);
 `do_convert_rgb` is then a no-op.
 """

@@ -292,7 +292,8 @@ def test_anyres_equals_processor(name):
     ref = ip(batch, return_tensors="pt")
     ours = device_inputs(batch, ip, "cpu")
     assert len(batch) > 1 and ours["pixel_values"].shape == ref["pixel_values"].shape
-    assert torch.equal(ours["pixel_values"], ref["pixel_values"]) and torch.equal(ours["image_sizes"], ref["image_sizes"])
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+    assert torch.equal(ours["image_sizes"], ref["image_sizes"])
     if not ip.do_pad:
         with pytest.raises(ValueError, match="do_pad is off"):
             device_pixels(mixed, ip, "cpu")

@@ -276,7 +276,8 @@ def test_device_images_prepare_like_the_processor(name):
         assert b.ids == encode(proc, prompt, imgs)["input_ids"][0].tolist()
         ref = encode(proc, prompt, imgs)
         ours = device_inputs(b.images, eng.processor.image_processor, "cpu")
-        assert torch.equal(ours["pixel_values"], ref["pixel_values"]) and torch.equal(ours["pixel_values"], a.pixel_values)
+        assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+        assert torch.equal(ours["pixel_values"], a.pixel_values)
         assert torch.equal(ours["image_sizes"], ref["image_sizes"])
         b.pixel_values = ours["pixel_values"]
         if name == "mixed":
