@@ -86,7 +86,9 @@ METHOD = {
                   "so the SD number is the speculative path's at the scheduled tau",
     "sd_over_ar": "SD ms/token / engine AR ms/token (< 1 is faster)",
     "prefill_split": "direct synchronized calls of the engine's pieces, median of `repeats` after a warm-up "
-                     "pass: host preprocessing (prompt.prepare: tokenize + the LlavaNext processor's tiles), "
+                     "pass: host preprocessing (prompt.prepare: tokenize + the LlavaNext processor's tiles; with "
+                     "device_images, the default on CUDA: tokenize only, and device_preprocess_ms times "
+                     "image_ops.device_pixels as Runner.prefill runs it; likewise the draft's own processor), "
                      "pixel upload, vision tower over every tile (select_images), projector, packing/unpadding "
                      "with image_newline (anyres.pack), target prefill (Engine.prefill_target: all of these + "
                      "embedding + LM; target_lm_prefill_ms = total - upload - tower - projector - pack), the "
@@ -208,6 +210,7 @@ class NextBench(e2e.Bench):
 
     def prefill_split(self) -> dict:
         from tabed_engine.anyres import pack
+        from tabed_engine.image_ops import device_pixels
         from tabed_engine.prompt import pixels, prepare
         from tabed_engine.runner import cache_rows
         from tabed_engine.speculative import prefill_draft
@@ -216,9 +219,6 @@ class NextBench(e2e.Bench):
         out = {}
         dev = self.device
         for K, eng in self.engines.items():
-            if eng.device_images:    # LlavaNext processors are not image_ops': the engine runs them on the host
-                raise RuntimeError("the engine preprocesses these images on the device; this split times the "
-                                   "host path")
             vision = eng.target.vision
             samples: dict[str, list] = {}
 
@@ -231,7 +231,10 @@ class NextBench(e2e.Bench):
                 for _ in range(self.p.repeats + 1):          # first pass = warm-up (graph capture)
                     prep = timed("host_preprocess_ms", lambda: prepare(
                         self.processor, self.prompt, [self.image], eng.target.image_token_id,
-                        eng.tokens_per_image, with_pixels=True))
+                        eng.tokens_per_image, with_pixels=not eng.device_images))
+                    if eng.device_images:    # the engine's path: image_ops at prefill (Runner.prefill)
+                        prep.pixel_values = timed("device_preprocess_ms", lambda: device_pixels(
+                            prep.images, eng.processor.image_processor, dev))
                     sizes = prep.image_sizes
                     pv = timed("pixel_upload_ms", lambda: prep.pixel_values.to(dev))
                     sel = timed("vision_tower_ms", lambda: vision.select_images(pv, sizes))
@@ -240,15 +243,21 @@ class NextBench(e2e.Bench):
                     timed("pack_ms", lambda: [pack(f, s, vision.anyres, vision.image_newline)
                                               for f, s in zip(feats.split(counts), sizes)])
                     _, _, sel2 = timed("prefill_target_total_ms", lambda: eng.prefill_target(prep))
-                    prep.draft_pixel_values = timed("draft_host_preprocess_ms",
-                                                    lambda: pixels(eng.draft_processor, prep.images))
+                    prep.draft_pixel_values = (
+                        timed("draft_device_preprocess_ms", lambda: device_pixels(
+                            prep.images, eng.draft_processor.image_processor, dev)) if eng.draft_device_images
+                        else timed("draft_host_preprocess_ms", lambda: pixels(eng.draft_processor, prep.images)))
                     rows = timed("build_views_ms", lambda: build_views(eng, prep, sel2, CAPTION))
                     dcache = cache_rows(eng.runner.dcache, 0, len(rows))
                     timed("prefill_draft_ms", lambda: prefill_draft(eng.runner, rows, dcache))
             r = {k: statistics.median(v[1:]) for k, v in samples.items()}
             r["target_lm_prefill_ms"] = r["prefill_target_total_ms"] - sum(
                 r[k] for k in ("pixel_upload_ms", "vision_tower_ms", "projector_ms", "pack_ms"))
-            r["draft_views_total_ms"] = r["draft_host_preprocess_ms"] + r["build_views_ms"] + r["prefill_draft_ms"]
+            for k in ("device_preprocess_ms", "draft_host_preprocess_ms", "draft_device_preprocess_ms"):
+                r.setdefault(k, 0.0)             # the path the engine does not take
+            r["device_images"] = bool(eng.device_images)
+            r["draft_views_total_ms"] = (r["draft_host_preprocess_ms"] + r["draft_device_preprocess_ms"]
+                                         + r["build_views_ms"] + r["prefill_draft_ms"])
             r["tiles"] = int(sel.shape[0])
             r["draft_rows_tokens"] = [len(x.ids) for x in rows]
             out[f"K={K}"] = r
@@ -387,14 +396,17 @@ class NextBench(e2e.Bench):
                                  f"(realized {f(r.get('tau_realized'), '.2f')})", r["ms_per_token"]))
         ps = sec("prefill_split")
         if ps:
-            lines += ["", "| prefill ms | host preprocess | upload | vision tower (tiles) | projector | pack | "
-                      "target LM | target total | draft host | draft build views | draft prefill | draft rows |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += ["", "| prefill ms | host preprocess | device preprocess | upload | vision tower (tiles) | "
+                      "projector | pack | target LM | target total | draft host | draft device | draft build views "
+                      "| draft prefill | draft rows |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for K, r in ps.items():
-                lines.append(f"| {K} | {f(r['host_preprocess_ms'], '.2f')} | {f(r['pixel_upload_ms'], '.2f')} | "
+                lines.append(f"| {K} | {f(r['host_preprocess_ms'], '.2f')} | "
+                             f"{f(r.get('device_preprocess_ms'), '.2f')} | {f(r['pixel_upload_ms'], '.2f')} | "
                              f"{f(r['vision_tower_ms'], '.2f')} ({r['tiles']}) | {f(r['projector_ms'], '.2f')} | "
                              f"{f(r['pack_ms'], '.2f')} | {f(r['target_lm_prefill_ms'], '.2f')} | "
                              f"{f(r['prefill_target_total_ms'], '.2f')} | {f(r['draft_host_preprocess_ms'], '.2f')} | "
+                             f"{f(r.get('draft_device_preprocess_ms'), '.2f')} | "
                              f"{f(r['build_views_ms'], '.2f')} | {f(r['prefill_draft_ms'], '.2f')} | "
                              f"{r['draft_rows_tokens']} |")
         tt = sec("ttft")

@@ -162,11 +162,15 @@ class Engine:
         from .image_ops import supports
         if device_images is not None and not isinstance(device_images, bool):
             raise TypeError(f"device_images must be None or a bool, got {type(device_images).__name__}")
-        can = supports(processor.image_processor) if hasattr(processor, "image_processor") else False
+        can = (supports(processor.image_processor, target.vision.anyres)
+               if hasattr(processor, "image_processor") else False)
         if device_images and not can:
             raise ValueError("device_images=True but the processor's image preprocessing is not one "
                              "tabed_engine.image_ops reproduces (see image_ops.pixel_plan)")
         self.device_images = can and self.device.type == "cuda" if device_images is None else device_images
+        # a draft with its own processor (views.build_views) preprocesses on the device alike
+        self.draft_device_images = (self.device_images and self.draft_processor is not None
+                                    and supports(self.draft_processor.image_processor, draft.vision.anyres))
         # the runner owns the caches (allocated on the first request), ensemble history and
         # CUDA graphs; the scheduler the queue and the batch
         self._cuda_graphs, self._adaptive = cuda_graphs, adaptive
@@ -643,7 +647,7 @@ class Engine:
                              "max_new_tokens or build the engine with a larger max_len")
         use_sd = speculative and self.draft is not None
         mask = self._view_mask(views)
-        if use_sd and self.draft_processor is not None and prep.num_images:
+        if use_sd and self.draft_processor is not None and prep.num_images and not self.draft_device_images:
             with self._prepare_lock:
                 prep.draft_pixel_values = pixels(self.draft_processor, prep.images)
         if caption is not None:

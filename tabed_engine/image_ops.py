@@ -1,4 +1,4 @@
-"""Image preprocessing on the device, equal to the checkpoint's CLIP image processor.
+"""Image preprocessing on the device, equal to the checkpoint's CLIP or LLaVA-NeXT image processor.
 
 `device_pixels(images, image_processor, device, dtype)` returns the processor's
 `pixel_values` computed on `device`; the host only uploads each image's uint8 pixels.
@@ -27,12 +27,24 @@ rounds it), rescale and normalise in float32 with the backend's own operation or
 torchvision backend folds the rescale into mean and std). Only the resized rows and columns
 the crop keeps are computed.
 
+Any resolution (LLaVA-NeXT: `LlavaNextImageProcessor` / `...Fast` in 4.x, `...` / `...Pil` in
+5.x): per image, the whole image resized to the base tile (`size`), and the image resized into
+its best `image_grid_pinpoints` resolution keeping its aspect ratio (the same two resamplings as
+above), zero-padded there centred (an odd padding's extra pixel after) and cut into tiles of
+crop_size's height, row by row; then every tile through the CLIP steps above (a no-op resize
+and crop as published); `do_pad` pads each image's tiles with zero tiles to the batch's most.
+The result is `[n, max_tiles, 3, h, w]`; `device_inputs` adds `image_sizes`. transformers 4.57's
+PIL processor misreads the channel axis of an image fitted to a 3-pixel side ([3, w, 3] is
+taken for channels-first) and tiles it wrongly; here it is tiled as 5.x tiles it.
+
 Supported: `CLIPImageProcessor` / `CLIPImageProcessorFast` / `CLIPImageProcessorPil` with
 bicubic resampling, `size` {shortest_edge} or {height, width}, any crop, rescale and
-normalisation; `do_pad` only where it is a no-op (all images cropped to one size). Not
-supported, so the processor runs: other processor classes (LLaVA's pad-to-square
-`LlavaImageProcessor`, SigLIP, ...), other filters (bilinear: torchvision's CPU rounding
-depends on the CPU's instruction set), `longest_edge` / `max_height` sizes. Images: RGB PIL
+normalisation; `do_pad` only where it is a no-op (all images cropped to one size). LLaVA-NeXT
+processors with those CLIP steps, crop_size with a height, `size` {shortest_edge} or a square
+{height, width} (where 4.57 and 5.x agree). Not supported, so the processor runs: other
+processor classes (LLaVA's pad-to-square `LlavaImageProcessor`, SigLIP, ...), other filters
+(bilinear: torchvision's CPU rounding depends on the CPU's instruction set), `longest_edge` /
+`max_height` sizes. Images: RGB PIL
 images (what `prompt._to_pil` returns) or uint8 HWC RGB arrays / tensors (on any device);
 `do_convert_rgb` is then a no-op.
 """
@@ -41,15 +53,28 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 _CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil")
+# any-resolution (LLaVA-NeXT): 4.x LlavaNextImageProcessor (PIL) / ...Fast (torchvision); 5.x
+# LlavaNextImageProcessor (torchvision) / ...Pil
+_ANYRES_CLASSES = ("LlavaNextImageProcessor", "LlavaNextImageProcessorFast", "LlavaNextImageProcessorPil")
 _SIZE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width",
               "min_pixels", "max_pixels")
+
+
+@dataclass(frozen=True)
+class AnyResPlan:
+    """LLaVA-NeXT's any-resolution tiling, before each tile goes through the CLIP steps."""
+
+    pinpoints: tuple[tuple[int, int], ...]   # (height, width) grid resolutions, multiples of `tile`
+    tile: int                                # side of the tiles cut from the padded image
+    base: tuple[int, int]                    # (height, width) the whole image is resized to
+    pad: bool                                # do_pad: zero tiles up to the batch's most
 
 
 @dataclass(frozen=True)
@@ -62,6 +87,7 @@ class PixelPlan:
     rescale: Optional[float]
     mean: Optional[tuple[float, ...]]         # normalisation, None: off
     std: Optional[tuple[float, ...]]
+    anyres: Optional[AnyResPlan] = None      # any-resolution tiling first (LLaVA-NeXT), else None
 
     def __post_init__(self):
         if self.backend not in ("pil", "torchvision"):
@@ -80,8 +106,8 @@ def pixel_plan(image_processor) -> PixelPlan:
     """The processor's preprocessing as a `PixelPlan`; ValueError naming what is unsupported."""
     ip = image_processor
     name = type(ip).__name__
-    if name not in _CLASSES:
-        raise ValueError(f"{name} is not a CLIP image processor")
+    if name not in _CLASSES + _ANYRES_CLASSES:
+        raise ValueError(f"{name} is not a CLIP or LLaVA-NeXT image processor")
     bases = {c.__name__ for c in type(ip).__mro__}   # 4.x: BaseImageProcessor(Fast); 5.x: the backends
     if bases & {"TorchvisionBackend", "BaseImageProcessorFast"}:
         backend = "torchvision"
@@ -94,10 +120,12 @@ def pixel_plan(image_processor) -> PixelPlan:
     if backend == "pil":
         _pillow_order()
     resize = None
-    if ip.do_resize:
+    anyres = name in _ANYRES_CLASSES
+    if ip.do_resize or anyres:      # LLaVA-NeXT resizes to the grid and the base tile whatever do_resize
         resample = getattr(ip.resample, "value", ip.resample)
         if resample not in (3, "bicubic"):
             raise ValueError(f"resample {ip.resample!r}: only bicubic is reproduced")
+    if ip.do_resize:
         size = _size(ip.size)
         if set(size) == {"shortest_edge"}:
             resize = ("shortest_edge", int(size["shortest_edge"]))
@@ -111,7 +139,7 @@ def pixel_plan(image_processor) -> PixelPlan:
         if set(cs) != {"height", "width"}:
             raise ValueError(f"crop_size {cs}: expected height and width")
         crop = (int(cs["height"]), int(cs["width"]))
-    if getattr(ip, "do_pad", None) and crop is None and (resize is None or resize[0] != "exact"):
+    if not anyres and getattr(ip, "do_pad", None) and crop is None and (resize is None or resize[0] != "exact"):
         raise ValueError("do_pad pads images of different sizes to one; not reproduced")
     mean = std = None
     if ip.do_normalize:
@@ -119,16 +147,48 @@ def pixel_plan(image_processor) -> PixelPlan:
                      for x in (ip.image_mean, ip.image_std))
         if len(mean) != 3 or len(std) != 3:
             raise ValueError(f"image_mean {mean} / image_std {std}: expected 3 channels")
-    return PixelPlan(backend, resize, crop, float(ip.rescale_factor) if ip.do_rescale else None, mean, std)
+    plan = PixelPlan(backend, resize, crop, float(ip.rescale_factor) if ip.do_rescale else None, mean, std)
+    return replace(plan, anyres=_anyres_plan(ip, plan)) if anyres else plan
 
 
-def supports(image_processor) -> bool:
-    """Whether `device_pixels` reproduces this processor (else use the processor)."""
+def _anyres_plan(ip, plan: PixelPlan) -> AnyResPlan:
+    """LLaVA-NeXT's tiling settings, where transformers 4.57 and 5.x read them alike: tiles of
+    crop_size's height, the base tile of a square `size` (4.57 squares a {height, width} size to
+    its smaller side, 5.x does not)."""
+    cs, size = _size(ip.crop_size), _size(ip.size)
+    if "height" not in cs:
+        raise ValueError(f"crop_size {cs}: any-resolution tiles need crop_size height")
+    tile = int(cs["height"])
+    if set(size) == {"shortest_edge"}:
+        base = (int(size["shortest_edge"]),) * 2
+    elif set(size) == {"height", "width"} and size["height"] == size["width"]:
+        base = (int(size["height"]),) * 2
+    else:
+        raise ValueError(f"size {size}: any-resolution needs shortest_edge or a square height and width")
+    pins = tuple(tuple(int(v) for v in p) for p in (ip.image_grid_pinpoints or ()))
+    bad = [p for p in pins if len(p) != 2 or min(p) <= 0 or p[0] % tile or p[1] % tile]
+    if not pins or bad:
+        raise ValueError(f"image_grid_pinpoints {list(pins)}: expected (height, width) multiples of the tile "
+                         f"side {tile}")
+    sizes = {_output_size(tile, tile, plan), _output_size(*base, plan)}
+    if len(sizes) > 1:
+        raise ValueError(f"the tiles and the base tile preprocess to different sizes {sorted(sizes)}")
+    return AnyResPlan(pins, tile, base, bool(getattr(ip, "do_pad", True)))
+
+
+def supports(image_processor, layout=None) -> bool:
+    """Whether `device_pixels` reproduces this processor (else use the processor). layout: the
+    model's `anyres.AnyRes`, when given, must tile as the processor does (same pinpoints and tile
+    side: the image-token counts follow the model's, the pixels the processor's)."""
     try:
-        pixel_plan(image_processor)
-        return True
-    except (ValueError, AttributeError):
+        plan = pixel_plan(image_processor)
+    except (ValueError, AttributeError, TypeError):
         return False
+    if layout is None:
+        return True
+    return (plan.anyres is not None and plan.anyres.pinpoints == tuple(layout.pinpoints)
+            and plan.anyres.tile == layout.tile
+            and _output_size(layout.tile, layout.tile, plan) == (layout.tile, layout.tile))
 
 
 # ---------------------------------------------------------------- resampling coefficients
@@ -239,28 +299,33 @@ def _output_size(h: int, w: int, plan: PixelPlan) -> tuple[int, int]:
 def _resize_crop(img: torch.Tensor, plan: PixelPlan, vertical_first: Optional[bool] = None) -> torch.Tensor:
     """uint8 [H, W, 3] on the device -> resized, cropped pixel values [3, h, w] (float64 ints).
     vertical_first: the pass order (None: the order the backend uses for these sizes)."""
-    h, w = img.shape[:2]
+    return _resample(img.permute(2, 0, 1).to(torch.float64, memory_format=torch.contiguous_format), plan,
+                     vertical_first)
+
+
+def _resample(x: torch.Tensor, plan: PixelPlan, vertical_first: Optional[bool] = None) -> torch.Tensor:
+    """`_resize_crop` of uint8 values held in float64 [..., 3, H, W] (a batch of tiles at once)."""
+    h, w = x.shape[-2:]
     rh, rw = _resized_size(h, w, plan.resize)
     crop = plan.crop or (None, None)
     y0, ny, dy, oh = _crop_axis(rh, crop[0], plan.backend)
     x0, nx, dx, ow = _crop_axis(rw, crop[1], plan.backend)
     if vertical_first is None:
         vertical_first = plan.backend == "pil" and _pillow_vertical_first(w, h, rw, rh)
-    x = img.permute(2, 0, 1).to(torch.float64, memory_format=torch.contiguous_format)   # [3, H, W]
     for axis in ("v", "h") if vertical_first else ("h", "v"):
         if axis == "h" and rw != w:
-            x = _fixed_point(x @ _matrices.get(w, rw, x0, nx, plan.backend, x.device))                                  # [3, *, nx]
+            x = _fixed_point(x @ _matrices.get(w, rw, x0, nx, plan.backend, x.device))   # [..., *, nx]
         elif axis == "h":
-            x = x[:, :, x0:x0 + nx]
+            x = x[..., x0:x0 + nx]
         elif rh != h:
             m = _matrices.get(h, rh, y0, ny, plan.backend, x.device)
-            x = _fixed_point(torch.matmul(m.t(), x))                 # [3, ny, *]
+            x = _fixed_point(torch.matmul(m.t(), x))                 # [..., ny, *]
         else:
-            x = x[:, y0:y0 + ny]
+            x = x[..., y0:y0 + ny, :]
     if (ny, nx) == (oh, ow):
         return x
-    canvas = torch.zeros(3, oh, ow, dtype=torch.float64, device=x.device)
-    canvas[:, dy:dy + ny, dx:dx + nx] = x
+    canvas = x.new_zeros(*x.shape[:-2], oh, ow)
+    canvas[..., dy:dy + ny, dx:dx + nx] = x
     return canvas
 
 
@@ -333,6 +398,55 @@ def _upload(image, index: int, device) -> torch.Tensor:
     return a.to(device, non_blocking=True)
 
 
+# ---------------------------------------------------------------- any resolution (LLaVA-NeXT)
+
+def _fit_size(h: int, w: int, th: int, tw: int) -> tuple[int, int]:
+    """The size an h x w image is resized to inside a th x tw grid resolution, keeping its aspect
+    ratio (transformers' `get_patch_output_size`)."""
+    if tw / w < th / h:
+        return min(math.ceil(h * (tw / w)), th), tw
+    return th, min(math.ceil(w * (th / h)), tw)
+
+
+def _pad_offsets(fh: int, fw: int, gh: int, gw: int) -> tuple[int, int]:
+    """(top, left) of the resized image in its zero-padded pinpoint: centred, an odd padding's
+    extra pixel after (bottom / right), as both backends pad."""
+    return (gh - fh) // 2, (gw - fw) // 2
+
+
+def grid_resolution(size: tuple[int, int], plan: PixelPlan) -> tuple[int, int]:
+    """The (height, width) pinpoint the processor tiles an image of `size` (height, width) at."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    return tuple(select_best_resolution(tuple(size), [list(p) for p in plan.anyres.pinpoints]))
+
+
+def num_tiles(size: tuple[int, int], plan: PixelPlan) -> int:
+    """Tiles the processor makes of an image of `size`, the base tile included."""
+    gh, gw = grid_resolution(size, plan)
+    return 1 + (gh // plan.anyres.tile) * (gw // plan.anyres.tile)
+
+
+def _anyres_tiles(img: torch.Tensor, plan: PixelPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [H, W, 3] -> the processor's tiles before their CLIP steps, float64 uint8 values:
+    base [3, bh, bw] (the whole image resized to the base size) and tiles [rows*cols, 3, t, t]
+    (the image resized into its pinpoint keeping its aspect ratio, zero-padded to it centred,
+    cut into tiles row by row)."""
+    a, clip = plan.anyres, replace(plan, crop=None, anyres=None)
+    h, w = img.shape[:2]
+    gh, gw = grid_resolution((h, w), plan)
+    fh, fw = _fit_size(h, w, gh, gw)
+    x = img.permute(2, 0, 1).to(torch.float64, memory_format=torch.contiguous_format)    # [3, H, W]
+    fit = _resample(x, replace(clip, resize=("exact", fh, fw)))
+    t = a.tile
+    padded = x.new_zeros(3, gh, gw)
+    top, left = _pad_offsets(fh, fw, gh, gw)
+    padded[:, top:top + fh, left:left + fw] = fit
+    tiles = padded.view(3, gh // t, t, gw // t, t).permute(1, 3, 0, 2, 4).reshape(-1, 3, t, t)
+    base = _resample(x, replace(clip, resize=("exact",) + a.base))                         # [3, bh, bw]
+    return base, tiles
+
+
 def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype = torch.float32,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The processor's `pixel_values` for `images`, computed on `device`.
@@ -343,11 +457,13 @@ def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype 
     image_processor : the checkpoint's image processor (`supports` must hold)
     device, dtype : where and in which dtype the result lives (float32: bit-exact with the
         processor; other dtypes are the processor's values rounded once)
-    out : optional [n, 3, h, w] tensor to write into (a graph's static input, say)
+    out : optional tensor of the result's shape to write into (a graph's static input, say)
 
     Returns
     -------
-    Tensor [n, 3, h, w]: `image_processor(images, return_tensors="pt").pixel_values`.
+    Tensor: `image_processor(images, return_tensors="pt").pixel_values`: [n, 3, h, w]; for an
+    any-resolution (LLaVA-NeXT) processor [n, max_tiles, 3, h, w], each image's tiles (its base
+    tile first) then zero tiles up to the most any image has (do_pad).
     """
     plan = pixel_plan(image_processor)
     device = torch.device(device)
@@ -356,16 +472,47 @@ def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype 
     if len(images) == 0:
         raise ValueError("no images")
     pixels = [_upload(im, i, device) for i, im in enumerate(images)]
+    if plan.anyres is not None:
+        return _anyres_pixels(pixels, plan, device, dtype, out)
     sizes = {_output_size(p.shape[0], p.shape[1], plan) for p in pixels}
     if len(sizes) > 1:
         raise ValueError(f"the images preprocess to different sizes {sorted(sizes)} (no resize to a fixed "
                          "size and no crop); they cannot form one batch")
     h, w = sizes.pop()
-    if out is None:
-        out = torch.empty(len(pixels), 3, h, w, dtype=dtype, device=device)
-    elif tuple(out.shape) != (len(pixels), 3, h, w) or out.device != device:
-        raise ValueError(f"out must be [{len(pixels)}, 3, {h}, {w}] on {device}, got "
-                         f"{list(out.shape)} on {out.device}")
+    out = _check_out(out, (len(pixels), 3, h, w), device, dtype)
     for i, p in enumerate(pixels):
         _normalize(_resize_crop(p, plan), plan, out[i])
     return out
+
+
+def _check_out(out: Optional[torch.Tensor], shape: tuple, device, dtype) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.device != device:
+        raise ValueError(f"out must be {list(shape)} on {device}, got {list(out.shape)} on {out.device}")
+    return out
+
+
+def _anyres_pixels(pixels: list, plan: PixelPlan, device, dtype, out) -> torch.Tensor:
+    counts = [num_tiles(p.shape[:2], plan) for p in pixels]
+    if not plan.anyres.pad and len(set(counts)) > 1:
+        raise ValueError(f"the images make different numbers of tiles {counts} and do_pad is off; they "
+                         "cannot form one batch")
+    h, w = _output_size(plan.anyres.tile, plan.anyres.tile, plan)
+    out = _check_out(out, (len(pixels), max(counts), 3, h, w), device, dtype)
+    for i, (p, n) in enumerate(zip(pixels, counts)):
+        base, tiles = _anyres_tiles(p, plan)
+        _normalize(_resample(base, plan), plan, out[i, 0])
+        _normalize(_resample(tiles, plan), plan, out[i, 1:n])
+        out[i, n:].zero_()                               # do_pad's zero tiles
+    return out
+
+
+def device_inputs(images: Sequence, image_processor, device, dtype: torch.dtype = torch.float32) -> dict:
+    """The processor's image outputs computed on `device`: {"pixel_values"} (`device_pixels`), and
+    for an any-resolution processor "image_sizes" too: int64 [n, 2] (height, width) as given."""
+    pv = device_pixels(images, image_processor, device, dtype)
+    if pixel_plan(image_processor).anyres is None:
+        return {"pixel_values": pv}
+    sizes = [tuple(im.shape[:2]) if hasattr(im, "shape") else (im.height, im.width) for im in images]
+    return {"pixel_values": pv, "image_sizes": torch.tensor(sizes, dtype=torch.int64, device=pv.device)}

@@ -13,7 +13,9 @@ C  caption: each image replaced by the text "image: <caption>".
 
 The draft sees its own preprocessing: with a draft of another image layout than the target's
 (a LLaVA-1.5 draft for a LLaVA-NeXT target) `prep.draft_pixel_values` holds the draft
-processor's pixels, and the M and P rows get the draft's own image-token counts.
+processor's pixels (computed here on the device when the engine preprocesses images there and
+`image_ops` reproduces the draft's processor), and the M and P rows get the draft's own
+image-token counts.
 """
 from __future__ import annotations
 
@@ -72,11 +74,15 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
     draft, target = engine.draft, engine.target
     sel = None
     if prep.num_images:
-        own = prep.draft_pixel_values is not None        # the draft's own preprocessing
+        own = prep.draft_pixel_values is not None or getattr(engine, "draft_processor", None) is not None
         same = (not own and draft.vision_sd_hash == target.vision_sd_hash
                 and draft.vision.feature_layer == target.vision.feature_layer
                 and draft.vision.strategy == target.vision.strategy)
         pixels = prep.draft_pixel_values if own else prep.pixel_values
+        if own and pixels is None:     # the draft's own preprocessing, on the device (draft_device_images)
+            from .image_ops import device_pixels
+            pixels = prep.draft_pixel_values = device_pixels(prep.images, engine.draft_processor.image_processor,
+                                                             engine.device)
         sel = target_sel if same and target_sel is not None else \
             draft.vision.select_images(pixels.to(engine.device), prep.image_sizes)
     img_tok = target.image_token_id

@@ -164,9 +164,13 @@ class VisionEncoder(nn.Module):
         self.anyres = AnyRes.from_config(hf_config) if getattr(hf_config, "image_grid_pinpoints", None) else None
         self.image_newline = None
         if self.anyres is not None:
+            # "full" has no reference to equal: transformers' pack_image_features views each tile's
+            # g*g + 1 features as a g x g grid, which fails (or, where g*g divides the hidden size,
+            # mixes channels across positions and then fails at the newline concat)
             if strategy != "default":
                 raise ValueError(f"LLaVA-NeXT checkpoints need vision_feature_select_strategy 'default' (the "
-                                 f"tiles' grids are packed without CLS), got {strategy!r}")
+                                 f"tiles' grids are packed without CLS; transformers cannot pack 'full' "
+                                 f"either), got {strategy!r}")
             self.image_newline = nn.Parameter(torch.empty(hf_config.text_config.hidden_size))
         self.use_graphs = True
         self._graphs = None

@@ -1,13 +1,19 @@
 """Image preprocessing on the device (tabed_engine/image_ops.py) equals the checkpoint's image
-processor bit for bit: the processor installed here (PIL backend without torchvision), and the
-torchvision backend's arithmetic through a reference written out below (torch's uint8 resize,
-transformers' torchvision center crop and fused normalisation)."""
+processor bit for bit, CLIP (LLaVA-1.5) and LLaVA-NeXT any resolution: the processor installed
+here (PIL backend without torchvision), and the torchvision backend's arithmetic through a
+reference written out below (torch's uint8 resize, transformers' torchvision center crop, pad
+and fused normalisation)."""
+import math
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tabed_engine.image_ops import PixelPlan, _resize_crop, device_pixels, pixel_plan, supports
+from PIL import Image
+
+from tabed_engine.image_ops import (PixelPlan, _fit_size, _resize_crop, device_inputs, device_pixels,
+                                    grid_resolution, num_tiles, pixel_plan, supports)
 from tabed_engine.prompt import _to_pil
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -213,3 +219,219 @@ def test_cuda_equals_processor(backend):
     out = torch.full((3, 3, 336, 336), float("nan"), dtype=torch.bfloat16, device="cuda")
     device_pixels(IMAGES[:3], ip, "cuda", out=out)
     assert torch.equal(out.cpu(), ip(IMAGES[:3], return_tensors="pt")["pixel_values"].to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------ any resolution (LLaVA-NeXT)
+
+PINS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+# llava-hf/llava-v1.6-*-hf's preprocessor_config.json (do_pad: the class default, True)
+NEXT = dict(LLAVA, image_grid_pinpoints=PINS, do_pad=True)
+NEXT_CONFIGS = {
+    "llava-v1.6": {},                                                               # as published
+    "fixture": dict(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},   # test_llava_next
+                    image_grid_pinpoints=[[28, 56], [56, 28], [56, 56]]),
+    "five-pins": dict(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30},
+                      image_grid_pinpoints=[[30, 60], [60, 30], [60, 60], [90, 30], [30, 90]]),
+    # tiles of 36 resized to 40 and cropped back to 36 (the CLIP steps are no no-op here), the
+    # base tile a square {height, width}
+    "tile-steps": dict(size={"height": 40, "width": 40}, crop_size={"height": 36, "width": 36},
+                       image_grid_pinpoints=[[36, 72], [72, 36], [108, 108], [36, 144]]),
+    "no-pad-no-normalize": dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], do_pad=False,
+                                do_normalize=False),
+}
+# smaller and larger than the pinpoints, odd sizes, both orientations, extreme aspect ratios
+# (a 3-row fit: transformers 4.x misreads [3, w, 3]; see image_ops), one exactly a pinpoint,
+# grey and RGBA inputs
+NEXT_IMAGES = [image(90, 20), image(25, 90, seed=1), image(60, 50, seed=2), image(333, 517, seed=3),
+               image(640, 480, seed=4), image(1200, 37, seed=5), image(672, 672, seed=6), image(41, 30, 0, seed=7),
+               image(50, 45, 4, seed=8), image(7, 300, seed=9)]
+
+
+def next_processor(**kw):
+    """transformers' PIL-backed LLaVA-NeXT image processor (5.x: LlavaNextImageProcessorPil; 4.x:
+    LlavaNextImageProcessor), llava-v1.6's settings overridden by kw."""
+    try:
+        from transformers import LlavaNextImageProcessorPil as cls
+    except ImportError:
+        from transformers import LlavaNextImageProcessor as cls
+    if pixel_plan(cls(**NEXT)).backend != "pil":
+        pytest.skip(f"no PIL-backed LLaVA-NeXT image processor in this transformers ({cls.__name__} is not)")
+    return cls(**{**NEXT, **kw})
+
+
+def misread_by_4x(im, ip) -> bool:
+    """transformers 4.x takes an image fitted to 3 rows or columns for channels-first."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return False
+    plan = pixel_plan(ip)
+    return 3 in _fit_size(im.height, im.width, *grid_resolution((im.height, im.width), plan))
+
+
+@pytest.mark.parametrize("name", sorted(NEXT_CONFIGS))
+def test_anyres_equals_processor(name):
+    """Bit-exact pixel_values and equal image_sizes, image by image and as one batch (tile
+    counts differ per image: zero tiles pad the batch)."""
+    ip = next_processor(**NEXT_CONFIGS[name])
+    imgs = [im for im in NEXT_IMAGES if not misread_by_4x(im, ip)]
+    if name == "llava-v1.6":
+        imgs = imgs[3:7]        # 336-pixel tiles: slow on the CPU
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")
+        ours = device_inputs([im], ip, "cpu")
+        assert ours["pixel_values"].shape == ref["pixel_values"].shape, (name, im.size)
+        assert torch.equal(ours["pixel_values"], ref["pixel_values"]), \
+            (name, im.size, (ours["pixel_values"] - ref["pixel_values"]).abs().max().item())
+        assert torch.equal(ours["image_sizes"], ref["image_sizes"])
+    counts = [num_tiles((im.height, im.width), pixel_plan(ip)) for im in imgs]
+    mixed = [imgs[counts.index(n)] for n in sorted(set(counts), reverse=True)]      # one of each count
+    assert len(mixed) > 1
+    batch = mixed if ip.do_pad else [im for im, n in zip(imgs, counts) if n == counts[0]][:3]
+    ref = ip(batch, return_tensors="pt")
+    ours = device_inputs(batch, ip, "cpu")
+    assert len(batch) > 1 and ours["pixel_values"].shape == ref["pixel_values"].shape
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+    assert torch.equal(ours["image_sizes"], ref["image_sizes"])
+    if not ip.do_pad:
+        with pytest.raises(ValueError, match="do_pad is off"):
+            device_pixels(mixed, ip, "cpu")
+
+
+def test_anyres_writes_every_element_of_out():
+    """NaN-poisoned out: every tile written, the zero tiles included; bfloat16 rounds once."""
+    ip = next_processor(**NEXT_CONFIGS["five-pins"])
+    imgs = [NEXT_IMAGES[0], NEXT_IMAGES[2], NEXT_IMAGES[7]]          # 4, 5 and 3 tiles
+    ref = ip(imgs, return_tensors="pt")["pixel_values"]
+    assert ref.shape == (3, 5, 3, 30, 30) and not ref[2, 3:].any()
+    out = torch.full(ref.shape, float("nan"))
+    assert device_pixels(imgs, ip, "cpu", out=out) is out and torch.equal(out, ref)
+    half = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16)
+    device_pixels(imgs, ip, "cpu", out=half)
+    assert torch.equal(half, ref.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        device_pixels(imgs, ip, "cpu", out=torch.empty(3, 4, 3, 30, 30))
+
+
+@pytest.mark.parametrize("mutation", ["last pinpoint", "floor fit", "pad top-left", "pad extra pixel first"])
+def test_anyres_mistakes_are_caught(monkeypatch, mutation):
+    """The comparison fails for a wrong pinpoint, fit rounding or padding placement."""
+    import tabed_engine.image_ops as ops
+
+    ip = next_processor(**NEXT_CONFIGS["five-pins"])
+    imgs = NEXT_IMAGES[:5]
+    good = ip(imgs, return_tensors="pt")["pixel_values"]
+    assert torch.equal(device_pixels(imgs, ip, "cpu"), good)
+    if mutation == "last pinpoint":
+        monkeypatch.setattr(ops, "grid_resolution", lambda size, plan: plan.anyres.pinpoints[-1])
+    elif mutation == "floor fit":
+        monkeypatch.setattr(ops, "_fit_size", lambda h, w, th, tw: (th, min(int(w * th / h), tw)) if tw / w >= th / h
+                            else (min(int(h * tw / w), th), tw))
+    elif mutation == "pad top-left":
+        monkeypatch.setattr(ops, "_pad_offsets", lambda fh, fw, gh, gw: (0, 0))
+    else:
+        monkeypatch.setattr(ops, "_pad_offsets", lambda fh, fw, gh, gw: ((gh - fh + 1) // 2, (gw - fw + 1) // 2))
+    bad = device_pixels(imgs, ip, "cpu")
+    assert bad.shape != good.shape or not torch.equal(bad, good)
+
+
+class LlavaNextImageProcessorFast(BaseImageProcessorFast):
+    """transformers 4.x's torchvision-backed LLaVA-NeXT processor (stand-in holding its settings)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update({**NEXT, **kw})
+
+
+def torchvision_anyres_reference(im, ip) -> torch.Tensor:
+    """transformers' torchvision LLaVA-NeXT backend on the CPU, written out for one image: torch's
+    uint8 resize into the best pinpoint keeping the aspect ratio, tvF.pad's centred zero padding
+    ([left, top, right, bottom] with the odd pixel after), divide_to_patches, the base tile,
+    then each tile through the CLIP steps (torchvision_reference: resize, crop, fused
+    normalisation)."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    x = torch.from_numpy(np.array(im)).permute(2, 0, 1).contiguous()
+    h, w = x.shape[1:]
+    gh, gw = select_best_resolution((h, w), ip.image_grid_pinpoints)
+    sw, sh = gw / w, gh / h
+    fh, fw = (min(math.ceil(h * sw), gh), gw) if sw < sh else (gh, min(math.ceil(w * sh), gw))
+    fit = x if (fh, fw) == (h, w) else \
+        F.interpolate(x[None], size=(fh, fw), mode="bicubic", antialias=True)[0]
+    px, rx = divmod(gw - fw, 2)
+    py, ry = divmod(gh - fh, 2)
+    padded = F.pad(fit, [px, px + rx, py, py + ry])
+    t = ip.crop_size["height"]
+    tiles = [padded[:, i:i + t, j:j + t] for i in range(0, gh, t) for j in range(0, gw, t)]
+    s = ip.size["shortest_edge"]
+    base = F.interpolate(x[None], size=(s, s), mode="bicubic", antialias=True)[0]
+    clip = CLIPImageProcessorFast(**{k: v for k, v in ip.__dict__.items() if k != "image_grid_pinpoints"})
+    return torch.stack([torchvision_reference(Image.fromarray(p.permute(1, 2, 0).numpy()), clip)
+                        for p in [base] + tiles])
+
+
+@pytest.mark.parametrize("cfg", [{}, NEXT_CONFIGS["five-pins"],
+                                 dict(size={"shortest_edge": 40}, crop_size={"height": 36, "width": 36},
+                                      image_grid_pinpoints=[[36, 72], [72, 36], [108, 108], [36, 144]])])
+def test_anyres_torchvision_backend_equals_reference(cfg):
+    ip = LlavaNextImageProcessorFast(**cfg)
+    plan = pixel_plan(ip)
+    assert plan.backend == "torchvision" and plan.anyres is not None
+    imgs = NEXT_IMAGES[:4] if not cfg else NEXT_IMAGES
+    for im in imgs:
+        ref = torchvision_anyres_reference(im, ip)
+        ours = device_pixels([im], ip, "cpu")[0]
+        assert ours.shape == ref.shape and torch.equal(ours, ref), (cfg, im.size)
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(resample=2, do_resize=False), "only bicubic"),
+    (dict(size={"height": 336, "width": 300}), "square height and width"),
+    (dict(image_grid_pinpoints=[[336, 600]]), "multiples of the tile"),
+    (dict(image_grid_pinpoints=[]), "multiples of the tile"),
+    (dict(crop_size={"height": 112, "width": 112}, do_resize=False, do_center_crop=False), "different sizes"),
+])
+def test_anyres_unsupported_settings_refused(kw, why):
+    ip = next_processor(**kw)
+    assert not supports(ip)
+    with pytest.raises(ValueError, match=why):
+        pixel_plan(ip)
+
+
+def test_anyres_layout_must_match_the_model():
+    """supports(ip, layout): the model's pinpoints and tile side, which its token counts follow."""
+    from tabed_engine.anyres import AnyRes
+
+    ip = next_processor()
+    pins = tuple(tuple(p) for p in PINS)
+    assert supports(ip) and supports(ip, AnyRes(pins, 336, 24))
+    assert not supports(ip, AnyRes(pins[:3], 336, 24))
+    assert not supports(ip, AnyRes(pins[::-1], 336, 24))    # ties go to the first pinpoint
+    assert not supports(ip, AnyRes(((672, 672),), 224, 16))
+    assert not supports(pil_processor(), AnyRes(pins, 336, 24))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+def test_cuda_anyres_equals_processor(backend):
+    """LLaVA-NeXT (llava-v1.6's settings) on CUDA against the processor of each backend installed,
+    one image at a time and as a padded batch; bfloat16 equal to the processor's values rounded once."""
+    if backend == "pil":
+        ip = next_processor()
+    else:
+        pytest.importorskip("torchvision")
+        import transformers
+
+        name = ("LlavaNextImageProcessor" if int(transformers.__version__.split(".")[0]) >= 5
+                else "LlavaNextImageProcessorFast")
+        ip = getattr(transformers, name)(**NEXT)
+    assert pixel_plan(ip).backend == backend
+    imgs = [im for im in NEXT_IMAGES if not misread_by_4x(im, ip)]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")["pixel_values"]
+        ours = device_pixels([im], ip, "cuda")
+        assert ours.shape == ref.shape and torch.equal(ours.cpu(), ref), (backend, im.size)
+    ref = ip(imgs[3:6], return_tensors="pt")["pixel_values"]
+    out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    device_pixels(imgs[3:6], ip, "cuda", out=out)
+    assert torch.equal(out.cpu(), ref.to(torch.bfloat16))

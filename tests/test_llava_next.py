@@ -48,10 +48,10 @@ def loaded(name):
             load_processor(target), draft_proc)
 
 
-def engine(name, views=("M", "T"), policy="hedge", gamma=5):
+def engine(name, views=("M", "T"), policy="hedge", gamma=5, device_images=None):
     target, draft, processor, draft_proc = loaded(name)
     return Engine(target, processor, draft=draft, draft_processor=draft_proc, device="cpu", dtype=torch.float32,
-                  views=views, policy=policy, gamma=gamma, max_len=512)
+                  views=views, policy=policy, gamma=gamma, max_len=512, device_images=device_images)
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,6 +238,79 @@ def test_token_id_prompt_equals_transformers():
     assert ids.count(eng.target.image_token_id) == 2
     out = eng.generate(ids, images=images("two"), sampling=SamplingParams(max_new_tokens=N_NEW))
     assert out.token_ids == reference("vicuna", "two")
+
+
+# ---------------------------------------------------------------------------- device preprocessing
+@pytest.mark.parametrize("name", NEXT + ["mixed"])
+def test_device_images_equal_transformers(name):
+    """device_images=True forced on the CPU (image_ops computes the any-resolution tiles, and the
+    LLaVA-1.5 draft's own CLIP pixels): AR and SD greedy equal transformers' through its processor,
+    one and two images of different aspect ratios, alone and batched."""
+    eng = engine(name, ("M", "T", "P"), "w-grid", 3, device_images=True)
+    assert eng.device_images and eng.draft_device_images == (name == "mixed")
+    for prompt_name in PROMPTS:
+        for speculative in (False, True):
+            out = generate(eng, prompt_name, speculative)
+            assert out.token_ids == reference(name, prompt_name), (prompt_name, speculative)
+            assert out.stats.speculative == speculative
+    names = ["wide", "two"]
+    outs = eng.generate([PROMPTS[n][0] for n in names], images=[images(n) for n in names],
+                        sampling=SamplingParams(max_new_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == [reference(name, n) for n in names]
+
+
+@pytest.mark.parametrize("name", NEXT + ["mixed"])
+def test_device_images_prepare_like_the_processor(name):
+    """With device_images the prompt is expanded from the tokenizer alone: the processor's ids and
+    spans for every prompt; the pixels computed at prefill (target's, and the draft's own in the
+    views) equal the processors' pixel_values."""
+    from tabed_engine.image_ops import device_inputs
+
+    eng, host = engine(name, device_images=True), engine(name)
+    proc = transformers_model(checkpoint(name)[0])[0]
+    for prompt_name, (prompt, _) in PROMPTS.items():
+        imgs = images(prompt_name)
+        a = host._request(prompt, imgs, None, None, True).prep
+        b = eng._request(prompt, imgs, None, None, True).prep
+        assert (b.ids, b.image_spans) == (a.ids, a.image_spans) and b.pixel_values is None
+        assert b.ids == encode(proc, prompt, imgs)["input_ids"][0].tolist()
+        ref = encode(proc, prompt, imgs)
+        ours = device_inputs(b.images, eng.processor.image_processor, "cpu")
+        assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+        assert torch.equal(ours["pixel_values"], a.pixel_values)
+        assert torch.equal(ours["image_sizes"], ref["image_sizes"])
+        b.pixel_values = ours["pixel_values"]
+        if name == "mixed":
+            assert b.draft_pixel_values is None and a.draft_pixel_values is not None
+            build_views(eng, b, None, None)             # the draft's own pixels, on the device
+            assert torch.equal(b.draft_pixel_values, a.draft_pixel_values)
+
+
+def test_device_images_refused_where_the_layout_differs():
+    """A processor whose pinpoints are not the model's: device_images=True is refused (the token
+    counts follow the model's layout), the default leaves the processor in charge."""
+    import copy
+
+    target, draft, processor, _ = loaded("vicuna")
+    other = copy.deepcopy(processor)
+    other.image_processor.image_grid_pinpoints = [[56, 28], [28, 56], [56, 56]]    # ties break otherwise
+    with pytest.raises(ValueError, match="device_images=True"):
+        Engine(target, other, draft=draft, device="cpu", dtype=torch.float32, device_images=True)
+    assert not Engine(target, other, draft=draft, device="cpu", dtype=torch.float32).device_images
+
+
+def test_full_strategy_refused_as_transformers_cannot_pack_it():
+    """vision_feature_select_strategy="full" on a LLaVA-NeXT checkpoint is refused with a ValueError:
+    there is no reference to equal, transformers' own get_image_features fails on it (tiles of
+    g*g + 1 features viewed as g x g grids)."""
+    from tabed_engine.vision import VisionEncoder
+
+    proc, hf = transformers_model(checkpoint("vicuna")[0])
+    enc = proc(text="<image>", images=images("wide"), return_tensors="pt")
+    with pytest.raises(RuntimeError), torch.no_grad():
+        hf.model.get_image_features(enc["pixel_values"], enc["image_sizes"], vision_feature_select_strategy="full")
+    with pytest.raises(ValueError, match="'default'.*transformers cannot pack 'full'"):
+        VisionEncoder(hf.config, -2, "full")
 
 
 # ---------------------------------------------------------------------------- mixed pairs
