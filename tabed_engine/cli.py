@@ -21,7 +21,15 @@ def add_engine_options(p: argparse.ArgumentParser):
     p.add_argument("--policy", default="hedge",
                    help="ensemble policy: uniform, kld, tvd, w-grid, hedge (default), confidence")
     p.add_argument("--window", type=int, default=0, help="history window in positions (0 = all)")
-    p.add_argument("--gamma", type=int, default=5, help="draft tokens per block (default 5)")
+    p.add_argument("--gamma", type=int, default=5,
+                   help="draft tokens per block at most (default 5; on the GPU the cost model may draft fewer, "
+                        "or none, per block)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="speculate every block with gamma drafts (default: the cost model picks AR or the chain "
+                        "length per block from times it measures; on the GPU only)")
+    p.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help="tokens a request's cache holds: prompt + new tokens (default: the target's "
+                        "max_position_embeddings, at most 4096)")
     p.add_argument("--tree", default=None, metavar="DxWxB",
                    help="draft a tree per block instead of a chain: depth x width x branch, e.g. 5x4x2 "
                         "('default' = 5x4x2); the target verifies all its nodes in one forward")
@@ -40,7 +48,7 @@ def engine_kwargs(args) -> dict:
     """Engine.from_pretrained keyword arguments (besides the directories) from those options."""
     return dict(device=args.device, dtype=args.dtype, views=args.views, policy=args.policy, window=args.window,
                 gamma=args.gamma, view_tree=not args.no_view_tree, escape_token=args.escape_token,
-                tree=args.tree)
+                tree=args.tree, max_len=args.max_len, **({"adaptive": False} if args.no_adaptive else {}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +108,9 @@ def add_serve_parser(sub):
                    help="the model name clients send and /v1/models lists (default: the target directory's name)")
     s.add_argument("--max-batch", type=int, default=None,
                    help="requests decoded together at most (default: the engine's, 16, fewer where memory is short)")
+    s.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                   help="share of the GPU's free memory the KV caches may take (default 0.9): with --max-len, "
+                        "it bounds how many requests decode together")
     s.add_argument("--max-tokens-default", type=int, default=None,
                    help="max_tokens of a request that gives none (default: as many as the context holds, "
                         "as OpenAI's API does)")
@@ -124,6 +135,8 @@ def serve_main(args) -> int:
     kw = engine_kwargs(args)
     if args.max_batch is not None:
         kw["max_batch"] = args.max_batch
+    if args.memory_fraction is not None:
+        kw["memory_fraction"] = args.memory_fraction
     try:
         engine = Engine.from_pretrained(args.target, args.draft,
                                         log=lambda s: print(s, end="", file=sys.stderr, flush=True), **kw)

@@ -18,7 +18,7 @@ import torch
 
 from models import model_dir
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.cli import build_parser, main
+from tabed_engine.cli import build_parser, engine_kwargs, main
 from tabed_engine.tiny import random_image
 
 GOOD_TEXT = "<image>\n w1 w2 w3"
@@ -348,6 +348,9 @@ BAD_CLI = [
     ({"--prompt": " "}, "empty"),
     ({"--image": "/nonexistent/img.png"}, "cannot read image"),
     ({"--device": "tpu"}, "device"),
+    ({"--max-len": "0"}, "max_len"),
+    ({"--max-len": "12"}, "cache length"),
+    ({"--max-len": "100000"}, "max_position_embeddings"),
 ]
 if not torch.cuda.is_available():
     BAD_CLI.append(({"--device": "cuda"}, "device"))
@@ -430,6 +433,15 @@ def test_cli_warns_on_unknown_words(dirs, capsys):
     assert len(warn) == 1 and "'What'" in warn[0] and "'picture?'" in warn[0] and "<unk>" in warn[0]
     rc, out, err = _cli(["--target", dirs[0], "--prompt", "w1 w2", "--max-new-tokens", "2"], capsys)
     assert rc == 0 and "warning" not in err
+
+
+def test_cli_engine_options_reach_the_engine():
+    args = build_parser().parse_args(["serve", "--target", "t", "--max-len", "256", "--no-adaptive",
+                                      "--memory-fraction", "0.5"])
+    kw = engine_kwargs(args)
+    assert kw["max_len"] == 256 and kw["adaptive"] is False and args.memory_fraction == 0.5
+    kw = engine_kwargs(build_parser().parse_args(["generate", "--target", "t", "--prompt", "p"]))
+    assert kw["max_len"] is None and "adaptive" not in kw         # the engine's defaults
 
 
 def test_cli_help_matches_behaviour():
