@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from functools import partial
 from typing import Optional
@@ -33,6 +34,7 @@ from .views import build_views
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CATCH_UP = 16          # tokens per draft catch-up forward (see Runner.catch_up)
+DRAFT_TEMPERATURES = (0.3, 0.5, 0.7, 1.0, 1.4, 2.0)   # the draft's softmax temperature when sampling
 # prompts are padded to a multiple of 64 tokens for the prefill graphs: at most 63 wasted
 # tokens (about one image's worth over ten), and a graph per 64 tokens of cache stays few
 PREFILL_STEP = 64
@@ -381,20 +383,22 @@ class Runner:
         return buf
 
     def batch_sampling(self, reqs: list, b: int):
-        """How the batch in slots [0, b) picks target tokens: its requests' common
-        `SamplingParams` when they agree (greedy, or the same temperature / top-k / top-p), else
-        `RowSampling` over the slots; and the temperature its draft mixes and its history
-        compares at (1 greedy, else the first sampling request's: either only shapes which
-        drafts are proposed and how views are weighted, never the output distribution)."""
+        """How the batch in slots [0, b) picks target tokens: greedy `SamplingParams` when all
+        its requests are greedy, else `RowSampling` over the slots (each request's own
+        temperature / top-k / top-p; one graph serves any values); and the temperature its draft
+        mixes and its history compares at: 1 greedy, else the grid value nearest the first
+        sampling request's (it shapes which drafts are proposed and how views are weighted,
+        never the output distribution; a grid bounds the graphs a server with many
+        temperatures captures)."""
         sps = [r.sp for r in reqs[:b] if r is not None and not r.finished]
-        first = next((sp for sp in sps if not sp.greedy), sps[0])
-        if all((sp.temperature, sp.top_k, sp.top_p) == (first.temperature, first.top_k, first.top_p) for sp in sps):
-            return first, 1.0 if first.greedy else first.temperature
+        first = next((sp for sp in sps if not sp.greedy), None)
+        if first is None:
+            return sps[0], 1.0
         rows = RowSampling(self.row_temp[:b], self.row_top_k[:b], self.row_top_p[:b], self.row_greedy[:b],
                            use_top_k=any(sp.top_k > 0 and not sp.greedy for sp in sps),
                            use_top_p=any(sp.top_p < 1.0 and not sp.greedy for sp in sps),
                            any_greedy=any(sp.greedy for sp in sps))
-        return rows, first.temperature
+        return rows, min(DRAFT_TEMPERATURES, key=lambda t: abs(math.log(t / first.temperature)))
 
     def ar_step(self, reqs: list, b: int, gen) -> list[list[int]]:
         """One autoregressive step for slots [0, b): returns each slot's new tokens (empty for
