@@ -11,7 +11,7 @@ Sections:
   The floor per step is (target weight bytes + the batch's KV bytes at the mean context) /
   copy bandwidth measured in the same run.
 * `mixed`: requests of different prompt lengths and answer lengths arriving over time (a
-  Poisson process) on a warmed-up engine (`Engine.warmup`: every bucket's graphs): throughput,
+  Poisson process, 10 and 40 arrivals/s) on a warmed-up engine (`Engine.warmup`: every bucket's graphs): throughput,
   p50 / p99 time to first token (from arrival) and inter-token latency, AR against SD at tau =
   2.31 (the geometric schedule).
 * `sampling`: B in {4, 16}, one sampling setting for every request against greedy requests
@@ -167,15 +167,20 @@ class BatchBench:
         return out
 
     def mixed(self) -> dict:
-        """Poisson arrivals of requests with different prompt and answer lengths."""
+        """Poisson arrivals of requests with different prompt and answer lengths, at each rate."""
+        warm = self.eng.warmup()         # every bucket's graphs captured before the arrivals start
+        out = {f"rate={rate:g}": self.arrivals(rate) for rate in self.args.rates}
+        out["warmup_s"] = warm
+        return out
+
+    def arrivals(self, rate: float) -> dict:
         from tabed_engine import SamplingParams
 
         eng, args = self.eng, self.args
-        warm = eng.warmup()              # every bucket's graphs captured before the arrivals start
         rng = random.Random(0)
         reqs, t = [], 0.0
         for i in range(args.mixed_requests):
-            t += rng.expovariate(args.rate)
+            t += rng.expovariate(rate)
             reqs.append((t, self.prompt(i, rng.randint(8, 120)), rng.choice((16, 32, 64, 128, 256))))
         out = {}
         for mode, tau in (("ar", None), ("sd", 2.31)):
@@ -201,12 +206,12 @@ class BatchBench:
                    for o in outs if len(o.token_ids) > 1]
             out[mode] = {"requests": len(outs), "wall_s": wall,
                          "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+                         # the share of the run spent in prefills (the batch's decode waits meanwhile)
+                         "prefill_share": sum(o.stats.time_prefill for o in outs) / wall,
                          "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
                          "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99)}
-            log(f"mixed {mode}: {out[mode]}")
+            log(f"mixed {rate:g}/s {mode}: {out[mode]}")
         eng.bench_accept_schedule = None
-        out["arrival_rate_per_s"] = args.rate
-        out["warmup_s"] = warm
         return out
 
     def sampling(self) -> dict:
@@ -260,7 +265,9 @@ def main(argv=None):
     ap.add_argument("--mixed-requests", type=int, default=96)
     ap.add_argument("--taus", type=float, nargs="+", default=list(TAUS))
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
-    ap.add_argument("--rate", type=float, default=40.0, help="mixed run: arrivals per second")
+    ap.add_argument("--rates", type=float, nargs="+", default=[10.0, 40.0],
+                    help="mixed runs: arrivals per second (40/s of 616-token prompts keeps an H200 busy "
+                         "with prefills most of the time)")
     ap.add_argument("--sampling", type=int, default=1, help="0: skip the per-row sampling section")
     args = ap.parse_args(argv)
     torch.manual_seed(0)

@@ -38,7 +38,8 @@ def test_geometric_schedule(tau, gamma):
 
 def test_batch_benchmark_tiny(tmp_path):
     _load("batch").main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--max-batch", "4",
-                         "--batches", "1", "4", "--taus", "1", "2.31", "--mixed-requests", "4"])
+                         "--batches", "1", "4", "--taus", "1", "2.31", "--mixed-requests", "4",
+                         "--rates", "40"])
     rep = json.load(open(tmp_path / "batch_tiny.json"))
     assert rep["warmup_s"] > 0 and rep["provenance"]["command"]
     for B in (1, 4):
@@ -49,5 +50,6 @@ def test_batch_benchmark_tiny(tmp_path):
         assert set(row["sd_tau2.31_always"]["blocks_by_kind"]) == {"chain5"}     # cost model off: gamma-chains
         assert row["ar"]["blocks_by_kind"] == {"ar": row["ar"]["blocks_by_kind"]["ar"]}
     for mode in ("ar", "sd"):
-        assert rep["mixed"][mode]["requests"] == 4
+        assert rep["mixed"]["rate=40"][mode]["requests"] == 4
+        assert 0 < rep["mixed"]["rate=40"][mode]["prefill_share"] < 1
         assert rep["sampling"]["B=4"][f"{mode}_mixed_vs_one"] > 0
