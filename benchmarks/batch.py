@@ -11,9 +11,10 @@ Sections:
   The floor per step is (target weight bytes + the batch's KV bytes at the mean context) /
   copy bandwidth measured in the same run.
 * `mixed`: requests of different prompt lengths and answer lengths arriving over time (a
-  Poisson process, 10 and 40 arrivals/s) on a warmed-up engine (`Engine.warmup`: every bucket's graphs): throughput,
-  p50 / p99 time to first token (from arrival) and inter-token latency, AR against SD at tau =
-  2.31 (the geometric schedule).
+  Poisson process, 10 and 40 arrivals/s) on a warmed-up engine (`Engine.warmup`: every
+  bucket's graphs): throughput, p50 / p99 time to first token (from arrival) and inter-token
+  latency, the share of the run spent in prefills, AR against SD at tau = 2.31 (the geometric
+  schedule).
 * `sampling`: B in {4, 16}, one sampling setting for every request against greedy requests
   and three sampling settings mixed in the batch (per-row target processing), AR and SD.
 
