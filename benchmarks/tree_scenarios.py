@@ -35,13 +35,13 @@ VIEW_SETS = {"M": (("M",), "uniform"), "hedge[M+T]": (("M", "T"), "hedge"),
              "hedge[M+T+P+C]": (("M", "T", "P", "C"), "hedge")}
 
 
-def run(n_prompts: int, device: str, seed: int = 0) -> dict:
+def run(n_prompts: int, device: str, seed: int = 0, trees=None) -> dict:
     t_start = time.perf_counter()
     base = Engine.from_pretrained(os.path.join(DEMO, "target"), os.path.join(DEMO, "draft"), device=device,
                                   views=("M",), policy="uniform")
     engines = {}
     for vname, (views, pol) in VIEW_SETS.items():
-        for dname, tree in DECODERS:
+        for dname, tree in DECODERS + [(f"tree {t}", t) for t in trees or ()]:
             engines[vname, dname] = Engine(base.target, base.processor, draft=base.draft, device=base.device,
                                            dtype=base.dtype, views=views, policy=pol, gamma=5, tree=tree)
     results, mismatches = {}, 0
@@ -74,7 +74,8 @@ def run(n_prompts: int, device: str, seed: int = 0) -> dict:
         },
         "setup": {"models": "tabed_engine/assets/demo/{target,draft}", "greedy": True, "chain_gamma": 5,
                   "prompts_per_scenario": n_prompts, "max_new_tokens": MAX_NEW,
-                  "trees": {d: parse_tree(t).nodes for d, t in DECODERS if t},
+                  "trees": {d: parse_tree(t).nodes for d, t in DECODERS + [(f"tree {t}", t) for t in trees or ()]
+                            if t},
                   "block_efficiency": "sum(new_tokens - 1) / sum(target_forwards) over the prompts"},
         "ar_mismatches": mismatches, "results": results, "mean_over_scenarios": mean,
     }
@@ -102,12 +103,14 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--trees", nargs="*", default=(), metavar="DxWxB", help="more tree shapes to try")
+    ap.add_argument("--name", default="tree_scenarios", help="output file name (without extension)")
     args = ap.parse_args()
-    rep = run(args.prompts, args.device, args.seed)
+    rep = run(args.prompts, args.device, args.seed, args.trees)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tree_scenarios.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(rep, f, indent=1)
-    with open(os.path.join(args.out, "tree_scenarios.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write(markdown(rep))
     print(markdown(rep))
 
