@@ -100,8 +100,8 @@ PRESETS = {
 VIEW_SETS = {1: ("M",), 2: ("M", "T"), 4: ("M", "T", "P", "C")}
 CAPTION = "w1 w2 w3"
 TAU_MAIN = 2.31
-# tree shapes (depth x width x branch; 19, 37, 45 and 64 nodes) and accepted depths + 1 for tree_sweep
-TREE_SHAPES = ("5x2x2", "5x4x2", "6x4x2", "5x3x5")
+# tree shapes (depth x width x branch; 19, 37, 45, 64, 58 and 47 nodes) and accepted depths + 1 for tree_sweep
+TREE_SHAPES = ("5x2x2", "5x4x2", "6x4x2", "5x3x5", "10x3x2", "12x2x2")
 TREE_TAUS = (2.31, 3.0, 4.0)
 METHOD = {
     "decode_ms_per_token": "engine: median over repeats of the inter-token time (time_total - time_first_token) / "
