@@ -256,7 +256,7 @@ class Bench(E2EBench):
             def eager():
                 return lm(cache, pos, embeds=x, logits_index=last, kv_len=run.kv_bucket(n), fresh=True)
 
-            P = prefill_bucket(n, run.max_len, run.prefill_graph_max)
+            P = prefill_bucket(n, run.max_len, max(run.prefill_graph_max, n))   # a graph here even above the limit
             buf, slot_t, last_t = run._prefill_inputs()
             buf[0, :n].copy_(x[0])
             buf[0, n:P].zero_()

@@ -38,9 +38,9 @@ DRAFT_TEMPERATURES = (0.3, 0.5, 0.7, 1.0, 1.4, 2.0)   # the draft's softmax temp
 # prompts are padded to a multiple of 64 tokens for the prefill graphs: at most 63 wasted
 # tokens (about one image's worth over ten), and a graph per 64 tokens of cache stays few
 PREFILL_STEP = 64
-# longer prompts prefill eagerly: their GEMMs dwarf the launch overhead a graph removes, and
-# the graphs' shared pool stays the size of one 4,096-token prefill's activations
-PREFILL_GRAPH_MAX = 4096
+# longer prompts prefill eagerly: there the kernels outlast the host's launches, all a graph
+# removes, and the padding costs more (benchmarks/results/ttft_llava-1.5-7b.json, graph vs eager)
+PREFILL_GRAPH_MAX = 1664
 
 
 def bucket_of(n: int, max_batch: int) -> int:
