@@ -522,16 +522,7 @@ class Bench(E2EBench):
 
     # ------------------------------------------------------------------ verdict + report
     def targets(self) -> dict:
-        R = self.result
-
-        def get(*path):
-            x = R
-            for k in path:
-                if not isinstance(x, dict) or k not in x:
-                    return None
-                x = x[k]
-            return x if isinstance(x, (int, float)) else None
-
+        get = self.number
         check = check_limit
         floor = get("bandwidth", "floor_ms_per_token")
         ar = get("engine_ar", "ms_per_token")
@@ -561,12 +552,7 @@ class Bench(E2EBench):
 
     def markdown(self) -> str:
         R = self.result
-        su, f = R.get("setup", {}), fmt
-
-        def sec(name):
-            v = R.get(name)
-            return v if isinstance(v, dict) and "error" not in v else {}
-
+        su, f, sec = R.get("setup", {}), fmt, self.measured
         lines = header_lines(R) + [
             f"prompt {su.get('prompt_tokens')} tokens ({su.get('image_tokens')} image), "
             f"{su.get('new_tokens')} new, batch 1, greedy, γ={su.get('gamma')}, "

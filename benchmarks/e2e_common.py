@@ -153,6 +153,20 @@ class E2EBench:
         log(f"{name} done in {time.perf_counter() - t:.1f}s")
         self.save()      # after every stage: a run cut short keeps what it measured
 
+    def measured(self, name: str) -> dict:
+        """A section's result, or {} when it failed or did not run (the markdown skips it)."""
+        v = self.result.get(name)
+        return v if isinstance(v, dict) and "error" not in v else {}
+
+    def number(self, *path):
+        """The number at result[path[0]][path[1]]..., or None where the path is missing."""
+        x = self.result
+        for k in path:
+            if not isinstance(x, dict) or k not in x:
+                return None
+            x = x[k]
+        return x if isinstance(x, (int, float)) else None
+
     def run(self):
         t0 = time.perf_counter()
         log(f"preset {self.args.preset} on {self.result['provenance']['device']}")

@@ -323,16 +323,7 @@ class NextBench(e2e.Bench):
 
     # ------------------------------------------------------------------ verdict + report
     def targets(self) -> dict:
-        R = self.result
-
-        def get(*path):
-            x = R
-            for k in path:
-                if not isinstance(x, dict) or k not in x:
-                    return None
-                x = x[k]
-            return x if isinstance(x, (int, float)) else None
-
+        get = self.number
         floor, ar = get("bandwidth", "floor_ms_per_token"), get("engine_ar", "ms_per_token")
         sd = {K: get("sd_sweep", f"K={K}", f"tau={TAU_MAIN}", "ms_per_token") for K in VIEW_SETS}
         hf = get("hf_eager", "ms_per_token")
@@ -353,12 +344,7 @@ class NextBench(e2e.Bench):
 
     def markdown(self) -> str:
         R = self.result
-        su, f = R.get("setup", {}), fmt
-
-        def sec(name):
-            v = R.get(name)
-            return v if isinstance(v, dict) and "error" not in v else {}
-
+        su, f, sec = R.get("setup", {}), fmt, self.measured
         lines = header_lines(R) + [
             f"LLaVA-NeXT target, LLaVA-1.5-style draft (own CLIP preprocessing); "
             f"{su.get('image_size')} image → {su.get('image_tiles')} tiles (grid {su.get('tile_grid')} + base), "
