@@ -268,18 +268,23 @@ class Engine:
         longest = max(known)
         limit = (f"the draft's max_position_embeddings ({self.draft_len})" if self.draft_len < self.max_len
                  else f"the cache length {self.max_len}")
-        droom = self.draft_len - longest - self.lookahead - 2
-        if sp.max_new_tokens is None and droom < 1:
-            raise ValueError(f"a draft view of {longest} tokens + draft lookahead ({self.lookahead} + 2) exceeds "
-                             f"{limit} (no room for new tokens): shorten the prompt or decode without the draft "
-                             "(speculative=False)")
-        if sp.max_new_tokens is not None and sp.max_new_tokens > droom:
-            raise ValueError(f"a draft view of {longest} tokens + max_new_tokens ({sp.max_new_tokens}) + draft "
-                             f"lookahead ({self.lookahead} + 2) exceeds {limit}: lower max_new_tokens (at most "
-                             f"{max(droom, 0)} here), shorten the prompt or decode without the draft "
-                             "(speculative=False)")
+        droom = self._check_room(sp, self.draft_len - longest, f"a draft view of {longest} tokens", limit,
+                                 "shorten the prompt or decode without the draft (speculative=False)")
         # (within the target's cache the runner fits max_new_tokens=None to the views at prefill)
         return caption, min(room, droom) if self.draft_len < self.max_len else room
+
+    def _check_room(self, sp: SamplingParams, free: int, what: str, limit: str, advice: str) -> int:
+        """The new tokens a cache holds when `free` of its slots are left after `what` (the
+        prompt, or a draft view), less the draft lookahead; raises ValueError naming the numbers
+        when that is none, or fewer than sp.max_new_tokens."""
+        room = free - self.lookahead - 2
+        if sp.max_new_tokens is None and room < 1:
+            raise ValueError(f"{what} + draft lookahead ({self.lookahead} + 2) exceeds {limit} (no room for new "
+                             f"tokens): {advice}")
+        if sp.max_new_tokens is not None and sp.max_new_tokens > room:
+            raise ValueError(f"{what} + max_new_tokens ({sp.max_new_tokens}) + draft lookahead ({self.lookahead} "
+                             f"+ 2) exceeds {limit}: lower max_new_tokens (at most {max(room, 0)} here), {advice}")
+        return room
 
     def _pool_size(self, given: Optional[int]) -> Optional[int]:
         """The P view's pooled grid side: at most the draft's vision grid side."""
@@ -636,15 +641,9 @@ class Engine:
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the model's vocabulary ({vocab})")
-        room = self.max_len - len(prep.ids) - self.lookahead - 2     # tokens the cache holds after the prompt
-        if sp.max_new_tokens is None and room < 1:
-            raise ValueError(f"the prompt ({len(prep.ids)} tokens) + draft lookahead exceeds the cache length "
-                             f"{self.max_len} (no room for new tokens): shorten it or build the engine with a "
-                             "larger max_len")
-        if sp.max_new_tokens is not None and sp.max_new_tokens > room:
-            raise ValueError(f"prompt ({len(prep.ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                             f"+ draft lookahead exceeds the cache length {self.max_len}: lower "
-                             "max_new_tokens or build the engine with a larger max_len")
+        room = self._check_room(sp, self.max_len - len(prep.ids), f"the prompt ({len(prep.ids)} tokens)",
+                                f"the cache length {self.max_len}",
+                                "shorten the prompt or build the engine with a larger max_len")
         use_sd = speculative and self.draft is not None
         mask = self._view_mask(views)
         if use_sd and self.draft_processor is not None and prep.num_images and not self.draft_device_images:

@@ -330,12 +330,14 @@ class Runner:
             skip = frozenset(v for v, m in zip(self.eng.views, req.view_mask or ()) if not m)
             rows = build_views(self.eng, req.prep, sel, req.caption, skip)
             longest = max(len(r.ids) for r in rows)
-            room = self.max_len - longest - self.eng.lookahead - 2
+            # (the engine checked the views it could count when the request was added; a C view
+            # captioned only now is checked here)
+            room = self.eng.draft_len - longest - self.eng.lookahead - 2
             if req.sp.max_new_tokens is None and 1 <= room < req.max_new:  # "as many as fit": the views' too
                 req.max_new = room
             if req.max_new > room:
-                raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the cache length "
-                                 f"{self.max_len}")
+                raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the draft's "
+                                 f"{self.eng.draft_len} positions")
             _, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K))
         if side is not None:
             # the caching allocator must not hand these to the other stream while still in use
