@@ -38,8 +38,11 @@ Sampling = Union[SamplingParams, RowSampling]
 
 
 def sampling_key(sp: Sampling) -> tuple:
-    """What about `sp` shapes a captured graph's work."""
-    return sp.key if isinstance(sp, RowSampling) else (sp.greedy, sp.temperature, sp.top_k, sp.top_p)
+    """What about `sp` shapes a captured graph's work (greedy ignores temperature, top-k and
+    top-p: greedy requests with any of them share one graph)."""
+    if isinstance(sp, RowSampling):
+        return sp.key
+    return ("greedy",) if sp.greedy else (sp.temperature, sp.top_k, sp.top_p)
 
 
 def _row_probs(logits: torch.Tensor, rs: RowSampling, lse_out) -> torch.Tensor:

@@ -592,3 +592,20 @@ def test_mixed_sampling_batch_on_the_gpu(speculative):
         if sp.greedy:
             alone = eng.generate(t, images=i, sampling=sp, speculative=speculative).token_ids
             assert_same_or_fp_tie(eng, t, i, alone, o.token_ids)
+
+
+def test_greedy_requests_share_one_verification_graph_key():
+    """Greedy requests differing only in top-k / top-p (which greedy ignores) key the same graph;
+    sampling settings go through per-row tensors, so their values key nothing."""
+    from types import SimpleNamespace
+
+    from tabed_engine.sampling import sampling_key
+
+    assert sampling_key(SamplingParams(top_k=5)) == sampling_key(SamplingParams(top_p=0.5)) == ("greedy",)
+    eng = engine(max_batch=4)
+    eng.runner.allocate()
+    reqs = [[SimpleNamespace(sp=SamplingParams(temperature=t), finished=False),
+             SimpleNamespace(sp=SamplingParams(), finished=False)] for t in (0.7, 1.3)]
+    a, _ = eng.runner.batch_sampling(reqs[0], 2)
+    b, _ = eng.runner.batch_sampling(reqs[1], 2)
+    assert sampling_key(a) == sampling_key(b)
