@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 
 from .prompt import Prepared
-from .vision import pool_features  # noqa: F401  (re-exported: it lived here)
 
 
 @dataclass
