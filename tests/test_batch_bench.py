@@ -1,29 +1,21 @@
 """benchmarks/batch.py --preset tiny on the CPU (every section runs and records what the
 results table reads) and the geometric acceptance schedule it drives the engine with."""
-import importlib.util
 import json
 import os
 import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from bench_scripts import ROOT, load_benchmark
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("tau,gamma", [(1.0, 5), (2.31, 5), (4.0, 5), (2.0, 3)])
 def test_geometric_schedule(tau, gamma):
     """gamma-chains average tau tokens per block; a shorter chain gets what the same per-draft
     rate gives it (fewer tokens), never more than its depth; the draws repeat."""
-    e2e = _load("e2e")
+    e2e = load_benchmark("e2e")
     f = e2e.geometric_schedule(tau, gamma, seed=3)
     n = 20000
     full = sum(f(b, gamma) for b in range(n)) / n + 1
@@ -37,7 +29,7 @@ def test_geometric_schedule(tau, gamma):
 
 
 def test_batch_benchmark_tiny(tmp_path):
-    _load("batch").main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--max-batch", "4",
+    load_benchmark("batch").main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--max-batch", "4",
                          "--batches", "1", "4", "--taus", "1", "2.31", "--mixed-requests", "4",
                          "--rates", "40"])
     rep = json.load(open(tmp_path / "batch_tiny.json"))

@@ -1,24 +1,15 @@
 """benchmarks/e2e.py --preset demo-pair (benchmarks/e2e_demo.py) on the CPU with one prompt per
 scenario and a small token budget: every field is written, SD is lossless against AR with real
 acceptance, and transformers' greedy tokens equal the engine's in float32."""
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from bench_scripts import ROOT, load_benchmark
+
 DEMO = os.path.join(ROOT, "tabed_engine", "assets", "demo")
 SCENARIOS = ("S1", "S2", "S3", "S4", "S5")
-
-
-def _load_e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "benchmarks", "e2e.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod     # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
 
 
 pytestmark = pytest.mark.slow     # a benchmark run end to end
@@ -29,7 +20,7 @@ def report(tmp_path_factory):
     if not all(os.path.isfile(os.path.join(DEMO, d, "config.json")) for d in ("target", "draft")):
         pytest.skip("no bundled demo pair")
     out = tmp_path_factory.mktemp("e2e_demo")
-    _load_e2e().main(["--preset", "demo-pair", "--device", "cpu", "--out", str(out), "--prompts", "1",
+    load_benchmark("e2e").main(["--preset", "demo-pair", "--device", "cpu", "--out", str(out), "--prompts", "1",
                       "--max-new", "8", "--repeats", "1"])
     with open(out / "e2e_demo-pair.json") as f:
         rep = json.load(f)

@@ -1,29 +1,19 @@
 """benchmarks/e2e_next.py --preset tiny on the CPU: every section runs (transformers' included)
 and writes its fields; the image's token count follows the engine and the processor; the
 floor holds the KV read; transformers' LlavaNext greedy tokens equal the engine's in float32."""
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from bench_scripts import load_benchmark
+
 SECTIONS = ("setup", "bandwidth", "engine_ar", "prefill_split", "ttft", "sd_sweep", "hf_eager")
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_e2e_next", os.path.join(ROOT, "benchmarks", "e2e_next.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod     # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e_next")
-    _load().main(["--preset", "tiny", "--device", "cpu", "--out", str(out), "--repeats", "1"])
+    load_benchmark("e2e_next").main(["--preset", "tiny", "--device", "cpu", "--out", str(out), "--repeats", "1"])
     with open(out / "e2e_tiny.json") as f:
         rep = json.load(f)
     with open(out / "e2e_tiny.md") as f:

@@ -230,17 +230,11 @@ def test_warmup_captures_every_prefill_bucket():
 def test_ttft_benchmark_smoke(tmp_path):
     """benchmarks/ttft.py --preset tiny on the CPU: every section written, every mode timed,
     and (float32, greedy) every engine mode's first token equal to transformers'."""
-    import importlib.util
     import json
-    import os
-    import sys
 
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    spec = importlib.util.spec_from_file_location("bench_ttft", os.path.join(root, "benchmarks", "ttft.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    mod.main(["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path)])
+    from bench_scripts import load_benchmark
+
+    load_benchmark("ttft").main(["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path)])
     R = json.loads((tmp_path / "ttft_tiny.json").read_text())
     for section in ("setup", "ttft", "split", "target_prefill", "hf"):
         assert "error" not in R[section], (section, R[section])

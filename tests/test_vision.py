@@ -2,14 +2,13 @@
 features in float32 (each checkpoint layout, feature layer and selection strategy), other
 towers run as transformers modules, and on CUDA the graph-replayed bf16 tower is as close
 to float32 as transformers' own bf16 tower; plus the vision benchmark's CPU smoke run."""
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
 
+from bench_scripts import load_benchmark
 from models import CONFIGS, model_dir
 from tabed_engine.loader import load_lvlm
 from tabed_engine.vision import VisionEncoder, hf_vision_tower
@@ -131,11 +130,7 @@ def test_other_towers_run_as_transformers_modules():
 def test_benchmark_smoke(tmp_path):
     """benchmarks/ttft_vision.py --tiny on the CPU: every number written, the device path
     bit-exact with the processor, our tower equal to transformers' in float32."""
-    spec = importlib.util.spec_from_file_location("bench_ttft_vision",
-                                                  os.path.join(ROOT, "benchmarks", "ttft_vision.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("ttft_vision")
     out = tmp_path / "ttft_vision.json"
     mod.main(["--tiny", "--device", "cpu", "--repeats", "1", "--out", str(out)])
     R = json.loads(out.read_text())
