@@ -102,9 +102,11 @@ class SamplingParams:
     """How to pick tokens. max_new_tokens None = as many as the engine's cache holds after the
     prompt (OpenAI's default). temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters;
     seed None draws a fresh seed per generation (from the OS, not from torch's global RNG); a
-    seeded request reproduces its tokens when it runs alone; in a batch the draws of later tokens
-    are shared with the other requests (seeded by the batch's first request: a batch call with
-    seeds reproduces; each request is still distributed exactly as the target's).
+    seeded request reproduces its tokens when it runs alone and its blocks are the same (the cost
+    model picks AR or a chain length from block times measured on the machine: `adaptive=False`
+    fixes them); in a batch the draws of later tokens are shared with the other requests (seeded
+    by the batch's first request). Each request is distributed exactly as the target's whatever
+    the seed.
     stop: strings that end the generation (the text ends before the first one; the tokens up
     to the one that completed it are kept). stop_token_ids: tokens that end it like EOS does.
     stop_at_eos=False decodes past EOS (ignore_eos).

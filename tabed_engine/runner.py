@@ -355,16 +355,28 @@ class Runner:
     def _slots_key(self, reqs):
         return tuple(None if r is None or r.finished else r.request_id for r in reqs)
 
-    def _pending_for(self, mode: str, b: int, reqs) -> Optional[dict]:
-        """The queued half if it was queued for this mode, bucket and these requests (slots whose
+    def pending_kind(self, slots: list) -> Optional[int]:
+        """The kind of the block queued ahead if it is still good for the batch in `slots` (0 =
+        an AR step, g = a chain of g; a tree: γ), else None."""
+        p = self.pending
+        live = [r.slot for r in slots if r is not None and not r.finished]
+        if p is None or not live or not self._matches(p, p["mode"], bucket_of(max(live) + 1, self.max_batch), slots):
+            return None
+        return 0 if p["mode"] == "ar" else p["mode"][1]
+
+    def _matches(self, p: dict, mode, b: int, reqs) -> bool:
+        """Whether queued half `p` was queued for this mode, bucket and these requests (slots whose
         request finished since are fine: their rows are garbage nobody reads)."""
-        p, self.pending = self.pending, None
-        if p is None or p["mode"] != mode or p["b"] != b:
-            return None
+        if p["mode"] != mode or p["b"] != b:
+            return False
         now = self._slots_key(reqs)
-        if any(n is not None and n != then for n, then in zip(now, p["slots"])):
-            return None
-        return p
+        return not any(n is not None and n != then for n, then in zip(now, p["slots"]))
+
+    def _pending_for(self, mode, b: int, reqs) -> Optional[dict]:
+        """The queued half if it was queued for this mode, bucket and these requests; it is taken
+        (used or stale) either way."""
+        p, self.pending = self.pending, None
+        return p if p is not None and self._matches(p, mode, b, reqs) else None
 
     def _target_inputs(self, reqs, b):
         """Host-built (committed target lengths [b] int32, last tokens [b], the longest length),
@@ -402,9 +414,10 @@ class Runner:
                            any_greedy=any(sp.greedy for sp in sps))
         return rows, min(DRAFT_TEMPERATURES, key=lambda t: abs(math.log(t / first.temperature)))
 
-    def ar_step(self, reqs: list, b: int, gen) -> list[list[int]]:
+    def ar_step(self, reqs: list, b: int, gen, queue_next: bool = True) -> list[list[int]]:
         """One autoregressive step for slots [0, b): returns each slot's new tokens (empty for
-        empty or finished slots)."""
+        empty or finished slots). `queue_next`: queue the next step before reading this one's
+        tokens (False when the batch is about to change: the queued step would be discarded)."""
         sp, _ = self.batch_sampling(reqs, b)
         tcache, _, _ = self.views(b)
         step_fn = partial(decode_step, self.target.lm, tcache)
@@ -420,7 +433,7 @@ class Runner:
         host.copy_(tok, non_blocking=True)
         ready = self._record()
         # queue the next step before waiting for this one (its input never leaves the device)
-        if not all(r is None or r.finished or len(r.tokens) + 1 >= r.max_new for r in reqs[:b]):
+        if queue_next and not all(r is None or r.finished or len(r.tokens) + 1 >= r.max_new for r in reqs[:b]):
             tl2 = torch.clamp(tl + self.active[:b].int(), max=self.max_len - 1)
             logits = self.run_graph(("ar", b), step_fn, {"tok": tok[:, None], "lens": tl2},
                                     kv_len=self.kv_bucket(longest + 2))
@@ -498,10 +511,12 @@ class Runner:
                 dl[r.slot * K + k] = r.view_len[k] + G - 2
         return self.to_device(inp2), self.to_device(dl)
 
-    def sd_block(self, reqs: list, b: int, gen, gamma: Optional[int] = None) -> list[list[int]]:
+    def sd_block(self, reqs: list, b: int, gen, gamma: Optional[int] = None,
+                 queue_next: bool = True) -> list[list[int]]:
         """One speculative block (chain or tree) for slots [0, b): draft, verify, history.
         `gamma`: the chain's length this block (at most the engine's γ, its default; trees
-        keep their shape). Returns each slot's new tokens."""
+        keep their shape). `queue_next`: queue the next block's draft before reading this
+        block's tokens (as `ar_step`). Returns each slot's new tokens."""
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
         gamma = eng.gamma if gamma is None or tree is not None else gamma
         if not 1 <= gamma <= eng.gamma:
@@ -608,7 +623,7 @@ class Runner:
 
         # the next block's draft, unless every request certainly ends with this block: its
         # rows' last two tokens are (d_n, next) and they are n + 1 tokens further on
-        if any(len(r.tokens) + 1 < r.max_new for r in live):
+        if queue_next and any(len(r.tokens) + 1 < r.max_new for r in live):
             step = ((n_acc + 1) * self.active[:b]).repeat_interleave(K)
             inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
             # (a row whose request ends with this block drafts garbage: kept within the draft's positions)

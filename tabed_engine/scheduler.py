@@ -2,7 +2,9 @@
 admit waiting requests into free slots (prefill), run one block for the batch (an
 autoregressive step, or a speculative block of the chain length the cost model expects to
 pay most), emit
-each request's new tokens and retire finished requests.
+each request's new tokens and retire finished requests. A block queued ahead (the runner
+queues the next block before reading the current one) is finished before an admission, which
+would otherwise discard it.
 
 Requests of one batch either all speculate or all decode autoregressively (`Request.batch_key`;
 their sampling settings may differ: greedy, temperature, top-k and top-p are per row); a request
@@ -179,12 +181,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests (their first tokens are this step's output) or, when none
-        was admitted, run one block for the batch. Never raises for one request's failure:
+        """Admit waiting requests (their first tokens are this step's output; a block queued
+        ahead is finished first) or, when none was admitted, run one block for the batch. Never raises for one request's failure:
         that request finishes with finish_reason "error" and the others go on."""
         outputs: list[RequestOutput] = []
         with torch.inference_mode():
             self._apply_aborts(outputs)
+            kind = self.runner.pending_kind(self.slots)
+            if kind is not None and self._admissible():
+                # the next block is queued already and an admission would discard it: finish it first
+                self._block(outputs, kind)
             if self._admit(outputs):
                 self._last = None                    # the next block's time includes no prefill
             else:
@@ -195,19 +201,32 @@ class Scheduler:
                 self.slots[i] = None
         return outputs
 
-    def _block(self, outputs):
+    def _admissible(self) -> bool:
+        """Whether the oldest waiting request can be admitted now."""
+        with self._lock:
+            if not self.waiting or None not in self.slots:
+                return False
+            live = [r for r in self.slots if r is not None]
+            return not live or self.waiting[0].batch_key == live[0].batch_key
+
+    def _block(self, outputs, kind: Optional[int] = None):
+        """One block for the batch: of the cost model's choice, or `kind` (the block already
+        queued, finished before an admission: nothing is queued after it)."""
         live = [r for r in self.slots if r is not None and not r.finished]
         if not live:
             return
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
         reqs = self.slots[:b]
         gen = live[0].generator if len(live) == 1 else self._batch_gen
-        g = self.cost.choose(b, [(r.accepted, r.rejected) for r in live]) if live[0].speculative else 0
+        if kind is not None:
+            g = kind
+        else:
+            g = self.cost.choose(b, [(r.accepted, r.rejected) for r in live]) if live[0].speculative else 0
         try:
             if g:
-                new = self.runner.sd_block(reqs, b, gen, g)
+                new = self.runner.sd_block(reqs, b, gen, g, queue_next=kind is None)
             else:
-                new = self.runner.ar_step(reqs, b, gen)
+                new = self.runner.ar_step(reqs, b, gen, queue_next=kind is None)
         except Exception as e:                       # a device failure: the batch cannot go on
             self.runner.pending = None
             for r in live:

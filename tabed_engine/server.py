@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .openai_protocol import (ApiError, ParsedRequest, check_model, chunk, compl
                               parse_completion, parse_json)
 
 log = logging.getLogger("tabed_engine.server")
+SWITCH_INTERVAL = 2e-4   # seconds: the GIL hand-over interval while the server runs
 
 
 @dataclass
@@ -55,6 +57,10 @@ class EngineLoop:
 
     def start(self):
         self._loop = asyncio.get_running_loop()
+        # a thread waiting for the GIL gets it after this interval at the latest: the engine thread
+        # back from a device wait must not stall behind the event loop's work (CPython's default 5 ms)
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
         self._thread = threading.Thread(target=self._run, name="tabed-engine-step", daemon=True)
         self._thread.start()
 
@@ -66,6 +72,7 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            sys.setswitchinterval(self._switch)
 
     async def submit(self, rid: str, req: ParsedRequest) -> asyncio.Queue:
         """Hand a parsed request to the engine; its outputs arrive on the returned queue.

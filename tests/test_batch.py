@@ -269,6 +269,27 @@ def test_step_loop_abort_and_request_ids():
     assert final[other].token_ids == expected("text")
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_an_admission_finishes_the_block_queued_ahead(speculative):
+    """A request admitted while the next block is queued already: that block is finished first
+    (its work is not discarded) and nothing is queued after it; tokens stay transformers'."""
+    eng = engine(max_batch=2)
+    names, prompts, imgs, sps = batch_inputs()
+    a = eng.add_request(prompts[0], images=imgs[0], sampling=sps[0], speculative=speculative)
+    outs = eng.step() + eng.step() + eng.step()         # admit, then two blocks (the first: a view tree)
+    assert eng.runner.pending_kind(eng.scheduler.slots) == (eng.gamma if speculative else 0)
+    blocks = sum(eng.scheduler.kinds.values())
+    b = eng.add_request(prompts[5], images=imgs[5], sampling=sps[5], speculative=speculative)
+    step = eng.step()                                    # the queued block, then b's prefill
+    assert sum(eng.scheduler.kinds.values()) == blocks + 1 and eng.runner.pending is None
+    assert [o.request_id for o in step] == [a, b]
+    outs += step
+    while eng.has_unfinished():
+        outs += eng.step()
+    final = {o.request_id: o.output.token_ids for o in outs if o.finished}
+    assert final[a] == expected(names[0]) and final[b] == expected(names[5])
+
+
 def test_per_request_views():
     """An engine with M, T and C: a request without a caption mixes M and T only (its C row runs
     with weight 0), next to one that mixes all three; both equal transformers, the left-out
@@ -500,9 +521,10 @@ def test_requests_with_different_sampling_share_a_batch():
     transformers' greedy output, AR and speculative."""
     eng = engine(max_batch=16)
     names, prompts, imgs, sps = batch_inputs()
-    others = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=1),
-              SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.7, seed=2),
-              SamplingParams(max_new_tokens=12, temperature=0.5, top_k=4, seed=3)]
+    # (the batch's draws follow its first, unseeded request: EOS must not end a sampled one early)
+    others = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=1, stop_at_eos=False),
+              SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.7, seed=2, stop_at_eos=False),
+              SamplingParams(max_new_tokens=12, temperature=0.5, top_k=4, seed=3, stop_at_eos=False)]
     for speculative in (False, True):
         ids = [eng.add_request(p, images=i, sampling=sp, speculative=speculative)
                for p, i, sp in zip(prompts + prompts[:3], imgs + imgs[:3], sps + others)]
