@@ -512,25 +512,28 @@ class Runner:
         return self.to_device(inp2), self.to_device(dl)
 
     def sd_block(self, reqs: list, b: int, gen, gamma: Optional[int] = None,
-                 queue_next: bool = True) -> list[list[int]]:
+                 gamma_next: Optional[int] = None) -> list[list[int]]:
         """One speculative block (chain or tree) for slots [0, b): draft, verify, history.
         `gamma`: the chain's length this block (at most the engine's γ, its default; trees
-        keep their shape). `queue_next`: queue the next block's draft before reading this
-        block's tokens (as `ar_step`). Returns each slot's new tokens."""
+        keep their shape). Before this block's tokens are read, the whole next block (its draft
+        and verification) is queued behind it with chains of `gamma_next` (default `gamma`; 0:
+        nothing, the batch changes or decodes autoregressively next), so the host's work on
+        this block's tokens overlaps the device's on the next. Returns each slot's new tokens."""
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
         gamma = eng.gamma if gamma is None or tree is not None else gamma
-        if not 1 <= gamma <= eng.gamma:
-            raise ValueError(f"chain length {gamma} outside 1..{eng.gamma}")
-        depth, V = (gamma if tree is None else tree.depth), self.draft.lm.cfg.vocab_size
-        tcache, dcache, state = self.views(b)
+        gamma_next = gamma if gamma_next is None else gamma_next
+        if tree is not None and gamma_next:
+            gamma_next = eng.gamma
+        for g in (gamma, gamma_next or 1):
+            if not 1 <= g <= eng.gamma:
+                raise ValueError(f"chain length {g} outside 1..{eng.gamma}")
+        depth = gamma if tree is None else tree.depth
+        _, _, state = self.views(b)
         sp, temp = self.batch_sampling(reqs, b)      # temp: the draft's softmax and the divergences'
         greedy = sp.greedy
-        confidence = eng.ensemble.policy == "confidence" and K > 1
         # the target's normalisers serve the history only at the history's own temperature
         norms = state.uses_normalisers and tree is None and not isinstance(sp, RowSampling)
         live = [r for r in reqs[:b] if r is not None and not r.finished]
-        longest = max(max(r.view_len) for r in live)
-        G_max = max(len(r.tokens) for r in live)
         schedule = self.bench_accept_schedule
         timer = _Timer(self, live)
 
@@ -541,78 +544,32 @@ class Runner:
                 and live[0].n_prompt + K * gamma + 2 <= self.max_len):
             return self._view_tree(live[0], timer)
 
-        if tree is None:
-            draft_fn = partial(draft_block, self.draft.lm, dcache, B=b, K=K, gamma=gamma, greedy=greedy,
-                               temperature=temp, confidence=confidence)
-            verify_fn = partial(verify_block, self.target.lm, tcache, sp=sp, normalisers=norms)
-            hist_fn = partial(history_step, state, temperature=temp)
-            noise = gamma * b * V
-        else:
-            draft_fn = partial(tree_draft, self.draft.lm, dcache, B=b, K=K, cfg=tree, greedy=greedy,
-                               temperature=temp, confidence=confidence)
-            verify_fn = partial(tree_verify, self.target.lm, tcache, dcache, sp=sp, K=K, depth=tree.depth,
-                                node_depth=node_depth_tensor(tree, dev), probs_fn=partial(target_probs, sp=sp))
-            hist_fn = partial(tree_history, state, depth=tree.depth, temperature=temp)
-            noise = tree.depth * b * tree.width * V
-        draft_key = ("draft", b, K, gamma, tree, greedy, temp, confidence)
-        verify_key = ("verify", b, gamma, tree, sampling_key(sp), norms)
-        hist_key = ("hist", b, K, gamma, tree, greedy, temp)
-
-        def queue_draft(inp2, dl, g_next):
-            res = self.run_graph(draft_key, draft_fn,
-                                 dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset),
-                                 kv_len=self.kv_bucket(longest + g_next + eng.lookahead))
-            self.offset.add_(noise)
-            return res
-
         if p is None:
             self.catch_up(reqs, b)
             inp2, dl = self._draft_inputs(reqs, b)
-            res = queue_draft(inp2, dl, G_max)
+            tl, last, t_max = self._target_inputs(reqs, b)
+            blk = self._queue_block(b, gamma, sp, temp, gen, inp2, dl, tl, last, t_max, live)
         else:
-            res, dl = p["res"], p["dl"]
-        timer.lap("time_draft")
-
-        tl, last, t_max = self._target_inputs(reqs, b)
-        if tree is not None:
-            tokens, parents, node_q, fed_logits, fedpos = res
-            inputs = dict(tokens=tokens, parents=parents, tlens=tl, dlens=dl, fedpos=fedpos)
-            if not greedy:
-                inputs.update(node_q=node_q, uniforms=torch.rand(b, tree.nodes + 1, generator=gen, device=dev))
-            tlogits, path, n_acc, nxt, packed = self.run_graph(verify_key, verify_fn, inputs,
-                                                               kv_len=self.kv_bucket(t_max + 1 + tree.nodes))
-            d_last = tokens.gather(1, path.gather(1, n_acc[:, None]))   # [b, 1]: d_n, or the root
-        else:
-            drafted, q_logits, mixture, q_lse = res
-            vin = torch.cat([last[:, None], drafted], dim=1)
-            inputs = dict(vin=vin, tlens=tl)
-            if not greedy:
-                inputs.update(mixture=mixture, uniforms=torch.rand(b, gamma + 1, generator=gen, device=dev))
-            tlogits, n_acc, nxt, packed, t_lse = self.run_graph(verify_key, verify_fn, inputs,
-                                                               kv_len=self.kv_bucket(t_max + 1 + gamma + 1))
-            d_last = vin.gather(1, n_acc[:, None])
-        if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
-            n = min(int(schedule(live[0].blocks, depth)), depth)
-            n_acc = torch.full_like(n_acc, n)
-            if tree is None:
-                nxt = tlogits[torch.arange(b, device=dev), n_acc].argmax(-1)
-                packed = pack_head(n_acc, nxt, drafted)
-            else:
-                path, d_last, nxt, packed = forced_tree_path(tokens, parents, tlogits, n, tree)
+            blk = p["blk"]
+        timer.lap("time_verify")
+        res, v = blk["res"], blk["v"]
+        n_acc = v["n_acc"]
         head, w_host = self._host("head", (b, 2 + depth)), self._host("w", (b, K), torch.float32)
-        head.copy_(packed, non_blocking=True)
+        head.copy_(v["packed"], non_blocking=True)
         w_host.copy_(self.w[:b], non_blocking=True)   # this block's weights, before they are replaced
         ready = self._record()
-        timer.lap("time_verify")
 
         if state.adaptive:
+            hist_key = ("hist", b, K, gamma, tree, greedy, temp)
             if tree is not None:
-                h_in = dict(tlogits=tlogits, fed_logits=fed_logits, path=path, n_acc=n_acc, fedpos=fedpos,
-                            cursor=state.cursor)
+                hist_fn = partial(tree_history, state, depth=tree.depth, temperature=temp)
+                h_in = dict(tlogits=v["tlogits"], fed_logits=res[3], path=v["path"], n_acc=n_acc,
+                            fedpos=res[4], cursor=state.cursor)
             else:
-                h_in = dict(tlogits=tlogits, q_logits=q_logits, n_acc=n_acc, cursor=state.cursor)
+                hist_fn = partial(history_step, state, temperature=temp)
+                h_in = dict(tlogits=v["tlogits"], q_logits=res[1], n_acc=n_acc, cursor=state.cursor)
                 if norms:
-                    h_in.update(t_lse=t_lse, q_lse=q_lse)
+                    h_in.update(t_lse=v["t_lse"], q_lse=res[3])
             w, cursor = self.run_graph(hist_key, hist_fn, h_in)
             if any(r.view_mask is not None for r in live):
                 w = self._masked(w, 0, b)
@@ -621,15 +578,18 @@ class Runner:
             state.cursor.copy_(torch.where(act, cursor, state.cursor))   # empty slots stay put
         timer.lap("time_ensemble")
 
-        # the next block's draft, unless every request certainly ends with this block: its
-        # rows' last two tokens are (d_n, next) and they are n + 1 tokens further on
-        if queue_next and any(len(r.tokens) + 1 < r.max_new for r in live):
-            step = ((n_acc + 1) * self.active[:b]).repeat_interleave(K)
-            inp2 = torch.cat([d_last, nxt[:, None]], 1).repeat_interleave(K, 0)
-            # (a row whose request ends with this block drafts garbage: kept within the draft's positions)
-            dl2 = torch.clamp(dl + step, max=eng.draft_len - eng.lookahead - 2)
-            self.pending = dict(mode=("sd", gamma), b=b, slots=self._slots_key(reqs), dl=dl2,
-                                res=queue_draft(inp2, dl2, G_max + 1 + eng.lookahead))
+        # the next block, unless every request certainly ends with this one: its rows' last two
+        # tokens are (d_n, next), n + 1 tokens further on, its target rows n + 1 longer
+        if gamma_next and any(len(r.tokens) + 1 < r.max_new for r in live):
+            step = (n_acc + 1) * self.active[:b]
+            inp2 = torch.cat([v["d_last"], v["nxt"][:, None]], 1).repeat_interleave(K, 0)
+            # (a row whose request ends with this block drafts and verifies garbage: kept within
+            # the draft's positions and the target's cache)
+            dl2 = torch.clamp(blk["dl"] + step.repeat_interleave(K), max=eng.draft_len - eng.lookahead - 2)
+            T_next = (gamma_next if tree is None else tree.nodes) + 1
+            tl2 = torch.clamp(blk["tl"] + step.int(), max=self.max_len - T_next)
+            self.pending = dict(mode=("sd", gamma_next), b=b, slots=self._slots_key(reqs), blk=self._queue_block(
+                b, gamma_next, sp, temp, gen, inp2, dl2, tl2, v["nxt"], blk["t_max"] + depth + 1, live, ahead=1))
         self._wait(ready)
         heads, ws = head.tolist(), w_host.tolist()
         out = []
@@ -646,6 +606,71 @@ class Runner:
             r.draft_valid = len(r.tokens) - 2
         timer.lap("time_other")
         return out
+
+    def _queue_block(self, b: int, gamma: int, sp, temp: float, gen, inp2, dl, tl, last, t_max: int, live,
+                     ahead: int = 0) -> dict:
+        """Queue one block's draft and verification (nothing read back): draft rows at lengths
+        `dl` [b*K] fed `inp2` [b*K, 2], target rows at lengths `tl` [b] int32 fed `last` [b];
+        `t_max` bounds the target lengths. `ahead`: blocks between the host's view of the live
+        requests and this one (the benchmark's forced acceptance follows the block index).
+        Returns dict(res = the draft's outputs, v = the verification's (tlogits, n_acc, nxt,
+        packed, d_last, t_lse or path), dl, tl, t_max)."""
+        eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
+        tcache, dcache, _ = self.views(b)
+        greedy, V = sp.greedy, self.draft.lm.cfg.vocab_size
+        depth = gamma if tree is None else tree.depth
+        confidence = eng.ensemble.policy == "confidence" and K > 1
+        norms = self.state.uses_normalisers and tree is None and not isinstance(sp, RowSampling)
+        longest = max(max(r.view_len) for r in live)
+        G_max = max(len(r.tokens) for r in live) + ahead * (depth + 1)
+        if tree is None:
+            draft_fn = partial(draft_block, self.draft.lm, dcache, B=b, K=K, gamma=gamma, greedy=greedy,
+                               temperature=temp, confidence=confidence)
+            verify_fn = partial(verify_block, self.target.lm, tcache, sp=sp, normalisers=norms)
+            noise = gamma * b * V
+        else:
+            draft_fn = partial(tree_draft, self.draft.lm, dcache, B=b, K=K, cfg=tree, greedy=greedy,
+                               temperature=temp, confidence=confidence)
+            verify_fn = partial(tree_verify, self.target.lm, tcache, dcache, sp=sp, K=K, depth=tree.depth,
+                                node_depth=node_depth_tensor(tree, dev), probs_fn=partial(target_probs, sp=sp))
+            noise = tree.depth * b * tree.width * V
+        res = self.run_graph(("draft", b, K, gamma, tree, greedy, temp, confidence), draft_fn,
+                             dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset),
+                             kv_len=self.kv_bucket(longest + G_max + eng.lookahead))
+        self.offset.add_(noise)
+        verify_key = ("verify", b, gamma, tree, sampling_key(sp), norms)
+        v = {}
+        if tree is not None:
+            tokens, parents, node_q, fed_logits, fedpos = res
+            inputs = dict(tokens=tokens, parents=parents, tlens=tl, dlens=dl, fedpos=fedpos)
+            if not greedy:
+                inputs.update(node_q=node_q, uniforms=torch.rand(b, tree.nodes + 1, generator=gen, device=dev))
+            tlogits, path, n_acc, nxt, packed = self.run_graph(verify_key, verify_fn, inputs,
+                                                               kv_len=self.kv_bucket(t_max + 1 + tree.nodes))
+            d_last = tokens.gather(1, path.gather(1, n_acc[:, None]))   # [b, 1]: d_n, or the root
+        else:
+            drafted, q_logits, mixture, q_lse = res
+            vin = torch.cat([last[:, None], drafted], dim=1)
+            inputs = dict(vin=vin, tlens=tl)
+            if not greedy:
+                inputs.update(mixture=mixture, uniforms=torch.rand(b, gamma + 1, generator=gen, device=dev))
+            tlogits, n_acc, nxt, packed, v["t_lse"] = self.run_graph(
+                verify_key, verify_fn, inputs, kv_len=self.kv_bucket(t_max + 1 + gamma + 1))
+            d_last = vin.gather(1, n_acc[:, None])
+        schedule = self.bench_accept_schedule
+        if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
+            n = min(int(schedule(live[0].blocks + ahead, depth)), depth)
+            n_acc = torch.full_like(n_acc, n)
+            if tree is None:
+                nxt = tlogits[torch.arange(b, device=dev), n_acc].argmax(-1)
+                packed = pack_head(n_acc, nxt, drafted)
+                d_last = vin.gather(1, n_acc[:, None])
+            else:
+                path, d_last, nxt, packed = forced_tree_path(tokens, parents, tlogits, n, tree)
+        if tree is not None:
+            v["path"] = path
+        v.update(tlogits=tlogits, n_acc=n_acc, nxt=nxt, packed=packed, d_last=d_last)
+        return dict(res=res, v=v, dl=dl, tl=tl, t_max=t_max)
 
     def _view_tree(self, r: Request, timer) -> list[list[int]]:
         """The first block of a lone greedy request with several views: every view's own chain

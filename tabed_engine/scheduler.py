@@ -219,12 +219,16 @@ class Scheduler:
         reqs = self.slots[:b]
         gen = live[0].generator if len(live) == 1 else self._batch_gen
         if kind is not None:
-            g = kind
+            g, g_next = kind, 0
+        elif live[0].speculative:
+            # a speculative block queued ahead runs; the choice is for the block queued after it
+            g_next = self.cost.choose(b, [(r.accepted, r.rejected) for r in live])
+            g = self.runner.pending_kind(self.slots) or g_next
         else:
-            g = self.cost.choose(b, [(r.accepted, r.rejected) for r in live]) if live[0].speculative else 0
+            g = g_next = 0
         try:
             if g:
-                new = self.runner.sd_block(reqs, b, gen, g, queue_next=kind is None)
+                new = self.runner.sd_block(reqs, b, gen, g, gamma_next=g_next)
             else:
                 new = self.runner.ar_step(reqs, b, gen, queue_next=kind is None)
         except Exception as e:                       # a device failure: the batch cannot go on

@@ -203,6 +203,30 @@ def test_chain_length_per_block_is_lossless():
     assert any(a > 0 for o in outs for a in o.stats.accepted_lengths)
 
 
+def test_the_next_block_is_queued_before_a_block_is_read():
+    """Speculative blocks in a row: when the host reads a block's tokens, the next block's
+    verification (of the chain length chosen for it) is queued already; tokens stay the target's."""
+    eng = engine(views=("M",), gamma=4)
+    eng.scheduler.cost = Scripted((4, 4, 2, 3, 1, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4), gamma=4)
+    events, run_graph = [], eng.runner.run_graph
+
+    def record(key, fn, inputs, kv_len=None):
+        if key[0] == "verify":
+            events.append(key[2])         # the chain length verified
+        return run_graph(key, fn, inputs, kv_len=kv_len)
+
+    eng.runner.run_graph = record
+    eng.runner._wait = lambda ev: events.append("read")
+    name = "one_image"
+    out = eng.generate(PROMPTS[name][0], images=images(PROMPTS[name][1]), sampling=SamplingParams(max_new_tokens=16))
+    assert out.token_ids == expected(name)[:16]
+    reads = [i for i, e in enumerate(events) if e == "read"][1:]           # after the prefill's read
+    assert len(reads) >= 3 and events[reads[0] - 2:reads[0]] == [4, 4]     # block 1 and block 2 queued
+    assert all(len(events[a + 1:b]) <= 1 for a, b in zip(reads, reads[1:]))  # one block queued ahead
+    # each block's own length (the first choice serves the first block and the one queued behind it)
+    assert [e for e in events if e != "read"][:5] == [4, 4, 4, 2, 3]
+
+
 def test_stop_conditions_cut_each_request_as_one_token_at_a_time():
     """stop strings, stop tokens and EOS inside a block: the request keeps exactly the tokens
     one-at-a-time decoding would; the text ends before the stop string; streamed pieces never
