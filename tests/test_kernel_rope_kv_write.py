@@ -10,6 +10,7 @@ The cache is layer 1 of a NaN-filled [L, 2, Rc, S, Hkv, D] buffer viewed [.., Hk
 and writes to the wrong slot, row, head or layer are caught: after the call, every element of
 the buffer outside the T new slots of each written row must still be NaN.
 """
+import json
 import types
 
 import pytest
@@ -290,6 +291,23 @@ def test_launcher_rejects_bad_input():
     with pytest.raises(ValueError, match="odd"):
         _k.rope_kv_write(odd["qkv"], odd["cos"][:, :, 0], odd["sin"][:, :, 0], *caches(odd["buf"]),
                          odd["lengths"], 2, 2)
+
+
+def test_benchmark_smoke(tmp_path, kernel_device):
+    """benchmarks/bench_rope_kv_write.py --smoke (interpreter, tiny shapes): decode and prefill
+    rows written, the fused call within a bf16 rounding of the eager chain (the interpreter
+    truncates where the chain rounds), positive timings."""
+    if kernel_device == "cuda":
+        pytest.skip("--smoke runs the CPU interpreter")
+    from bench_scripts import load_benchmark
+
+    out = tmp_path / "rope_kv_write.json"
+    load_benchmark("bench_rope_kv_write").main(["--smoke", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["T"], r["Hkv"]) for r in rows] == [("decode", 1, 2), ("decode", 3, 2),
+                                                            ("prefill", 20, 4), ("prefill", 20, 2)]
+    for r in rows:
+        assert r["max_abs_err_vs_eager"] < 0.1 and r["stream_us"]["fused"] > 0 and r["stream_us"]["eager"] > 0
 
 
 # ---- GPU only: the LLaVA-1.5-7B decode shape, exact in every dtype ---------------------------
