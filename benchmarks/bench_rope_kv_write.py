@@ -1,9 +1,10 @@
-"""Benchmark: fused RoPE + KV-cache write (one Triton launch) vs the unfused decode path.
+"""Benchmark: fused RoPE + KV-cache write (one Triton launch) vs the unfused decode and
+prefill paths.
 
     python benchmarks/bench_rope_kv_write.py [--out benchmarks/results/rope_kv_write.json]
     TRITON_INTERPRET=1 python benchmarks/bench_rope_kv_write.py --smoke   # CPU, tiny, no claims
 
-Shape: one layer of LLaVA-1.5-7B decode, R = 1 row, T in {1, 6} new tokens, H = Hkv = 32,
+Decode: one layer of LLaVA-1.5-7B decode, R = 1 row, T in {1, 6} new tokens, H = Hkv = 32,
 D = 128, cache S = 2048, bf16. Columns (per call, medians):
   fused     tabed_engine.kernels.rope_kv_write
   eager     split, rotate q and k eagerly, two index_put writes (slots precomputed per
@@ -11,11 +12,18 @@ D = 128, cache S = 2048, bf16. Columns (per call, medians):
   model     what Attention.forward ran before the fused kernel: the torch.compile'd
             apply_rope twice, then the two eager index_put writes
   compiled  torch.compile of the whole eager path (static shapes)
+Prefill: one fresh row of T in {616, 1800} tokens into row `slot` (a device index) of a
+4-row cache, H = 32, Hkv in {32, 8 (GQA)}. fused = the kernel with rows=slot, q written in
+SDPA's [R, H, T, D] layout and dense k/v out for SDPA; eager / model / compiled = the chain
+Attention.forward runs without it (rotate q and k, the transposed contiguous copies of q, k
+and v, index_copy_ of k and v into the cache row), with rope_reference / apply_rope.
+Each prefill row also times the kernel at the head tiles next to the launch plan's choice.
 Two timings of each: `stream`, CUDA events around `--inner` back-to-back calls (includes
 the host's launch cost when that is the bottleneck), and `graph`, the same calls captured
 in one CUDA graph and replayed (the way the decode step runs them: launch gaps only).
-GB/s counts the bytes the op must move (qkv and cos/sin read, q, k, v written) over the
-graph time, next to a device-to-device copy of 256 MiB measured in the same run.
+GB/s counts the bytes the op must move (qkv and cos/sin read, q, k, v written; k and v
+twice in the prefill) over the graph time, next to a device-to-device copy of 256 MiB
+measured in the same run.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, event_ms, graph_ms, median_ms, provenance  # noqa: E402
@@ -52,6 +61,26 @@ def model_path(*args):
     return unfused(apply_rope, *args)
 
 
+def prefill_unfused(rope, qkv, cos, sin, k_cache, v_cache, slot, H, KV):
+    # the fresh prefill into cache row `slot` ([1] int64) without the kernel, as
+    # tabed_engine.model.sdpa_qkv runs it; returns SDPA's q [R, H, T, D] and new k, v [R, KV, T, D]
+    R, T, _ = qkv.shape
+    q, k, v = qkv.view(R, T, -1, k_cache.shape[-1]).split([H, KV, KV], dim=2)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    new_k, new_v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    k_cache.narrow(2, 0, T).index_copy_(0, slot, new_k)
+    v_cache.narrow(2, 0, T).index_copy_(0, slot, new_v)
+    return q.transpose(1, 2).contiguous(), new_k, new_v
+
+
+def prefill_eager(*args):
+    return prefill_unfused(rope_reference, *args)
+
+
+def prefill_model(*args):
+    return prefill_unfused(apply_rope, *args)
+
+
 def make_inputs(R, T, H, KV, D, S, length, dtype, device):
     g = torch.Generator().manual_seed(0)
     cfg = argparse.Namespace(head_dim=D, rope_theta=10000.0, rope_scaling_factor=1.0)
@@ -69,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 6])
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[616, 1800], help="none: skip the prefill")
+    ap.add_argument("--prefill-kv-heads", type=int, nargs="+", default=[32, 8])
     add_common_args(ap, "rope_kv_write")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -76,6 +107,7 @@ def main(argv=None):
     device, out_path = device_and_out(args, "rope_kv_write")
     if args.smoke:
         H, D, S, args.kv_heads, args.tokens, args.no_compile, args.reps = 4, 16, 64, 2, [1, 3], True, 3
+        args.prefill_tokens, args.prefill_kv_heads = [20], [4, 2]
     else:
         H, D, S = 32, 128, 2048
     KV, R, dtype = args.kv_heads, args.rows, torch.bfloat16
@@ -111,12 +143,77 @@ def main(argv=None):
         nbytes = qkv.numel() * elt + 2 * cos3.numel() * 4 + R * T * (H + 2 * KV) * D * elt
         base = graph.get("fused", stream["fused"])
         gbs = nbytes / (base * 1e-6) / 1e9
-        row = dict(R=R, T=T, H=H, Hkv=KV, D=D, S=S, dtype=str(dtype), bytes=nbytes, stream_us=stream,
-                   graph_us=graph, fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err_vs_eager=err)
+        row = dict(kind="decode", R=R, T=T, H=H, Hkv=KV, D=D, S=S, dtype=str(dtype), bytes=nbytes,
+                   stream_us=stream, graph_us=graph, fused_gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+                   max_abs_err_vs_eager=err)
         rows.append(row)
         print_row(f"{R:>2} {T:>2}", stream, graph, gbs, copy_gbs, err)
 
+    if args.prefill_tokens:
+        print_header(f"{'prefill T':>9} {'Hkv':>3}")
+        compiled = None if args.no_compile else compile_static(prefill_eager)
+        for KV in args.prefill_kv_heads:
+            for T in args.prefill_tokens:
+                rows.append(prefill_row(T, H, KV, D, S, dtype, device, args, copy_gbs, compiled))
+
     write_result("rope_kv_write", args, device, copy_gbs, rows, out_path, t_start)
+
+
+def prefill_row(T, H, KV, D, S, dtype, device, args, copy_gbs, compiled) -> dict:
+    """Time one prefill shape (R = 1 into row 2 of a 4-row cache): the kernel, the unfused
+    chain, and the kernel at the head tiles around the launch plan's; returns the JSON row."""
+    qkv, cos, sin, _, _, _, _, _ = make_inputs(1, T, H, KV, D, S, 0, dtype, device)
+    k_cache, v_cache = torch.zeros(2, 4, KV, S, D, device=device, dtype=dtype).unbind(0)
+    slot = torch.tensor([2], device=device)
+    starts = torch.zeros(1, dtype=torch.int32, device=device)
+    q_buf = torch.empty(1, H, T, D, device=device, dtype=dtype)
+    k_out, v_out = torch.empty(2, 1, KV, T, D, device=device, dtype=dtype).unbind(0)
+    cos3, sin3 = cos[:, :, 0], sin[:, :, 0]
+
+    def fused():
+        return _k.rope_kv_write(qkv, cos3, sin3, k_cache, v_cache, starts, H, KV, out=q_buf.transpose(1, 2),
+                                rows=slot, k_out=k_out, v_out=v_out)
+
+    path_args = (qkv, cos, sin, k_cache, v_cache, slot, H, KV)
+    fns = {"fused": fused, "eager": lambda: prefill_eager(*path_args)}
+    if not args.smoke:
+        fns["model"] = lambda: prefill_model(*path_args)
+    if compiled is not None:
+        fns["compiled"] = lambda: compiled(*path_args)
+
+    # correctness at this shape: fused vs eager, q, the dense k/v and the whole cache
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want = prefill_eager(qkv, cos, sin, ref_k, ref_v, slot, H, KV) + (ref_k, ref_v)
+    fused()
+    err = max((a.float() - b.float()).abs().max().item()
+              for a, b in zip((q_buf, k_out, v_out, k_cache, v_cache), want))
+
+    elt = qkv.element_size()
+    nbytes = qkv.numel() * elt + 2 * cos3.numel() * 4 + T * (H + 4 * KV) * D * elt
+    row = measured_row(f"{T:>9} {KV:>3}", fns, device, args, nbytes, copy_gbs, err, kind="prefill", R=1, T=T, H=H,
+                       Hkv=KV, D=D, S=S, cache_rows=4, dtype=str(dtype))
+    row["block_heads"] = _k._block_heads(H, KV, triton.next_power_of_2(D // 2), T)
+    if device == "cuda":
+        row["tile_sweep_graph_us"] = tile_sweep(fused, H, KV, device, args)
+        print(f"{'':>13} | graph us by head tile: " + "  ".join(
+            f"{b}: {us:.2f}" for b, us in row["tile_sweep_graph_us"].items()) + f"  (plan: {row['block_heads']})")
+    return row
+
+
+def tile_sweep(fused, H, KV, device, args) -> dict:
+    """Graph-replay µs of the fused call at each power-of-two head tile from 4 to 32 dividing
+    H and Hkv (the launch plan `_block_heads` overridden here, in the benchmark only)."""
+    plan, times = _k._block_heads, {}
+    try:
+        for b in (4, 8, 16, 32):
+            if H % b == 0 and KV % b == 0:
+                _k._block_heads = lambda *_, b=b: b
+                stream, graph = time_variants({"fused": fused}, device, args)
+                if "fused" in graph:
+                    times[b] = graph["fused"]
+    finally:
+        _k._block_heads = plan
+    return times
 
 
 def device_and_out(args, name: str):

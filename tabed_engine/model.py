@@ -19,7 +19,7 @@ from torch import nn
 from .config import LMConfig
 from .ops.add_rms_norm import add_rms_norm, rms_norm_reference
 from .ops.gemv import gemv_kind, linear, silu_mul_reference
-from .ops.rope_kv_write import rope_kv_write, rope_reference
+from .ops.rope_kv_write import rope_kv_write, rope_reference, use_kernel
 from .ops.tree_attention import tree_attention
 
 
@@ -122,24 +122,10 @@ class Attention(nn.Module):
                               cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
             out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits)
             return self.o_proj(out.reshape(R, T, -1))
-        q, k, v = qkv.view(R, T, -1, cfg.head_dim).split(
-            [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if ctx.fresh:
-            # every row starts at slot 0: a slice copy per cache instead of an indexed write
-            # (the indexed write took 3.0 of a 1,800-token prefill's 45.9 ms on the H200,
-            # benchmarks/results/profile_prefill.json)
-            new_k, new_v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-            if ctx.slot is None:
-                k_cache[:, :, :T] = new_k
-                v_cache[:, :, :T] = new_v
-            else:   # into cache row `slot`, a device index: one captured graph serves every row
-                k_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_k)
-                v_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_v)
+        if ctx.fresh and use_kernel(qkv, cfg.head_dim):  # CUDA prefill: one launch
+            q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg)
         else:
-            # the new tokens at each row's own slots: cache[r, :, slots[r, t]] = k[r, t]
-            k_cache[ctx.row_index, :, ctx.slots] = k
-            v_cache[ctx.row_index, :, ctx.slots] = v
+            q, new_k, new_v = sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg)
         if ctx.mask is None:
             # fresh single-row prefill: attend over the new keys themselves (contiguous, so
             # SDPA takes its FlashAttention kernel with fp32 softmax; strided cache slices
@@ -148,9 +134,54 @@ class Attention(nn.Module):
         else:
             keys, values = k_cache[:, :, :ctx.kv_len], v_cache[:, :, :ctx.kv_len]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2).contiguous(), keys, values, attn_mask=ctx.mask,
+            q, keys, values, attn_mask=ctx.mask,
             is_causal=ctx.mask is None, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+
+
+def sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
+    """The PyTorch chain (CPU: the float32 reference; CUDA calls the kernels do not take):
+    rotate q and k, write k and v into the cache; returns q [R, h, T, hd] and, for a fresh
+    prefill, the new k, v [R, kv, T, hd] (else None), contiguous for SDPA."""
+    R, T, _ = qkv.shape
+    q, k, v = qkv.view(R, T, -1, cfg.head_dim).split(
+        [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    new_k = new_v = None
+    if ctx.fresh:
+        # every row starts at slot 0: a slice copy per cache instead of an indexed write
+        # (the indexed write took 3.0 of a 1,800-token prefill's 45.9 ms on the H200,
+        # benchmarks/results/profile_prefill.json)
+        new_k, new_v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        if ctx.slot is None:
+            k_cache[:, :, :T] = new_k
+            v_cache[:, :, :T] = new_v
+        else:   # into cache row `slot`, a device index: one captured graph serves every row
+            k_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_k)
+            v_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_v)
+    else:
+        # the new tokens at each row's own slots: cache[r, :, slots[r, t]] = k[r, t]
+        k_cache[ctx.row_index, :, ctx.slots] = k
+        v_cache[ctx.row_index, :, ctx.slots] = v
+    return q.transpose(1, 2).contiguous(), new_k, new_v
+
+
+def fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
+    """A fresh prefill's q, k, v in one `rope_kv_write` launch (the CUDA path): rotates q and
+    k, writes k and v at slots [0, T) of cache row `ctx.slot` (of each row r without a slot)
+    and returns q [R, h, T, hd] and, for single-row causal attention (no mask), the new k, v
+    [R, kv, T, hd], all contiguous for SDPA (else None). Replaces a compiled RoPE kernel, three
+    transposed copies and two index_copy_ (~3 of a 616-token prefill's ~17 ms on the H200)."""
+    R, T, _ = qkv.shape
+    h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = qkv.new_empty(R, h, T, hd)
+    new_k = new_v = None
+    if ctx.mask is None:
+        new_k, new_v = qkv.new_empty(R, kv, T, hd), qkv.new_empty(R, kv, T, hd)
+    # q written through its [R, T, h, hd] view: lands in SDPA's [R, h, T, hd] layout
+    rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.starts32, h, kv, out=q.transpose(1, 2), rows=ctx.slot,
+                  k_out=new_k, v_out=new_v)
+    return q, new_k, new_v
 
 
 class MLP(nn.Module):
@@ -216,9 +247,10 @@ class ForwardContext:
     write their K/V through the `rope_kv_write` kernel and attend through `tree_attention`;
     both read each row's own length on the device (no slot index, no mask tensor, no length
     bucket: CUDA-graph friendly). Otherwise SDPA with a
-    dense boolean mask, or plain causal SDPA (FlashAttention) for a fresh single-row prefill.
-    `slot` ([1] int64, device): a fresh single-row prefill written into that cache row
-    (`lengths` unused).
+    dense boolean mask, or plain causal SDPA (FlashAttention) for a fresh single-row prefill;
+    a fresh prefill on CUDA rotates and writes its K/V through `rope_kv_write` too (rows from
+    slot 0: `starts32`). `slot` ([1] int64, device): a fresh single-row prefill written into
+    that cache row (`lengths` unused).
     """
 
     def __init__(self, lengths, T: int, kv_len: int, tree_mask=None, fresh: bool = False, slot=None):
@@ -227,6 +259,9 @@ class ForwardContext:
         self.fresh = fresh
         self.slot = slot
         self.tree_bits = self.mask = None
+        if fresh:  # a prefill writes every row from slot 0: the fused prefill's lengths
+            self.starts32 = torch.zeros(len(lengths) if slot is None else len(slot), dtype=torch.int32,
+                                        device=lengths.device)
         if slot is not None:
             if not fresh or tree_mask is not None:
                 raise ValueError("slot= is for a fresh causal prefill of one row")

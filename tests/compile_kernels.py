@@ -186,6 +186,16 @@ def _exercise():
     qkv = torch.randn(1, 2, (H + 2 * Hkv) * D, generator=g).to(bf)
     cs = torch.randn(1, 2, D, generator=g)
     rope_kv_write.rope_kv_write(qkv, cs, cs, kc, vc, lengths, H, Hkv)
+    # the fresh prefill: into cache row `rows`, dense k/v out, q in SDPA's [R, H, T, D] layout,
+    # a prefill-sized R * T (the larger head tile)
+    Hp, Tp, Dp = 16, 260, 128
+    kp, vp = torch.zeros(2, 2, Hp, Tp, Dp, dtype=bf).unbind(0)
+    k_out, v_out = torch.zeros(2, 1, Hp, Tp, Dp, dtype=bf).unbind(0)
+    qkv = torch.randn(1, Tp, 3 * Hp * Dp, generator=g).to(bf)
+    cs = torch.randn(1, Tp, Dp, generator=g)
+    rope_kv_write.rope_kv_write(qkv, cs, cs, kp, vp, torch.zeros(1, dtype=torch.int32), Hp, Hp,
+                                out=torch.empty(1, Hp, Tp, Dp, dtype=bf).transpose(1, 2), rows=torch.tensor([1]),
+                                k_out=k_out, v_out=v_out)
 
     for K in (300, 1024):       # ragged and whole K tiles
         w, b = torch.randn(40, K, generator=g).to(bf), torch.randn(40, generator=g).to(bf)

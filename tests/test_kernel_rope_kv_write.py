@@ -5,11 +5,12 @@ contraction. One exception on the CPU: the Triton interpreter casts fp32 -> bf16
 truncation where the GPU rounds to nearest even, so there a bf16 value may be the truncated
 neighbour of the reference's (never anything else); on CUDA every dtype must be exact.
 
-The cache is layer 1 of a NaN-filled [L, 2, R, S, Hkv, D] buffer viewed [.., Hkv, S, D]
-(non-trivial strides) and the q output is NaN-filled, so unwritten outputs and writes to
-the wrong slot, row, head or layer are caught: after the call, every element of the buffer
-outside the T new slots of each row must still be NaN.
+The cache is layer 1 of a NaN-filled [L, 2, Rc, S, Hkv, D] buffer viewed [.., Hkv, S, D]
+(non-trivial strides) and the q output (and k_out/v_out) are NaN-filled, so unwritten outputs
+and writes to the wrong slot, row, head or layer are caught: after the call, every element of
+the buffer outside the T new slots of each written row must still be NaN.
 """
+import json
 import types
 
 import pytest
@@ -20,7 +21,7 @@ from tabed_engine.model import rope_tables
 from tabed_engine.ops.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_reference
 
 
-def make_case(R, T, H, KV, D, dtype, device, *, seed=0, S=None, lengths=None, strided_qkv=False):
+def make_case(R, T, H, KV, D, dtype, device, *, seed=0, S=None, lengths=None, strided_qkv=False, cache_rows=None):
     gen = torch.Generator().manual_seed(seed)
     S = S or 37 + T  # not a multiple of anything
     if lengths is None:
@@ -38,7 +39,7 @@ def make_case(R, T, H, KV, D, dtype, device, *, seed=0, S=None, lengths=None, st
     qkv = (torch.randn(R, T + 2 * strided_qkv, width, generator=gen) * 3).to(device=device, dtype=dtype)
     if strided_qkv:  # a [R, T, width] slice of a longer buffer: strides (T + 2) width, width, 1
         qkv = qkv[:, 1:T + 1]
-    buf = torch.full((2, 2, R, S, KV, D), float("nan"))
+    buf = torch.full((2, 2, cache_rows or R, S, KV, D), float("nan"))
     return dict(qkv=qkv, cos=cos.to(device), sin=sin.to(device),
                 buf=buf.to(device=device, dtype=dtype), lengths=lengths.to(device), H=H, KV=KV)
 
@@ -48,12 +49,12 @@ def caches(buf):
     return view[1, 0], view[1, 1]
 
 
-def take_new(cache, lengths, T):
-    """The T new slots of each row: cache[r, :, lengths[r] + t] -> [R, T, KV, D]."""
-    R = cache.shape[0]
-    rows = torch.arange(R, device=cache.device)[:, None]
+def take_new(cache, lengths, T, rows=None):
+    """The T new slots of each input row r: cache[rows[r], :, lengths[r] + t] -> [R, T, KV, D]
+    (rows[r] = r by default)."""
+    rows = torch.arange(len(lengths), device=cache.device) if rows is None else rows.to(cache.device).long()
     slots = lengths.long()[:, None] + torch.arange(T, device=cache.device)
-    return cache[rows, :, slots]
+    return cache[rows[:, None], :, slots]
 
 
 def assert_rope_equal(out, ref, x, cos, sin, what):
@@ -70,41 +71,59 @@ def assert_rope_equal(out, ref, x, cos, sin, what):
     assert not bad.any(), f"{what}: {bad.sum().item()} elements neither rounded nor truncated fp32 results"
 
 
-def run_and_check(case, call):
-    """Run `call(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out)` against the reference."""
+def run_and_check(case, call, *, rows=None, kv_out=False, q_heads_major=False):
+    """Run `call(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out, **kw)` against the
+    reference. rows: the cache row of each input row (passed as rows=); kv_out: pass NaN-filled
+    k_out/v_out [R, Hkv, T, D] and check them; q_heads_major: q goes to `out` given as the
+    [R, T, H, D] view of a contiguous [R, H, T, D] buffer (SDPA's layout)."""
     qkv, cos, sin, buf, lengths, H, KV = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths", "H", "KV"))
     R, T, _ = qkv.shape
     D = buf.shape[-1]
+    nan = dict(device=qkv.device, dtype=qkv.dtype)
+    kw = {} if rows is None else dict(rows=rows)
+    if kv_out:
+        kw.update(k_out=torch.full((R, KV, T, D), float("nan"), **nan),
+                  v_out=torch.full((R, KV, T, D), float("nan"), **nan))
     ref_buf = buf.clone()
-    q_ref = rope_kv_write_reference(qkv, cos, sin, *caches(ref_buf), lengths, H, KV)
+    q_ref = rope_kv_write_reference(qkv, cos, sin, *caches(ref_buf), lengths, H, KV, rows=rows)
 
     k_cache, v_cache = caches(buf)
-    out = torch.full((R, T, H, D), float("nan"), device=qkv.device, dtype=qkv.dtype)
-    assert call(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out) is out
+    if q_heads_major:
+        out = torch.full((R, H, T, D), float("nan"), **nan).transpose(1, 2)
+    else:
+        out = torch.full((R, T, H, D), float("nan"), **nan)
+    assert call(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out, **kw) is out
 
     x = qkv.reshape(R, T, H + 2 * KV, D)
     c4, s4 = cos.reshape(R, T, 1, D), sin.reshape(R, T, 1, D)
     assert_rope_equal(out, q_ref, x[:, :, :H], c4, s4, "q")
     k_ref, v_ref = caches(ref_buf)
-    assert_rope_equal(take_new(k_cache, lengths, T), take_new(k_ref, lengths, T), x[:, :, H:H + KV], c4, s4, "k")
-    assert torch.equal(take_new(v_cache, lengths, T), x[:, :, H + KV:]), "v not copied exactly"
+    k_new = take_new(k_ref, lengths, T, rows)
+    assert_rope_equal(take_new(k_cache, lengths, T, rows), k_new, x[:, :, H:H + KV], c4, s4, "k")
+    assert torch.equal(take_new(v_cache, lengths, T, rows), x[:, :, H + KV:]), "v not copied exactly"
+    if kv_out:  # the same k as the cache's (both checked against the reference), v as is
+        assert_rope_equal(kw["k_out"], k_new.transpose(1, 2), x[:, :, H:H + KV].transpose(1, 2),
+                          c4.transpose(1, 2), s4.transpose(1, 2), "k_out")
+        assert torch.equal(kw["k_out"], take_new(k_cache, lengths, T, rows).transpose(1, 2)), "k_out != cache"
+        assert torch.equal(kw["v_out"], x[:, :, H + KV:].transpose(1, 2)), "v_out not copied exactly"
     # nothing outside the new slots was touched (other layer, other slots, other rows)
+    crow = torch.arange(R) if rows is None else rows.long()
     for cache in (k_cache, v_cache):
-        rows = torch.arange(R, device=qkv.device)[:, None]
-        cache[rows, :, lengths.long()[:, None] + torch.arange(T, device=qkv.device)] = float("nan")
+        cache[crow.to(qkv.device)[:, None], :, lengths.long()[:, None] + torch.arange(T, device=qkv.device)] = \
+            float("nan")
     assert buf.isnan().all(), "wrote outside the new tokens' cache slots"
     return out
 
 
-def launcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out):
+def launcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out, **kw):
     R, T, _ = qkv.shape
     D = k_cache.shape[-1]
     return _k.rope_kv_write(qkv, cos.reshape(R, T, D), sin.reshape(R, T, D), k_cache, v_cache, lengths,
-                            H, KV, out=out)
+                            H, KV, out=out, **kw)
 
 
-def dispatcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out):
-    return rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out=out)
+def dispatcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out, **kw):
+    return rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out=out, **kw)
 
 
 HEADS = [(4, 4), (8, 2), (6, 1), (3, 3)]
@@ -147,6 +166,53 @@ def test_kernel_full_cache_drops_overflow(kernel_device):
     assert buf[0].isnan().all()
 
 
+def test_kernel_row_outside_cache_drops_writes(kernel_device):
+    # rows[r] outside [0, Rc) cannot be checked without a host sync: the writes are dropped
+    # rather than spilled past the cache; q is still written
+    case = make_case(2, 3, 4, 2, 16, torch.float32, kernel_device, S=20, lengths=[0, 4], cache_rows=3)
+    qkv, cos, sin, buf, lengths = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths"))
+    out = torch.full((2, 3, 4, 16), float("nan"), device=kernel_device)
+    rows = torch.tensor([3, -1], device=kernel_device)
+    _k.rope_kv_write(qkv, cos[:, :, 0], sin[:, :, 0], *caches(buf), lengths, 4, 2, out=out, rows=rows)
+    assert not out.isnan().any()
+    assert buf.isnan().all()
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_rows_permuted(rows_dtype, dtype, kernel_device):
+    # input row r writes cache row rows[r] (a permutation), at its own ragged slots
+    case = make_case(4, 5, 6, 2, 14, dtype, kernel_device, seed=21, S=29, lengths=[3, 24, 0, 11])
+    rows = torch.tensor([2, 0, 3, 1], dtype=rows_dtype, device=kernel_device)
+    run_and_check(case, launcher, rows=rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_one_row_into_row_3_of_5(dtype, kernel_device):
+    # the fresh prefill's call: one row from slot 0 into cache row 3 of 5 (the others stay
+    # NaN), q into SDPA's [R, H, T, D] layout, and dense k/v for attention
+    case = make_case(1, 23, 8, 4, 16, dtype, kernel_device, seed=22, S=41, lengths=[0], cache_rows=5)
+    run_and_check(case, launcher, rows=torch.tensor([3], device=kernel_device), kv_out=True,
+                  q_heads_major=True)
+
+
+@pytest.mark.parametrize("R,T,H,KV,D,dtype", [(3, 7, 4, 4, 12, torch.float16), (2, 9, 8, 2, 64, torch.bfloat16),
+                                              (1, 261, 16, 16, 128, torch.bfloat16)])
+def test_kernel_kv_out_and_heads_major_q(R, T, H, KV, D, dtype, kernel_device):
+    # ragged rows; the last case is a prefill-sized call (R * T > 256: the larger head tile)
+    case = make_case(R, T, H, KV, D, dtype, kernel_device, seed=R + T + D)
+    run_and_check(case, launcher, kv_out=True, q_heads_major=True)
+
+
+def test_block_heads_plan():
+    # decode-sized calls: ~1024-element tiles; prefills (R * T > 256): ~2048; always dividing H and Hkv
+    assert _k._block_heads(32, 32, 64, 6) == 8
+    assert _k._block_heads(32, 32, 64, 616) == 16
+    assert _k._block_heads(32, 8, 64, 1800) == 8
+    assert _k._block_heads(6, 2, 8, 1000) == 2
+    assert _k._block_heads(40, 40, 64, 1000) == 8
+
+
 def test_dispatch_on_cpu_is_reference():
     case = make_case(2, 3, 4, 2, 12, torch.float32, "cpu", seed=3)
     q = run_and_check(case, dispatcher)
@@ -154,6 +220,9 @@ def test_dispatch_on_cpu_is_reference():
     # default output: a fresh contiguous [R, T, H, D]
     fresh = rope_kv_write(qkv, case["cos"], case["sin"], *caches(case["buf"].clone()), case["lengths"], 4, 2)
     assert fresh.is_contiguous() and torch.equal(fresh, q)
+    # rows, k_out/v_out and a heads-major q through the reference
+    case = make_case(1, 6, 4, 2, 12, torch.float32, "cpu", seed=4, lengths=[0], cache_rows=3)
+    run_and_check(case, dispatcher, rows=torch.tensor([1]), kv_out=True, q_heads_major=True)
 
 
 def test_rope_reference_matches_transformers_and_float64():
@@ -193,10 +262,52 @@ def test_launcher_rejects_bad_input():
         _k.rope_kv_write(qkv, cos[:, :2], sin, k, v, lengths, 4, 2)
     with pytest.raises(ValueError, match="contiguous last"):
         _k.rope_kv_write(qkv, cos, sin, k.transpose(2, 3).contiguous().transpose(2, 3), v, lengths, 4, 2)
+    R, T, KV, D = 2, 3, 2, 16
+    kv_out = dict(k_out=torch.empty(R, KV, T, D), v_out=torch.empty(R, KV, T, D))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, rows=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, rows=torch.tensor([0, 1, 0]))
+    with pytest.raises(ValueError, match="one device"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, rows=torch.zeros(2, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match="pass rows="):  # more cache rows than input rows
+        _k.rope_kv_write(qkv, cos, sin, *caches(make_case(3, 3, 4, 2, 16, torch.float32, "cpu")["buf"]),
+                         lengths, 4, 2)
+    with pytest.raises(ValueError, match="together"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, k_out=kv_out["k_out"])
+    with pytest.raises(ValueError, match="k_out must be"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, **dict(kv_out, k_out=torch.empty(R, T, KV, D)))
+    with pytest.raises(ValueError, match="v_out must be"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, **dict(kv_out, v_out=kv_out["v_out"].half()))
+    with pytest.raises(ValueError, match="contiguous last"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2,
+                         **dict(kv_out, v_out=torch.empty(R, KV, D, T).transpose(2, 3)))
+    with pytest.raises(ValueError, match="one device"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2,
+                         **dict(kv_out, k_out=torch.empty(R, KV, T, D, device="meta")))
+    with pytest.raises(ValueError, match="out must be"):  # q in [R, H, T, D] itself, not its transposed view
+        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, out=torch.empty(R, 4, T, D))
     odd = make_case(1, 2, 2, 2, 9, torch.float32, "cpu")
     with pytest.raises(ValueError, match="odd"):
         _k.rope_kv_write(odd["qkv"], odd["cos"][:, :, 0], odd["sin"][:, :, 0], *caches(odd["buf"]),
                          odd["lengths"], 2, 2)
+
+
+def test_benchmark_smoke(tmp_path, kernel_device):
+    """benchmarks/bench_rope_kv_write.py --smoke (interpreter, tiny shapes): decode and prefill
+    rows written, the fused call within a bf16 rounding of the eager chain (the interpreter
+    truncates where the chain rounds), positive timings."""
+    if kernel_device == "cuda":
+        pytest.skip("--smoke runs the CPU interpreter")
+    from bench_scripts import load_benchmark
+
+    out = tmp_path / "rope_kv_write.json"
+    load_benchmark("bench_rope_kv_write").main(["--smoke", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["T"], r["Hkv"]) for r in rows] == [("decode", 1, 2), ("decode", 3, 2),
+                                                            ("prefill", 20, 4), ("prefill", 20, 2)]
+    for r in rows:
+        assert r["max_abs_err_vs_eager"] < 0.1 and r["stream_us"]["fused"] > 0 and r["stream_us"]["eager"] > 0
 
 
 # ---- GPU only: the LLaVA-1.5-7B decode shape, exact in every dtype ---------------------------

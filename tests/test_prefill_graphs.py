@@ -1,8 +1,11 @@
 """The target's prefill padded to a prompt-length bucket (a CUDA graph per bucket on the GPU):
 the bucket rule, padding that changes no logit, token or real cache entry (CPU, float32, the
-padded step run eagerly), and on the GPU the captured graphs against the eager prefill across
+padded step run eagerly), the CUDA prefill's fused RoPE + cache write against the PyTorch
+chain (CPU, through the Triton interpreter), and on the GPU the captured graphs against the eager prefill across
 buckets and slots, the eager rule above the last bucket, lossless greedy decoding through the
 engine with graphs on, and the draft's views on a second stream."""
+import os
+
 import pytest
 import torch
 
@@ -70,6 +73,56 @@ def test_slot_needs_a_fresh_causal_prefill():
     cache = KVCache(lm.cfg, 2, 64, "cpu", torch.float32)
     with pytest.raises(ValueError, match="fresh"):
         lm(cache, torch.arange(4)[None], input_ids=torch.zeros(1, 4, dtype=torch.long), slot=torch.tensor([1]))
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa_headdim"])
+def test_fused_prefill_equals_pytorch_chain(name, monkeypatch):
+    """The CUDA prefill path (one `rope_kv_write` launch per layer: rows=, dense k/v out, q in
+    SDPA's layout) run on the CPU through the Triton interpreter, against the PyTorch chain the
+    CPU runs, float32: bit-identical logits and caches for the padded step into row 2 of a
+    3-row cache (slot=), a one-row fresh prefill and a fresh two-row batch (masked SDPA)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernel on CPU tensors through the interpreter (on a GPU the -m gpu tests cover it)")
+    import tabed_engine.model as model
+    import tabed_engine.ops.rope_kv_write as ops
+    from tabed_engine.kernels import rope_kv_write as kernel
+
+    lm = _lm(name)
+    cfg = lm.cfg
+    torch.manual_seed(5)
+    n = 37
+    P = prefill_bucket(n, 256)
+    x1, x2 = torch.randn(1, P, cfg.hidden_size), torch.randn(2, 23, cfg.hidden_size)
+
+    def run():
+        caches = [KVCache(cfg, 3, 256, "cpu", torch.float32), KVCache(cfg, 1, 256, "cpu", torch.float32),
+                  KVCache(cfg, 2, 64, "cpu", torch.float32)]
+        for c in caches[:2]:  # the two-row batch attends over its cache (masked): no NaN there
+            c.k.fill_(float("nan"))
+            c.v.fill_(float("nan"))
+        with torch.inference_mode():
+            logits = [prefill_step(lm, caches[0], x1, torch.tensor([2]), torch.tensor([[n - 1]])),
+                      lm(caches[1], torch.arange(P)[None], embeds=x1, fresh=True),
+                      lm(caches[2], torch.arange(23)[None].expand(2, 23), embeds=x2, fresh=True)]
+        return logits + [t for c in caches for t in (c.k, c.v)]
+
+    want = run()
+    calls = []
+    launch = kernel.rope_kv_write
+
+    def counted(*args, **kw):
+        calls.append(kw["rows"])
+        return launch(*args, **kw)
+
+    # the device check is the only thing CPU tensors fail: the same code as on CUDA runs
+    for mod in (model, ops):
+        monkeypatch.setattr(mod, "use_kernel", lambda qkv, head_dim: head_dim % 2 == 0)
+    monkeypatch.setattr(kernel, "rope_kv_write", counted)
+    got = run()
+    assert len(calls) == 3 * cfg.num_layers and calls[0].tolist() == [2] and calls[-1] is None
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[3][:, :2]).all() and torch.isnan(got[3][:, 2, :, P:]).all()
 
 
 def test_padded_engine_equals_transformers_batched():
