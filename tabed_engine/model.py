@@ -171,7 +171,7 @@ def fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
     k, writes k and v at slots [0, T) of cache row `ctx.slot` (of each row r without a slot)
     and returns q [R, h, T, hd] and, for single-row causal attention (no mask), the new k, v
     [R, kv, T, hd], all contiguous for SDPA (else None). Replaces a compiled RoPE kernel, three
-    transposed copies and two index_copy_ (~3 of a 616-token prefill's ~17 ms on the H200)."""
+    transposed copies and two index_copy_ (benchmarks/results/rope_kv_write.json)."""
     R, T, _ = qkv.shape
     h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = qkv.new_empty(R, h, T, hd)
