@@ -502,8 +502,9 @@ class Engine:
     def warmup(self, max_batch: Optional[int] = None, images: bool = True) -> float:
         """Decode a few tokens at every batch bucket up to `max_batch` (default: all the engine
         has), autoregressively and, with a draft, speculatively at every chain length the cost
-        model may pick, with one image per request when
-        `images`: the CUDA graphs of those buckets are captured and the kernels compiled before
+        model may pick, and a speculative block after AR steps (the draft's catch-up), with one
+        image per request when `images`: the CUDA graphs of those buckets are captured and the
+        kernels compiled before
         the first real request (a server would otherwise stall its first requests at each new
         batch size). The target's prefill graphs of every prompt-length bucket are captured too
         (`Runner.capture_prefill`). The cost model keeps the block times it measured. Returns
@@ -531,6 +532,14 @@ class Engine:
                 for g in kinds:
                     cost.forced = g
                     self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=g > 0)
+                if self.draft is not None:
+                    # AR steps, then speculative blocks: the draft's catch-up forward (kernels
+                    # compiled on first use) runs here, not at a real request's first probe
+                    cost.forced = 0
+                    reqs = self._requests([prompt] * b, [img] * b, sp, None, None, True, True)
+                    for _ in self._drive(reqs):
+                        if len(reqs[0].tokens) >= 3:     # the first token and two AR steps'
+                            cost.forced = kinds[-1]
         finally:
             cost.forced, cost.prior = None, prior
         with self._lock:              # idle (generate has returned): row 0 is free to scribble on

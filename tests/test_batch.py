@@ -367,8 +367,18 @@ def test_max_new_tokens_none_fills_the_cache():
 
 def test_warmup_runs_every_bucket_and_leaves_the_engine_as_it_was():
     eng = engine(max_batch=4)
+    caught_up, catch_up = set(), eng.runner.catch_up
+
+    def record(reqs, b):
+        if any(r is not None and r.draft_valid < len(r.tokens) - 2 for r in reqs[:b]):
+            caught_up.add(b)
+        catch_up(reqs, b)
+
+    eng.runner.catch_up = record
     assert eng.warmup() > 0
     assert {b for _, b in eng.scheduler.cost.times} == {1, 2, 4}       # block times of every bucket
+    assert caught_up == {1, 2, 4}          # the draft caught up after AR steps at every bucket
+    assert eng.scheduler.cost.forced is None
     assert not eng.has_unfinished()
     names, prompts, imgs, sps = batch_inputs()
     assert [o.token_ids for o in eng.generate(prompts, images=imgs, sampling=sps)] == [expected(n) for n in names]
