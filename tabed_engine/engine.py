@@ -504,9 +504,8 @@ class Engine:
         has), autoregressively and, with a draft, speculatively at every chain length the cost
         model may pick, and a speculative block after AR steps (the draft's catch-up), with one
         image per request when `images`: the CUDA graphs of those buckets are captured and the
-        kernels compiled before
-        the first real request (a server would otherwise stall its first requests at each new
-        batch size). The target's prefill graphs of every prompt-length bucket are captured too
+        kernels compiled before the first real request (a server would otherwise stall its
+        first requests at each new batch size). The target's prefill graphs of every prompt-length bucket are captured too
         (`Runner.capture_prefill`). The cost model keeps the block times it measured. Returns
         the seconds taken."""
         from PIL import Image
