@@ -148,6 +148,7 @@ class Scheduler:
         self._lock = threading.Lock()        # add / abort may come from other threads
         self._aborts: set[str] = set()
         self._last: Optional[tuple] = None   # (kind, bucket, time) of the last block's end
+        self._next: Optional[int] = None     # the kind chosen for the next block
         self.kinds: Counter = Counter()      # blocks run per kind (0 = AR, g = a chain of g)
         self._batch_gen = torch.Generator(device=runner.device)
         self._batch_gen.manual_seed(secrets.randbits(63))
@@ -193,6 +194,7 @@ class Scheduler:
                 self._block(outputs, kind)
             if self._admit(outputs):
                 self._last = None                    # the next block's time includes no prefill
+                self._next = None                    # nor a kind chosen for the batch before
             else:
                 self._block(outputs)
         for i, r in enumerate(self.slots):            # retire
@@ -210,8 +212,11 @@ class Scheduler:
             return not live or self.waiting[0].batch_key == live[0].batch_key
 
     def _block(self, outputs, kind: Optional[int] = None):
-        """One block for the batch: of the cost model's choice, or `kind` (the block already
-        queued, finished before an admission: nothing is queued after it)."""
+        """One block for the batch: the one queued ahead if the batch still has it, else of the
+        cost model's choice; the block queued behind it (while its tokens are read) is of that
+        choice, of the same mode (an AR step queues AR steps, a speculative block speculative
+        ones). `kind`: the block queued ahead, finished before an admission: nothing is queued
+        after it."""
         live = [r for r in self.slots if r is not None and not r.finished]
         if not live:
             return
@@ -219,18 +224,23 @@ class Scheduler:
         reqs = self.slots[:b]
         gen = live[0].generator if len(live) == 1 else self._batch_gen
         if kind is not None:
-            g, g_next = kind, 0
+            g, g_next = kind, None
         elif live[0].speculative:
-            # a speculative block queued ahead runs; the choice is for the block queued after it
-            g_next = self.cost.choose(b, [(r.accepted, r.rejected) for r in live])
-            g = self.runner.pending_kind(self.slots) or g_next
+            # the block queued ahead runs, else the one chosen last time (an AR step does not
+            # queue a speculative block, nor the reverse); the choice is for the block after it
+            counts = [(r.accepted, r.rejected) for r in live]
+            g = self.runner.pending_kind(self.slots)
+            if g is None:
+                g = self._next if self._next is not None else self.cost.choose(b, counts)
+            g_next = self.cost.choose(b, counts)
         else:
             g = g_next = 0
+        self._next = g_next
         try:
             if g:
-                new = self.runner.sd_block(reqs, b, gen, g, gamma_next=g_next)
+                new = self.runner.sd_block(reqs, b, gen, g, gamma_next=g_next or 0)
             else:
-                new = self.runner.ar_step(reqs, b, gen, queue_next=kind is None)
+                new = self.runner.ar_step(reqs, b, gen, queue_next=g_next == 0)
         except Exception as e:                       # a device failure: the batch cannot go on
             self.runner.pending = None
             for r in live:

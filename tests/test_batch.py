@@ -223,8 +223,27 @@ def test_the_next_block_is_queued_before_a_block_is_read():
     reads = [i for i, e in enumerate(events) if e == "read"][1:]           # after the prefill's read
     assert len(reads) >= 3 and events[reads[0] - 2:reads[0]] == [4, 4]     # block 1 and block 2 queued
     assert all(len(events[a + 1:b]) <= 1 for a, b in zip(reads, reads[1:]))  # one block queued ahead
-    # each block's own length (the first choice serves the first block and the one queued behind it)
-    assert [e for e in events if e != "read"][:5] == [4, 4, 4, 2, 3]
+    assert [e for e in events if e != "read"][:5] == [4, 4, 2, 3, 1]       # each block as chosen
+
+
+def test_switches_between_ar_and_sd_discard_no_queued_block():
+    """The cost model switching between AR steps and chains of several lengths: every block
+    queued ahead is the one that runs next (none is computed and thrown away)."""
+    eng = engine(gamma=4)
+    eng.scheduler.cost = Scripted(("ar", 3, "ar", "ar", 2, 2, 4, "ar", 1, "ar"), gamma=4)
+    discarded, pending_for = [], eng.runner._pending_for
+
+    def record(mode, b, reqs):
+        queued = eng.runner.pending
+        p = pending_for(mode, b, reqs)
+        discarded.append(queued is not None and p is None)
+        return p
+
+    eng.runner._pending_for = record
+    names, prompts, imgs, sps = batch_inputs()
+    outs = eng.generate(prompts[:2], images=imgs[:2], sampling=[SamplingParams(max_new_tokens=16)] * 2)
+    assert [o.token_ids for o in outs] == [reference("llama", n)[:16] for n in names[:2]]
+    assert len(discarded) >= 6 and not any(discarded)
 
 
 def test_stop_conditions_cut_each_request_as_one_token_at_a_time():
