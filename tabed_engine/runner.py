@@ -417,7 +417,7 @@ class Runner:
     def ar_step(self, reqs: list, b: int, gen, queue_next: bool = True) -> list[list[int]]:
         """One autoregressive step for slots [0, b): returns each slot's new tokens (empty for
         empty or finished slots). `queue_next`: queue the next step before reading this one's
-        tokens (False when the batch is about to change: the queued step would be discarded)."""
+        tokens (False when the next block is not an AR step of this batch)."""
         sp, _ = self.batch_sampling(reqs, b)
         tcache, _, _ = self.views(b)
         step_fn = partial(decode_step, self.target.lm, tcache)

@@ -40,8 +40,8 @@ class CostModel:
     interpolated linearly in g between measured ones (an AR step is g = 0; before one is
     measured it is taken as a γ-chain's time / `prior_ratio`, and with only AR measured a
     γ-chain as `prior_ratio` AR steps). The running choice is kept
-    unless another promises `margin` times its throughput (a switch discards the queued half
-    block). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
+    unless another promises `margin` times its throughput (a switch costs the overlap of one
+    block with the host's work). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
     steps re-measure acceptance (a request's draft may start to help; each probe that finds
     nothing doubles the interval, up to `probe_max`), and so does a batch of
     requests none of which has speculated yet (the prior, which follows the finished requests
