@@ -506,7 +506,8 @@ class Engine:
         image per request when `images`: the CUDA graphs of those buckets are captured and the
         kernels compiled before the first real request (a server would otherwise stall its
         first requests at each new batch size). The target's prefill graphs of every prompt-length bucket are captured too
-        (`Runner.capture_prefill`). The cost model keeps the block times it measured. Returns
+        (`Runner.capture_prefill`), and the draft views' prefill runs once per bucket
+        (`Runner.warm_draft_prefill`). The cost model keeps the block times it measured. Returns
         the seconds taken."""
         from PIL import Image
 
@@ -544,6 +545,7 @@ class Engine:
         with self._lock:              # idle (generate has returned): row 0 is free to scribble on
             if not self.scheduler.has_unfinished():
                 self.runner.capture_prefill()
+                self.runner.warm_draft_prefill()
         return time.perf_counter() - t0
 
     def prefill_target(self, prep):

@@ -30,7 +30,7 @@ from .sampling import RowSampling, pick_tokens, sampling_key, target_probs
 from .speculative import (catch_up_forward, draft_block, forced_tree_path, pack_head, prefill_draft,
                           verify_block, view_tree_block)
 from .tree import node_depth_tensor, tree_draft, tree_history, tree_verify
-from .views import build_views
+from .views import ViewRow, build_views
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CATCH_UP = 16          # tokens per draft catch-up forward (see Runner.catch_up)
@@ -262,6 +262,19 @@ class Runner:
         self.pending = None
         return len(todo)
 
+    def warm_draft_prefill(self) -> int:
+        """Run the draft views' prefill once at every prompt-length bucket of the draft's cache
+        (on an idle runner: writes into slot 0's draft rows), so a request's first encounter of
+        a bucket pays no one-off costs. Returns how many buckets ran."""
+        if self.draft is None:
+            return 0
+        self.allocate()
+        rows = [ViewRow([0] * P, [], []) for P in prefill_buckets(self.dcache.max_len, self.dcache.max_len)]
+        for row in rows:
+            prefill_draft(self, [row] * self.K, cache_rows(self.dcache, 0, self.K))
+        self.pending = None
+        return len(rows)
+
     def prefill_target(self, prep: Prepared, slot: int):
         """Encode the images and prefill target cache row `slot`; returns (logits of the last
         prompt position [1, V], pre-projector image features or None)."""
@@ -338,7 +351,10 @@ class Runner:
             if req.max_new > room:
                 raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the draft's "
                                  f"{self.eng.draft_len} positions")
-            _, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K))
+            # padded to a prompt-length bucket: the eager forward's per-shape costs (kernel
+            # selection and compilation on the GPU) are paid once per bucket, not per length
+            pad = prefill_bucket(longest, self.dcache.max_len, self.dcache.max_len) or 0
+            _, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K), pad)
         if side is not None:
             # the caching allocator must not hand these to the other stream while still in use
             main = torch.cuda.current_stream()

@@ -22,13 +22,14 @@ from .ops.ensemble_mix import ensemble_mix
 from .sampling import target_probs
 
 
-def prefill_draft(eng, rows, cache):
-    """Prefill all view rows into `cache` (one row per view) in one ragged batch. Returns the
-    per-row prompt lengths [R] and each row's logits for the first generated token [R, V]
-    (its last position)."""
+def prefill_draft(eng, rows, cache, pad_to: int = 0):
+    """Prefill all view rows into `cache` (one row per view) in one ragged batch, padded to
+    `pad_to` positions when that is longer (the padding is written past each row's prompt, where
+    the draft's next writes land before anything reads it). Returns the per-row prompt lengths
+    [R] and each row's logits for the first generated token [R, V] (its last position)."""
     draft, dev = eng.draft, eng.device
     lens = [len(r.ids) for r in rows]
-    Tm = max(lens)
+    Tm = max(max(lens), pad_to)
     x = torch.zeros(len(rows), Tm, draft.lm.cfg.hidden_size, device=dev, dtype=eng.dtype)
     for i, r in enumerate(rows):
         x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.feats)

@@ -403,6 +403,30 @@ def test_warmup_runs_every_bucket_and_leaves_the_engine_as_it_was():
     assert [o.token_ids for o in eng.generate(prompts, images=imgs, sampling=sps)] == [expected(n) for n in names]
 
 
+def test_draft_view_prefill_is_padded_to_a_bucket(monkeypatch):
+    """The draft views' eager prefill runs at a 64-token bucket, not at each prompt's length
+    (per-shape costs are paid once per bucket, and warm-up pays them), and the tokens stay
+    transformers'."""
+    import tabed_engine.runner as runner_mod
+
+    eng = engine()
+    calls, prefill_draft = [], runner_mod.prefill_draft
+
+    def record(runner, rows, cache, pad_to=0):
+        lens, logits = prefill_draft(runner, rows, cache, pad_to)
+        calls.append((max(len(r.ids) for r in rows), pad_to))
+        return lens, logits
+
+    monkeypatch.setattr(runner_mod, "prefill_draft", record)
+    assert eng.runner.warm_draft_prefill() == len(calls) == 256 // 64
+    assert sorted(n for n, _ in calls) == [64, 128, 192, 256]         # every bucket, once
+    calls.clear()
+    names, prompts, imgs, sps = batch_inputs()
+    outs = eng.generate(prompts, images=imgs, sampling=sps)
+    assert [o.token_ids for o in outs] == [expected(n) for n in names]
+    assert len(calls) == len(names) and all(p % 64 == 0 and 0 < n <= p for n, p in calls)
+
+
 def test_speculative_and_autoregressive_requests_take_turns():
     """An autoregressive request (speculative=False) queued between speculative ones waits for
     their batch to drain (one kind per batch), and the speculative request queued after it does
