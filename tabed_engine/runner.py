@@ -538,6 +538,8 @@ class Runner:
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
         gamma = eng.gamma if gamma is None or tree is not None else gamma
         gamma_next = gamma if gamma_next is None else gamma_next
+        if eng.timing:          # per-phase times synchronize each phase: nothing is queued ahead
+            gamma_next = 0
         if tree is not None and gamma_next:
             gamma_next = eng.gamma
         for g in (gamma, gamma_next or 1):
@@ -564,10 +566,9 @@ class Runner:
             self.catch_up(reqs, b)
             inp2, dl = self._draft_inputs(reqs, b)
             tl, last, t_max = self._target_inputs(reqs, b)
-            blk = self._queue_block(b, gamma, sp, temp, gen, inp2, dl, tl, last, t_max, live)
+            blk = self._queue_block(b, gamma, sp, temp, gen, inp2, dl, tl, last, t_max, live, timer=timer)
         else:
             blk = p["blk"]
-        timer.lap("time_verify")
         res, v = blk["res"], blk["v"]
         n_acc = v["n_acc"]
         head, w_host = self._host("head", (b, 2 + depth)), self._host("w", (b, K), torch.float32)
@@ -624,7 +625,7 @@ class Runner:
         return out
 
     def _queue_block(self, b: int, gamma: int, sp, temp: float, gen, inp2, dl, tl, last, t_max: int, live,
-                     ahead: int = 0) -> dict:
+                     ahead: int = 0, timer: Optional["_Timer"] = None) -> dict:
         """Queue one block's draft and verification (nothing read back): draft rows at lengths
         `dl` [b*K] fed `inp2` [b*K, 2], target rows at lengths `tl` [b] int32 fed `last` [b];
         `t_max` bounds the target lengths. `ahead`: blocks between the host's view of the live
@@ -654,6 +655,8 @@ class Runner:
                              dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset),
                              kv_len=self.kv_bucket(longest + G_max + eng.lookahead))
         self.offset.add_(noise)
+        if timer is not None:
+            timer.lap("time_draft")
         verify_key = ("verify", b, gamma, tree, sampling_key(sp), norms)
         v = {}
         if tree is not None:
@@ -686,6 +689,8 @@ class Runner:
         if tree is not None:
             v["path"] = path
         v.update(tlogits=tlogits, n_acc=n_acc, nxt=nxt, packed=packed, d_last=d_last)
+        if timer is not None:
+            timer.lap("time_verify")
         return dict(res=res, v=v, dl=dl, tl=tl, t_max=t_max)
 
     def _view_tree(self, r: Request, timer) -> list[list[int]]:

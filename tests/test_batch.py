@@ -226,6 +226,27 @@ def test_the_next_block_is_queued_before_a_block_is_read():
     assert [e for e in events if e != "read"][:5] == [4, 4, 2, 3, 1]       # each block as chosen
 
 
+def test_timing_times_each_phase_and_queues_nothing_ahead():
+    """Engine(timing=True): per-phase times of the speculative blocks (each phase synchronizes,
+    so no block is queued ahead); tokens stay the target's."""
+    eng = engine(views=("M",), timing=True)
+    name = "one_image"
+    queued = []
+    sd_block = eng.runner.sd_block
+
+    def record(*a, **k):
+        out = sd_block(*a, **k)
+        queued.append(eng.runner.pending is not None)
+        return out
+
+    eng.runner.sd_block = record
+    out = eng.generate(PROMPTS[name][0], images=images(PROMPTS[name][1]), sampling=SamplingParams(max_new_tokens=16))
+    assert out.token_ids == expected(name)[:16]
+    st = out.stats
+    assert queued and not any(queued)
+    assert min(st.time_draft, st.time_verify, st.time_ensemble, st.time_other) > 0
+
+
 def test_switches_between_ar_and_sd_discard_no_queued_block():
     """The cost model switching between AR steps and chains of several lengths: every block
     queued ahead is the one that runs next (none is computed and thrown away)."""
