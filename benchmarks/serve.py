@@ -5,7 +5,7 @@ For N in {1, 4, 16} concurrent streams (one image + 40 words each, greedy, 128 t
 ignored), AR and SD (at tau = 2.31 for 5-draft chains: `e2e.geometric_schedule` through
 `Engine.bench_accept_schedule`), each repeat runs:
 * direct: N `add_request`s at once, `step()` until done, the times taken when `step()` returns
-  each request's tokens (where the server's engine thread hands them on);
+  text for a request (where the server's engine thread hands on what becomes a content chunk);
 * HTTP: `tabed_engine.server.OpenAIServer` on that engine under uvicorn on 127.0.0.1 (a thread
   of this process, as `serve` runs it), N streamed chat completions at once from an httpx
   client in a separate process (the image a data: URL), the times taken when each content
@@ -206,8 +206,9 @@ class ServeBench:
                                                       {"type": "text", "text": self.texts[i]}]}]}).encode()
 
     def direct(self, n: int, n_new: int, speculative: bool) -> dict:
-        """N requests added at once, stepped until done; times taken when step() returns each
-        request's tokens (as the server's engine thread hands them on)."""
+        """N requests added at once, stepped until done; times taken when step() returns text
+        for a request (what the server streams as a content chunk: a token whose text is held
+        back, e.g. part of a UTF-8 character, sends none)."""
         from tabed_engine import SamplingParams
 
         eng, sp = self.eng, SamplingParams(max_new_tokens=n_new, stop_at_eos=False)
@@ -221,7 +222,7 @@ class ServeBench:
             step = eng.step()       # ends with the new tokens on the host: no device sync needed
             now = time.perf_counter()
             for o in step:
-                if o.new_token_ids:
+                if o.new_text:
                     times[o.request_id].append(now)
                 if o.finished:
                     outs[o.request_id] = o.output
