@@ -566,7 +566,8 @@ class Runner:
             self.catch_up(reqs, b)
             inp2, dl = self._draft_inputs(reqs, b)
             tl, last, t_max = self._target_inputs(reqs, b)
-            blk = self._queue_block(b, gamma, sp, temp, gen, inp2, dl, tl, last, t_max, live, timer=timer)
+            blk = self._queue_block(b, gamma, sp, temp, gen, inp2, dl, tl, last, t_max,
+                                    max(len(r.tokens) for r in live), live, timer=timer)
         else:
             blk = p["blk"]
         res, v = blk["res"], blk["v"]
@@ -606,7 +607,8 @@ class Runner:
             T_next = (gamma_next if tree is None else tree.nodes) + 1
             tl2 = torch.clamp(blk["tl"] + step.int(), max=self.max_len - T_next)
             self.pending = dict(mode=("sd", gamma_next), b=b, slots=self._slots_key(reqs), blk=self._queue_block(
-                b, gamma_next, sp, temp, gen, inp2, dl2, tl2, v["nxt"], blk["t_max"] + depth + 1, live, ahead=1))
+                b, gamma_next, sp, temp, gen, inp2, dl2, tl2, v["nxt"], blk["t_max"] + depth + 1,
+                max(len(r.tokens) for r in live) + depth + 1, live, ahead=1))
         self._wait(ready)
         heads, ws = head.tolist(), w_host.tolist()
         out = []
@@ -624,12 +626,13 @@ class Runner:
         timer.lap("time_other")
         return out
 
-    def _queue_block(self, b: int, gamma: int, sp, temp: float, gen, inp2, dl, tl, last, t_max: int, live,
-                     ahead: int = 0, timer: Optional["_Timer"] = None) -> dict:
+    def _queue_block(self, b: int, gamma: int, sp, temp: float, gen, inp2, dl, tl, last, t_max: int, g_max: int,
+                     live, ahead: int = 0, timer: Optional["_Timer"] = None) -> dict:
         """Queue one block's draft and verification (nothing read back): draft rows at lengths
         `dl` [b*K] fed `inp2` [b*K, 2], target rows at lengths `tl` [b] int32 fed `last` [b];
-        `t_max` bounds the target lengths. `ahead`: blocks between the host's view of the live
-        requests and this one (the benchmark's forced acceptance follows the block index).
+        `t_max` bounds the target lengths and `g_max` the requests' generated tokens (for the
+        eager attention spans). `ahead`: blocks between the host's view of the live requests
+        and this one (the benchmark's forced acceptance follows the block index).
         Returns dict(res = the draft's outputs, v = the verification's (tlogits, n_acc, nxt,
         packed, d_last, t_lse or path), dl, tl, t_max)."""
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
@@ -639,7 +642,6 @@ class Runner:
         confidence = eng.ensemble.policy == "confidence" and K > 1
         norms = self.state.uses_normalisers and tree is None and not isinstance(sp, RowSampling)
         longest = max(max(r.view_len) for r in live)
-        G_max = max(len(r.tokens) for r in live) + ahead * (depth + 1)
         if tree is None:
             draft_fn = partial(draft_block, self.draft.lm, dcache, B=b, K=K, gamma=gamma, greedy=greedy,
                                temperature=temp, confidence=confidence)
@@ -653,7 +655,7 @@ class Runner:
             noise = tree.depth * b * tree.width * V
         res = self.run_graph(("draft", b, K, gamma, tree, greedy, temp, confidence), draft_fn,
                              dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset),
-                             kv_len=self.kv_bucket(longest + G_max + eng.lookahead))
+                             kv_len=self.kv_bucket(longest + g_max + eng.lookahead))
         self.offset.add_(noise)
         if timer is not None:
             timer.lap("time_draft")
