@@ -505,10 +505,10 @@ class Engine:
         model may pick, and a speculative block after AR steps (the draft's catch-up), with one
         image per request when `images`: the CUDA graphs of those buckets are captured and the
         kernels compiled before the first real request (a server would otherwise stall its
-        first requests at each new batch size). The target's prefill graphs of every prompt-length bucket are captured too
-        (`Runner.capture_prefill`), and the draft views' prefill runs once per bucket
-        (`Runner.warm_draft_prefill`). The cost model keeps the block times it measured. Returns
-        the seconds taken."""
+        first requests at each new batch size). The target's prefill graphs of every
+        prompt-length bucket are captured too (`Runner.capture_prefill`), and the draft views'
+        prefill runs once per bucket (`Runner.warm_draft_prefill`). The cost model keeps the
+        block times it measured. Returns the seconds taken."""
         from PIL import Image
 
         from .runner import BUCKETS

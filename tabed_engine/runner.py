@@ -112,7 +112,7 @@ class Runner:
         self.max_batch = max_batch
         self.depth = eng.gamma if eng.tree is None else eng.tree.depth
         self.graphs = GraphCache() if cuda_graphs and self.device.type == "cuda" else None
-        self.pending: Optional[dict] = None   # the next block's queued first half
+        self.pending: Optional[dict] = None   # the next block, queued ahead (`sd_block`, `ar_step`)
         # the target's prefill padded to a prompt-length bucket, a captured graph per bucket (on
         # the GPU with graphs; eager elsewhere, where it only serves tests of the padding), up
         # to `prefill_graph_max` tokens; off: eager at the prompt's own length
@@ -324,7 +324,7 @@ class Runner:
                 self.w[slot] = w[0]
             if req.view_mask is not None:
                 self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
-        self.pending = None               # the batch changed: the queued half is stale
+        self.pending = None               # the batch changed: the queued block is stale
         req.stats.time_prefill = time.perf_counter() - t0
 
     def _prefill_views(self, req: Request, sel, slot: int, after) -> torch.Tensor:
@@ -381,16 +381,16 @@ class Runner:
         return 0 if p["mode"] == "ar" else p["mode"][1]
 
     def _matches(self, p: dict, mode, b: int, reqs) -> bool:
-        """Whether queued half `p` was queued for this mode, bucket and these requests (slots whose
-        request finished since are fine: their rows are garbage nobody reads)."""
+        """Whether queued block `p` was queued for this mode, bucket and these requests (slots
+        whose request finished since are fine: their rows are garbage nobody reads)."""
         if p["mode"] != mode or p["b"] != b:
             return False
         now = self._slots_key(reqs)
         return not any(n is not None and n != then for n, then in zip(now, p["slots"]))
 
     def _pending_for(self, mode, b: int, reqs) -> Optional[dict]:
-        """The queued half if it was queued for this mode, bucket and these requests; it is taken
-        (used or stale) either way."""
+        """The queued block if it was queued for this mode, bucket and these requests; it is
+        taken (used or stale) either way."""
         p, self.pending = self.pending, None
         return p if p is not None and self._matches(p, mode, b, reqs) else None
 
@@ -549,8 +549,7 @@ class Runner:
         _, _, state = self.views(b)
         sp, temp = self.batch_sampling(reqs, b)      # temp: the draft's softmax and the divergences'
         greedy = sp.greedy
-        # the target's normalisers serve the history only at the history's own temperature
-        norms = state.uses_normalisers and tree is None and not isinstance(sp, RowSampling)
+        norms = self._normalisers(sp)
         live = [r for r in reqs[:b] if r is not None and not r.finished]
         schedule = self.bench_accept_schedule
         timer = _Timer(self, live)
@@ -626,6 +625,11 @@ class Runner:
         timer.lap("time_other")
         return out
 
+    def _normalisers(self, sp) -> bool:
+        """Whether the verification returns the target's log-normalisers for the history (they
+        serve it only at the history's own temperature: chains, one sampling setting)."""
+        return self.state.uses_normalisers and self.eng.tree is None and not isinstance(sp, RowSampling)
+
     def _queue_block(self, b: int, gamma: int, sp, temp: float, gen, inp2, dl, tl, last, t_max: int, g_max: int,
                      live, ahead: int = 0, timer: Optional["_Timer"] = None) -> dict:
         """Queue one block's draft and verification (nothing read back): draft rows at lengths
@@ -640,7 +644,7 @@ class Runner:
         greedy, V = sp.greedy, self.draft.lm.cfg.vocab_size
         depth = gamma if tree is None else tree.depth
         confidence = eng.ensemble.policy == "confidence" and K > 1
-        norms = self.state.uses_normalisers and tree is None and not isinstance(sp, RowSampling)
+        norms = self._normalisers(sp)
         longest = max(max(r.view_len) for r in live)
         if tree is None:
             draft_fn = partial(draft_block, self.draft.lm, dcache, B=b, K=K, gamma=gamma, greedy=greedy,

@@ -39,10 +39,10 @@ class CostModel:
     (graph capture and kernel compilation are one-off costs). A kind not measured yet is
     interpolated linearly in g between measured ones (an AR step is g = 0; before one is
     measured it is taken as a γ-chain's time / `prior_ratio`, and with only AR measured a
-    γ-chain as `prior_ratio` AR steps). The running choice is kept
-    unless another promises `margin` times its throughput (a switch costs the overlap of one
-    block with the host's work). While decoding autoregressively, `probe_len` speculative blocks every `probe_every`
-    steps re-measure acceptance (a request's draft may start to help; each probe that finds
+    γ-chain as `prior_ratio` AR steps). The running choice is kept unless another promises
+    `margin` times its throughput (a switch costs the overlap of one block with the host's
+    work). While decoding autoregressively, `probe_len` speculative blocks every
+    `probe_every` steps re-measure acceptance (a request's draft may start to help; each probe that finds
     nothing doubles the interval, up to `probe_max`), and so does a batch of
     requests none of which has speculated yet (the prior, which follows the finished requests
     (`observe`), may come from another kind of request). `forced`: always this kind (warm-up)."""
@@ -183,7 +183,8 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests (their first tokens are this step's output; a block queued
-        ahead is finished first) or, when none was admitted, run one block for the batch. Never raises for one request's failure:
+        ahead is finished first) or, when none was admitted, run one block for the batch.
+        Never raises for one request's failure:
         that request finishes with finish_reason "error" and the others go on."""
         outputs: list[RequestOutput] = []
         with torch.inference_mode():
@@ -206,10 +207,15 @@ class Scheduler:
     def _admissible(self) -> bool:
         """Whether the oldest waiting request can be admitted now."""
         with self._lock:
-            if not self.waiting or None not in self.slots:
-                return False
-            live = [r for r in self.slots if r is not None]
-            return not live or self.waiting[0].batch_key == live[0].batch_key
+            return self._head_fits()
+
+    def _head_fits(self) -> bool:
+        """(lock held) A free slot and the oldest waiting request of the running batch's kind
+        (or no batch running): else it waits for the batch to drain."""
+        if not self.waiting or None not in self.slots:
+            return False
+        live = next((r for r in self.slots if r is not None), None)
+        return live is None or self.waiting[0].batch_key == live.batch_key
 
     def _block(self, outputs, kind: Optional[int] = None):
         """One block for the batch: the one queued ahead if the batch still has it, else of the
@@ -286,16 +292,11 @@ class Scheduler:
         admitted = []
         while True:
             with self._lock:
-                if not self.waiting:
+                if not self._head_fits():
                     break
-                live = [r for r in self.slots if r is not None]
-                key = live[0].batch_key if live else self.waiting[0].batch_key
-                head = self.waiting[0]
-                if head.batch_key != key or None not in self.slots:
-                    break                            # the oldest waits for the batch to drain
-                self.waiting.popleft()
+                head = self.waiting.popleft()
             slot = self.slots.index(None)
-            first_in_batch = not live
+            first_in_batch = all(r is None for r in self.slots)
             admitted.append(head)
             try:
                 self.runner.prefill(head, slot)
