@@ -95,10 +95,11 @@ class BatchBench:
     def prompt(self, i: int, n_words: int):
         return "<image>\n " + self.words(1000 + i, n_words, self.p.target["vocab_size"])
 
-    def run_batch(self, B: int, n_new: int, speculative: bool, sampling=None) -> dict:
+    def run_batch(self, B: int, n_new: int, speculative: bool, sampling=None, trace: bool = False) -> dict:
         """B requests added at once; decode wall time from the step after the last admission.
         `sampling`: a list of SamplingParams fields (dicts) the requests take in turn (default
-        greedy)."""
+        greedy). `trace`: also each decode step's kind ("ar", "chainG", "admit") and host
+        interval in ms (where the cost model's probes and switches spend their time)."""
         from tabed_engine import SamplingParams
 
         eng = self.eng
@@ -106,12 +107,17 @@ class BatchBench:
         sps = [SamplingParams(max_new_tokens=n_new, stop_at_eos=False, **kinds[i % len(kinds)]) for i in range(B)]
         ids = [eng.add_request(self.prompt(i, self.p.text_tokens - 1), images=[self.image], sampling=sps[i],
                                speculative=speculative) for i in range(B)]
-        outs, t_dec = {}, None
+        outs, t_dec, steps = {}, None, []
         while eng.has_unfinished():
             admitting = bool(eng.scheduler.waiting)
+            before, t_step = dict(eng.scheduler.kinds), time.perf_counter()
             for o in eng.step():
                 if o.finished:
                     outs[o.request_id] = o.output
+            if trace and t_dec is not None:
+                ran = [g for g, n in eng.scheduler.kinds.items() if n > before.get(g, 0)]
+                steps.append([",".join("ar" if g == 0 else f"chain{g}" for g in ran) or "admit",
+                              round((time.perf_counter() - t_step) * 1e3, 3)])
             if admitting and not eng.scheduler.waiting and t_dec is None:
                 if self.dev.type == "cuda":
                     torch.cuda.synchronize()
@@ -130,7 +136,8 @@ class BatchBench:
                 "itl_ms_median": pct(itl, 50), "target_forwards_per_request": blocks,
                 "speculative_blocks_per_request": len(acc) / B,
                 "tau_measured": (sum(acc) / len(acc) + 1) if acc else None,
-                "blocks_by_kind": {("ar" if g == 0 else f"chain{g}"): n for g, n in kinds.items()}}
+                "blocks_by_kind": {("ar" if g == 0 else f"chain{g}"): n for g, n in kinds.items()},
+                **({"steps": steps} if trace else {})}
 
     def fixed(self) -> dict:
         eng, n_new = self.eng, self.p.new_tokens
@@ -152,7 +159,7 @@ class BatchBench:
                     eng.bench_accept_schedule = geometric_schedule(tau, self.p.gamma)
                     # warm-up: graphs, and at tau 1 the cost model's probes (draft catch-up kernels)
                     self.run_batch(B, n_new if tau == 1.0 else 16, True)
-                    r = self.run_batch(B, n_new, True)
+                    r = self.run_batch(B, n_new, True, trace=tau == 1.0 and adaptive)
                     r["speedup_vs_ar"] = r["tokens_per_s"] / ar_tps
                     row[f"sd_tau{tau}" + ("" if adaptive else "_always")] = r
                     log(f"B={B} tau={tau} adaptive={adaptive}: {r['tokens_per_s']:.0f} tok/s "

@@ -490,7 +490,8 @@ class Runner:
         """Feed the draft rows the tokens generated while the batch decoded autoregressively
         (a draft block needs them to hold all but the last two): ragged forwards of CATCH_UP
         tokens per row, padded (one shape: a new length compiles kernels, hundreds of ms on the
-        GPU); the padding lands in slots the next draft block writes before it reads them."""
+        GPU, and one captured graph per bucket); the padding lands in slots the next draft block
+        writes before it reads them."""
         K = self.K
         need = {r.slot: r.tokens[r.draft_valid: len(r.tokens) - 2] for r in reqs[:b]
                 if r is not None and not r.finished and r.draft_valid < len(r.tokens) - 2}
@@ -509,8 +510,10 @@ class Runner:
                     toks[slot * K + k] = chunk + [chunk[-1]] * (T - len(chunk))
                     lens[slot * K + k] = r.view_len[k] + r.draft_valid
                 r.draft_valid += len(chunk)
-            catch_up_forward(self.draft.lm, dcache, self.to_device(toks), self.to_device(lens),
-                             kv_len=self.kv_bucket(max(lens) + T))
+            # a captured graph per (bucket, T) on the GPU: eagerly, the draft's ~40 launches are host-bound
+            self.run_graph(("catch_up", b, K, T), partial(catch_up_forward, self.draft.lm, dcache),
+                           {"toks": self.to_device(toks), "lens": self.to_device(lens)},
+                           kv_len=self.kv_bucket(max(lens) + T))
             need = {s_: t[n:] for s_, t in need.items() if len(t) > n}
 
     def _draft_inputs(self, reqs, b):

@@ -13,6 +13,7 @@ newer request of the running kind is admitted before it (first come, first serve
 """
 from __future__ import annotations
 
+import random
 import secrets
 import threading
 import time
@@ -302,11 +303,13 @@ class Scheduler:
                 self.runner.prefill(head, slot)
                 if first_in_batch:
                     # the batch's draws follow its first request's seed: a seeded batch call
-                    # reproduces (the runner's noise seed, the batch generator)
-                    seed = torch.randint(0, 2 ** 62, (2,), generator=head.generator, device=self.runner.device)
-                    self.runner.seed.copy_(seed[:1])
+                    # reproduces (the runner's noise seed, the batch generator). Derived on the
+                    # host: a device draw read here would wait for the draft views' prefill
+                    # queued behind the first token, and delay its output
+                    rng = random.Random(head.seed)
+                    self.runner.seed.fill_(rng.getrandbits(62))
                     self.runner.offset.zero_()
-                    self._batch_gen.manual_seed(int(seed[1]))
+                    self._batch_gen.manual_seed(rng.getrandbits(62))
             except Exception as e:                   # this request fails alone
                 self.runner.pending = None
                 head.finish("error", f"{type(e).__name__}: {e}")
