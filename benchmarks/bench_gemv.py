@@ -1,19 +1,20 @@
 """Benchmark: few-row linear layers (Triton GEMV) vs cuBLAS and torch.compile at decode shapes.
 
     python benchmarks/bench_gemv.py [--out benchmarks/results/gemv.json]
-    TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke   # CPU, tiny, no claims
+    python benchmarks/bench_gemv.py --sweep [--out benchmarks/results/gemv_sweep.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke [--sweep]   # CPU, tiny, no claims
 
 Shapes: the LLaVA-1.5-7B target's projections at one row (an AR decode step; `gemv`) and
-at six rows (verification of gamma + 1 = 6 tokens; `gemv_rows`, tensor cores): q/k/v
-12288x4096, o 4096x4096, gate/up 22016x4096, down 4096x11008 with the SiLU gate (fused into
-the one-row GEMV; a separate `silu_mul` launch before the 6-row one), lm_head 32064x4096;
-and the LLaVA-68M-shape draft's at one row and at 4 (a draft step over 4 views): q/k/v
-2304x768, o 768x768, gate/up 6144x768 (at 4 rows with the SiLU gate in the GEMV's epilogue,
-`glu`), down 768x3072 (the gate fused at one row), lm_head 32064x768; bf16. Each timed call
-runs the projection over several copies of the weight (>= 400 MB in all), so every byte
-comes from HBM, not L2.
+at 6, 16, 32 and 64 rows (verification of gamma + 1 = 6 tokens, of a draft tree's nodes or of
+a batch's chains; `gemv_rows`, tensor cores): q/k/v 12288x4096, o 4096x4096, gate/up
+22016x4096, down 4096x11008 with the SiLU gate (fused into the one-row GEMV; a separate
+`silu_mul` launch before the several-row one), lm_head 32064x4096; and the LLaVA-68M-shape
+draft's at one row and at 4 (a draft step over 4 views): q/k/v 2304x768, o 768x768, gate/up
+6144x768 (at 4 rows with the SiLU gate in the GEMV's epilogue, `glu`), down 768x3072 (the
+gate fused at one row), lm_head 32064x768; bf16. Each timed call runs the projection over
+several copies of the weight (>= 400 MB in all), so every byte comes from HBM, not L2.
 Columns (us per projection, medians):
-  fused     tabed_engine.kernels.gemv (gemv_rows at 6 rows)
+  fused     tabed_engine.kernels.gemv (gemv_rows at several rows)
   eager     the reference: F.linear (cuBLAS), after (gated) or before (glu) an eager SiLU*up
   model     what the decoder ran before: F.linear after the torch.compile'd SiLU*up
   compiled  torch.compile of the reference (static shapes)
@@ -21,17 +22,32 @@ GB/s counts the weight bytes over the graph time, next to a 1 GiB device-to-devi
 measured in the same run. The summary lines add up one decode step's projections (32
 layers + lm_head; the draft: 2 layers + lm_head) for the GEMV and for the cuBLAS path the
 decoder would otherwise run.
+
+--sweep times `gemv_rows` block configs (BLOCK_N, BLOCK_K, num_warps, stages) per target
+projection, as the decoder runs it at several rows (gate/up with `glu`, down on the gated
+activations), and per row tile (`--sweep-rows` 16, 32, 64: BLOCK_M 16, 32, 64), over a grid
+pruned to the configs that fit a block's shared memory, hold at most 32 accumulator values a
+thread and give each warp at least one 16x8 tensor-core tile. Every config is compiled first
+(threads: Triton's compiler releases the GIL), then screened from one CUDA graph of a pass over
+the weight copies (3 replays; a config whose first replay takes over twice the best so far is
+dropped); the 3 fastest are re-timed as the table times, next to `_dot_config`'s default, the
+16-row kernel (at 16 rows, and over the rows in 16-row calls) and cuBLAS (F.linear; the
+compiled SiLU*up after it for gate/up). Prints the winners as the `_DOT_CONFIGS` dict literal
+of kernels/gemv.py.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth_gbs, event_ms, graph_ms, median_ms, provenance  # noqa: E402
 from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  print_row, time_variants, write_result)
 from tabed_engine.kernels import gemv as _k  # noqa: E402
@@ -55,17 +71,194 @@ def model_path(x, w, gate):
     return silu_mul(y) if gate == "out" else y
 
 
+# --sweep: the target's projections as the decoder runs them at several rows (the SiLU gate
+# after the gate/up product, down on the gated activations), and the config grid
+SWEEP_SHAPES = [("qkv", 12288, 4096, None), ("o", 4096, 4096, None), ("gate_up", 22016, 4096, "out"),
+                ("down", 4096, 11008, None), ("lm_head", 32064, 4096, None)]
+SWEEP_GRID = dict(BN=(16, 32, 64, 128), BK=(64, 128, 256, 512), warps=(2, 4, 8), stages=(2, 3, 4, 5))
+SMOKE_SHAPES = [("small", 96, 130, None), ("small_glu", 64, 70, "out")]
+SMOKE_GRID = dict(BN=(16, 32), BK=(32,), warps=(2,), stages=(2,))
+SCREEN_REPS, RETIME = 3, 3
+
+
+def sweep_configs(block_m: int, grid: dict, smem_budget: int) -> list:
+    """The grid's (BLOCK_N, BLOCK_K, num_warps, stages) worth timing at `block_m` rows: the
+    pipeline's buffers within a block's shared memory, at most 32 fp32 accumulator values a
+    thread (larger tiles spill on sm_90), at least one 16x8 tensor-core tile a warp."""
+    keep = []
+    for cfg in itertools.product(*grid.values()):
+        BN, _, warps, _ = cfg
+        if (_k.dot_smem_bytes(block_m, cfg) <= smem_budget and block_m * BN <= 32 * 32 * warps
+                and 16 * 8 * warps <= block_m * BN):
+            keep.append(cfg)
+    return keep
+
+
+def replayable(fn, device):
+    """fn captured in one CUDA graph (how the decoder runs it; warmed up on a side stream), or
+    fn itself on the interpreter."""
+    if device != "cuda":
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def replay_us(replay, device, reps: int) -> float:
+    """Median µs of replay() over reps (CUDA events; wall clock on the interpreter)."""
+    return (event_ms(replay, reps) if device == "cuda" else median_ms(replay, device, reps)) * 1e3
+
+
+def table_us(fn, device, args) -> float:
+    """µs of fn() as the table times its graph column (`--inner` calls in one graph, `--reps`)."""
+    return (graph_ms(fn, args.inner, args.reps) if device == "cuda" else median_ms(fn, device, args.reps)) * 1e3
+
+
+def compile_configs(call, configs, workers: int) -> dict:
+    """Run call(config) once per config, the first in this thread (a kernel's per-device state
+    is set up once), the others `workers` at a time (Triton compiles mostly outside the GIL);
+    returns {config: error text} for those that failed."""
+    def one(cfg):
+        try:
+            call(cfg)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {str(e).strip()[:160]}"
+        return None
+    errors = {configs[0]: one(configs[0])}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        errors.update(zip(configs[1:], pool.map(one, configs[1:])))
+    return {cfg: e for cfg, e in errors.items() if e is not None}
+
+
+def screen(kernel, configs, device, copies: int):
+    """({config: µs a projection} from one graph of kernel(config) each, SCREEN_REPS replays;
+    configs whose first replay takes over twice the best so far left out, and their count)."""
+    screened, stopped, top = {}, 0, float("inf")
+    for cfg in configs:
+        replay = replayable(kernel(cfg), device)
+        if replay_us(replay, device, 1) > 2 * top:
+            stopped += 1
+            continue
+        screened[cfg] = replay_us(replay, device, SCREEN_REPS) / copies
+        top = min(top, screened[cfg] * copies)
+    return screened, stopped
+
+
+def sweep(args, device, copy_gbs: float):
+    """Per sweep shape and row count: the best `gemv_rows` config of the grid next to the
+    default, the 16-row kernel and cuBLAS. Returns (JSON rows, {(N, K, BLOCK_M): config})."""
+    shapes, grid = (SMOKE_SHAPES, SMOKE_GRID) if args.smoke else (SWEEP_SHAPES, SWEEP_GRID)
+    budget = 227 << 10  # sm_90's opt-in shared memory a block
+    if device == "cuda":
+        budget = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", budget)
+    workers = args.compile_workers if device == "cuda" else 1  # the interpreter runs one program at a time
+    dtype, rows, best = torch.bfloat16, [], {}
+    torch.manual_seed(0)
+    print(f"{'shape':>8} {'rows':>4} | {'best (BN, BK, warps, stages)':>28} {'us':>8} {'GB/s':>5} {'%copy':>5} | "
+          f"{'default':>20} {'us':>8} | {'16-row kernel: 16 rows':>22} {'M rows':>8} | {'cuBLAS':>8} | timed")
+    for name, N, K, gate in shapes:
+        glu = gate == "out"
+        nbytes = N * K * 2
+        copies = max(1, -(-args.min_bytes // nbytes))
+        ws = [torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5 for _ in range(copies)]
+        for M in args.sweep_rows:
+            block_m = _k.dot_block_m(M)
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            out = torch.empty(M, N // 2 if glu else N, device=device, dtype=dtype)
+
+            def over_copies(fn):
+                def run():
+                    for w in ws:
+                        fn(w)
+                return run
+
+            def kernel(cfg):
+                return over_copies(lambda w: _k.gemv_rows(x, w, glu=glu, out=out, config=cfg))
+
+            default = _k._dot_config(N, K, block_m)
+            configs = [default] + [c for c in sweep_configs(block_m, grid, budget) if c != default]
+            failed = compile_configs(lambda cfg: _k.gemv_rows(x, ws[0], glu=glu, config=cfg), configs, workers)
+            screened, stopped = screen(kernel, [c for c in configs if c not in failed], device, copies)
+            timed = {cfg: table_us(kernel(cfg), device, args) / copies
+                     for cfg in sorted(screened, key=screened.get)[:RETIME]}
+            if default not in timed and default in screened:
+                timed[default] = table_us(kernel(default), device, args) / copies
+            winner = min(timed, key=timed.get)
+            best[(N, K, block_m)] = winner
+
+            x16 = torch.randn(16, K, device=device, dtype=dtype)
+            out16 = torch.empty(16, out.shape[1], device=device, dtype=dtype)
+            base = {"cublas": table_us(over_copies(lambda w: model_path(x, w, gate)), device, args) / copies}
+            if M > 16:
+                base["rows16"] = table_us(over_copies(lambda w: _k.gemv_rows(x16, w, glu=glu, out=out16)),
+                                          device, args) / copies
+                base["split16"] = table_us(over_copies(lambda w: [
+                    _k.gemv_rows(x[i:i + 16], w, glu=glu, out=out[i:i + 16]) for i in range(0, M, 16)]),
+                    device, args) / copies
+            _k.gemv_rows(x, ws[0], glu=glu, out=out, config=winner)
+            err = (out.float() - model_path(x, ws[0], gate).float()).abs().max().item()
+            gbs = nbytes / (timed[winner] * 1e-6) / 1e9
+            rows.append(dict(name=name, kind="sweep", rows=M, block_m=block_m, N=N, K=K, gate=gate, dtype=str(dtype),
+                             weight_bytes=nbytes, copies=copies, best=list(winner), best_us=timed[winner],
+                             best_gbs=gbs, pct_copy=100 * gbs / copy_gbs, default=list(default),
+                             default_us=timed.get(default), baseline_us=base,
+                             top=[[list(c), us] for c, us in sorted(timed.items(), key=lambda kv: kv[1])],
+                             screened=len(screened), stopped_early=stopped,
+                             failed={str(c): e for c, e in failed.items()}, max_abs_err_vs_cublas=err))
+            col = lambda v, w=8: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+            print(f"{name:>8} {M:>4} | {str(winner):>28} {col(timed[winner])} {gbs:>5.0f} {100 * gbs / copy_gbs:>5.1f} "
+                  f"| {str(default):>20} {col(timed.get(default))} | {col(base.get('rows16'), 22)} "
+                  f"{col(base.get('split16'))} | {col(base['cublas'])} | {len(screened)} timed, {stopped} stopped, "
+                  f"{len(failed)} failed   max err {err:.2g}", flush=True)
+        ws.clear()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows, best
+
+
+def dot_configs_literal(best: dict) -> str:
+    """{(N, K, BLOCK_M): (BLOCK_N, BLOCK_K, num_warps, stages), ...} as Python source."""
+    lines = [f"    {key}: {cfg}," for key, cfg in sorted(best.items())]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap, "gemv")
     ap.set_defaults(inner=4, reps=15)
     ap.add_argument("--min-bytes", type=int, default=400 << 20, help="weight bytes per timed call")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="activation rows per target projection")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 6, 16, 32, 64],
+                    help="activation rows per target projection")
     ap.add_argument("--draft-rows", type=int, nargs="*", default=[1, 4], help="activation rows per draft projection")
+    ap.add_argument("--sweep", action="store_true", help="time gemv_rows block configs instead of the table")
+    ap.add_argument("--sweep-rows", type=int, nargs="+", default=None,
+                    help="activation rows per sweep (default 16 32 64; --smoke: 6 20 40)")
+    ap.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                    help="threads compiling the sweep's configs")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
-    device, out_path = device_and_out(args, "gemv")
+    device, out_path = device_and_out(args, "gemv_sweep" if args.sweep else "gemv")
+    if args.sweep:
+        args.sweep_rows = args.sweep_rows or ([6, 20, 40] if args.smoke else [16, 32, 64])
+        if not all(1 <= M <= _k.MAX_DOT_ROWS for M in args.sweep_rows):
+            ap.error(f"--sweep-rows: 1 to {_k.MAX_DOT_ROWS} rows")
+        if args.smoke:
+            args.reps, args.inner, args.min_bytes = 3, 1, 0
+        copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.smoke else 1 << 30)
+        print(f"device: {provenance(device)['device']}  copy bandwidth {copy_gbs:.0f} GB/s")
+        rows, best = sweep(args, device, copy_gbs)
+        print("_DOT_CONFIGS = " + dot_configs_literal(best))
+        rows.append(dict(name="dot_configs", literal=dot_configs_literal(best),
+                         configs=[[*key, *cfg] for key, cfg in sorted(best.items())]))
+        write_result("gemv_sweep", args, device, copy_gbs, rows, out_path, t_start)
+        return
     cases = [(*c, M) for M in args.rows for c in TARGET]
     cases += [(*c, M) for M in args.draft_rows for c in (DRAFT_ONE if M == 1 else DRAFT_ROWS)]
     if args.smoke:

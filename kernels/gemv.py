@@ -15,9 +15,11 @@ replaces) to the product, so the MLP's down projection needs no separate SiLU la
 Block shapes from an H200 sweep (benchmarks/results/gemv.json: 5-21% faster than cuBLAS at the
 Llama-7B decode shapes).
 
-For 2-16 rows (verification: γ + 1 rows) `gemv_rows` runs the same weight stream through
-tensor cores: the rows padded to 16 by masked loads (zeros), one [16, BLOCK_N] fp32 tile per
-program. bfloat16/float16 only (a float32 dot would round through TF32).
+For 2-64 rows (verification: γ + 1 rows, a draft tree's nodes, a batch's chains) `gemv_rows`
+runs the same weight stream through tensor cores: the rows padded to BLOCK_M = 16, 32 or 64 (the
+next power of two) by masked loads (zeros), one [BLOCK_M, BLOCK_N] fp32 tile per program. At 64
+rows the product does 64 FLOP a weight byte, under the tensor cores' ridge: still bound by the
+weight read. bfloat16/float16 only (a float32 dot would round through TF32).
 
 Both are programmatically dependent launches on sm_90 (`_common.pdl`): the one-row kernel
 reads its first weight tile before it waits for the kernel producing x; the rows kernel waits
@@ -194,26 +196,76 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-MAX_DOT_ROWS = 16
+MAX_DOT_ROWS = 64
 # The SiLU gate in the rows kernel's epilogue pays where launches dominate (the 68M draft's
 # gate/up), larger matrices keep a second launch (H100 A/B, benchmarks/results/kernels_backed_out.md).
 GLU_EPILOGUE_MAX = 1 << 23
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+# (N, K, BLOCK_M) -> (BLOCK_N, BLOCK_K, num_warps, stages) measured per shape: the dict
+# `python benchmarks/bench_gemv.py --sweep` prints. Shapes not in it take `_dot_config`'s rules.
+_DOT_CONFIGS: dict = {}
 
 
-def _dot_config(N: int, K: int):
-    """(BLOCK_N, BLOCK_K, num_warps, stages) from H100 sweeps at 6 rows and inside the 4-row
-    draft forward (benchmarks/results/gemv_h100.json, benchmarks/results/kernels_backed_out.md)."""
-    if N * K < (1 << 23) and K >= 2048:
-        return (16, 512, 2, 3)
-    if N * K < (1 << 23) and N >= 4096:
-        return (16, 128, 2, 4)
-    return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
+def dot_block_m(M: int) -> int:
+    """The row tile for M rows: the next power of two, at least 16 (the tensor-core tile)."""
+    return max(16, triton.next_power_of_2(M))
+
+
+def dot_smem_bytes(block_m: int, config) -> int:
+    """Shared memory the pipelined loop of `_gemv_dot_kernel` holds: STAGES buffers of an
+    activation tile and a weight tile (2-byte elements)."""
+    BN, BK, _, stages = config
+    return stages * (block_m + BN) * BK * 2
+
+
+def _dot_config(N: int, K: int, block_m: int = 16):
+    """(BLOCK_N, BLOCK_K, num_warps, stages) for the rows padded to block_m: the measured entry of
+    `_DOT_CONFIGS`, else rules. 16 rows: H100 sweeps at 6 rows and inside the 4-row draft forward
+    (benchmarks/results/gemv_h100.json, benchmarks/results/kernels_backed_out.md). 32 and 64 rows,
+    until swept: the 16-row weight tiles, with a shorter BLOCK_K or fewer stages where the larger
+    activation tile would take the pipeline past the 16-row configs' 96 KB of shared memory (two
+    programs an SM); at 64 rows BLOCK_N of at least 32 (an activation tile read from L2 at most
+    twice the weight tile) and 4 warps (a warp group: Hopper's wgmma)."""
+    swept = _DOT_CONFIGS.get((N, K, block_m))
+    if swept is not None:
+        return swept
+    small = N * K < (1 << 23)
+    if block_m <= 16:
+        if small and K >= 2048:
+            return (16, 512, 2, 3)
+        if small and N >= 4096:
+            return (16, 128, 2, 4)
+        return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 4)
+    if block_m <= 32:
+        if small and K >= 2048:
+            return (16, 256, 2, 4)
+        if small and N >= 4096:
+            return (16, 128, 2, 4)
+        return (64, 128, 4, 3) if N >= 16384 else (32, 256, 4, 3)
+    if small and K >= 2048:
+        return (32, 128, 4, 4)
+    if small and N >= 4096:
+        return (32, 128, 4, 3)
+    return (64, 128, 4, 3) if N >= 16384 else (32, 128, 4, 4)
+
+
+def _checked_config(config):
+    """`config` as a (BLOCK_N, BLOCK_K, num_warps, stages) tuple of ints, or ValueError."""
+    try:
+        BN, BK, warps, stages = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"gemv_rows: config must be (BLOCK_N, BLOCK_K, num_warps, stages), got {config!r}") from None
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    if not (pow2(BN) and BN >= 16 and pow2(BK) and BK >= 16):  # tensor-core tiles; glu's halves even
+        raise ValueError(f"gemv_rows: BLOCK_N and BLOCK_K must be powers of two >= 16, got {BN}, {BK}")
+    if warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise ValueError(f"gemv_rows: num_warps must be 1, 2, 4, 8 or 16 and stages >= 1, got {warps}, {stages}")
+    return BN, BK, warps, stages
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = False, out=None,
-              glu_epilogue: bool | None = None):
-    """y = x @ weight^T (+ bias) for 1-16 rows of activations on tensor cores.
+              glu_epilogue: bool | None = None, config=None):
+    """y = x @ weight^T (+ bias) for 1-64 rows of activations on tensor cores.
 
     x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
     bias [N] or None -> y [..., N] in x's dtype. float16/bfloat16, one dtype for all.
@@ -221,23 +273,27 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
     product (gate and up rounded to x's dtype first, as `silu_mul` sees them stored): in the
     epilogue (`glu_epilogue`; default: matrices under `GLU_EPILOGUE_MAX` elements), else by a
     `silu_mul` launch after the product. Bit-identical either way.
+    `config`: (BLOCK_N, BLOCK_K, num_warps, stages) instead of `_dot_config`'s (a benchmark's
+    sweep); powers of two >= 16 for the blocks. Results do not depend on it beyond the fp32
+    summation order.
     """
     N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False, glu)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
+    block_m = dot_block_m(M)
+    BN, BK, warps, stages = _dot_config(N, K, block_m) if config is None else _checked_config(config)
     if glu_epilogue is None:
         glu_epilogue = N * K < GLU_EPILOGUE_MAX
     if glu and not glu_epilogue:
-        return silu_mul(gemv_rows(x, weight, bias), out=y)
+        return silu_mul(gemv_rows(x, weight, bias, config=config), out=y)
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    BN, BK, warps, stages = _dot_config(N, K)
     use_pdl = pdl(x.device)
     b = bias if bias is not None else weight  # placeholder pointer, never read
     grid = (triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN),)
     _gemv_dot_kernel[grid](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), y.shape[-1],
-                           HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=MAX_DOT_ROWS, BLOCK_N=BN, BLOCK_K=BK,
+                           HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=block_m, BLOCK_N=BN, BLOCK_K=BK,
                            STAGES=stages, EVEN_K=K % BK == 0, DOT_FP32=x.device.type != "cuda", PDL=use_pdl,
                            num_warps=warps, launch_pdl=use_pdl)
     return y

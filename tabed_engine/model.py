@@ -61,12 +61,12 @@ rms_norm = fused_on_cuda(rms_norm_reference)
 
 # silu(gate) * up for gate_up = [gate | up]: one generated kernel on CUDA for prefill (decode
 # and verification rows have it fused: into the one-row down-projection GEMV's loads, into the
-# 2-16-row gate/up GEMV's epilogue, see `MLP.forward`)
+# 2-64-row gate/up GEMV's epilogue, see `MLP.forward`)
 silu_mul = fused_on_cuda(silu_mul_reference)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose 1-16-row calls on CUDA run the Triton GEMVs (`ops.gemv.linear`)."""
+    """nn.Linear whose 1-64-row calls on CUDA run the Triton GEMVs (`ops.gemv.linear`)."""
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
@@ -192,7 +192,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         kind = gemv_kind(x, self.gate_up_proj.weight)
-        if kind == "rows":  # 2-16 rows: the SiLU gate in the gate/up GEMV's epilogue
+        if kind == "rows":  # 2-64 rows: the SiLU gate in the gate/up GEMV's epilogue
             return self.down_proj(linear(x, self.gate_up_proj.weight, glu=True))
         gate_up = self.gate_up_proj(x)
         if kind == "row":  # one row: the SiLU gate as the down projection's GEMV loads its input

@@ -205,6 +205,13 @@ def _exercise():
     gemv.gemv_rows(torch.randn(3, 512, generator=g).to(bf), torch.randn(20000, 512, generator=g).to(bf))  # wide N
     for N in (80, 4096):        # the SiLU gate in the epilogue, two block configs
         gemv.gemv_rows(torch.randn(4, 300, generator=g).to(bf), torch.randn(N, 300, generator=g).to(bf), glu=True)
+    x, w = torch.randn(40, 64, generator=g).to(bf), torch.randn(64, 64, generator=g).to(bf)
+    for M in (20, 40):          # 32- and 64-row tiles: each rule's config (tiny shapes), a sweep's extremes
+        rules = [gemv._dot_config(N, K, gemv.dot_block_m(M)) for N, K in ((768, 3072), (6144, 768), (4096, 4096),
+                                                                          (32064, 4096))]
+        for config in dict.fromkeys(rules + [(128, 64, 8, 5), (16, 512, 2, 2)]):
+            gemv.gemv_rows(x[:M], w, config=config)
+            gemv.gemv_rows(x[:M], w, glu=True, config=config)
 
 
 def compile_all(path):

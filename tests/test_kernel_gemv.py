@@ -105,8 +105,10 @@ def test_kernel_rejects_bad_input(kernel_device):
     check(y, x[:1], w, None, False)
 
 
+# 1-16 rows in a 16-row tile, 17-32 in a 32-row one, 33-64 in a 64-row one
 ROW_CASES = [(M, N, K, dt) for (M, N, K) in [(2, 37, 300), (6, 1000, 517), (16, 173, 1031), (5, 96, 2048),
-                                              (9, 61, 77)]
+                                              (9, 61, 77), (17, 37, 301), (31, 173, 1031), (33, 61, 77),
+                                              (47, 999, 517), (64, 173, 2049)]
              for dt in (torch.bfloat16, torch.float16)]
 
 
@@ -121,7 +123,8 @@ def test_rows_kernel_matches_reference(M, N, K, dtype, kernel_device):
 
 
 GLU_CASES = [(M, I, K, dt) for (M, I, K) in [(2, 37, 300), (6, 500, 517), (16, 87, 1031), (4, 1536, 768),
-                                              (9, 61, 77)]
+                                              (9, 61, 77), (17, 37, 301), (33, 87, 1031), (47, 61, 77),
+                                              (64, 45, 2049)]
              for dt in (torch.bfloat16, torch.float16)]
 
 
@@ -163,8 +166,8 @@ def test_rows_kernel_leading_dims_strided_rows_and_errors(kernel_device):
     y = _k.gemv_rows(wide[:, 33:163].view(2, 3, 130), w, b)   # row stride 200, leading dims kept
     assert y.shape == (2, 3, 50)
     check(y.reshape(6, 50), x, w, b, False)
-    with pytest.raises(ValueError, match="rows"):
-        _k.gemv_rows(torch.zeros(17, 130, device=kernel_device, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        _k.gemv_rows(torch.zeros(65, 130, device=kernel_device, dtype=torch.bfloat16), w)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         _k.gemv_rows(x.float(), w.float())
     with pytest.raises(ValueError, match="last dim"):
@@ -172,6 +175,46 @@ def test_rows_kernel_leading_dims_strided_rows_and_errors(kernel_device):
     with pytest.raises(ValueError, match="out"):
         _k.gemv_rows(x, w, out=torch.empty(6, 49, device=kernel_device, dtype=torch.bfloat16))
     check(_k.gemv_rows(x, w, b), x, w, b, False)   # still usable
+
+
+def test_rows_kernel_config_override(kernel_device):
+    # config= replaces _dot_config's: the default given explicitly is the same launch, another
+    # valid config only reorders the fp32 sums; malformed configs are refused before a launch
+    for M, N, K in ((6, 90, 300), (40, 77, 201)):
+        x, w, b = make_case(M, N, K, torch.bfloat16, kernel_device, bias=True, seed=M)
+        default = _k._dot_config(N, K, _k.dot_block_m(M))
+        y = _k.gemv_rows(x, w, b)
+        assert torch.equal(_k.gemv_rows(x, w, b, config=default), y)
+        assert torch.equal(_k.gemv_rows(x, w, b, config=list(default)), y)
+        out = torch.full((M, N), float("nan"), device=kernel_device, dtype=torch.bfloat16)
+        check(_k.gemv_rows(x, w, b, config=(16, 64, 2, 2), out=out), x, w, b, False)
+        for glu_epilogue in (True, False):   # the gate in the epilogue and after the product
+            out = torch.full((M, N // 2), float("nan"), device=kernel_device, dtype=torch.bfloat16)
+            check_glu(_k.gemv_rows(x, w[:N // 2 * 2], glu=True, out=out, glu_epilogue=glu_epilogue,
+                                   config=(32, 32, 4, 3)), x, w[:N // 2 * 2], None)
+    for bad in ((24, 128, 4, 3), (8, 128, 4, 3), (32, 100, 4, 3), (32, 0, 4, 3), (32, 128, 3, 3),
+                (32, 128, 4, 0), (32, 128, 4), "fast", 32):
+        with pytest.raises(ValueError, match="config|BLOCK_N|num_warps"):
+            _k.gemv_rows(x, w, config=bad)
+
+
+def test_rows_launch_plan():
+    # the row tile: the next power of two of the rows, at least 16
+    assert [_k.dot_block_m(M) for M in (1, 2, 16, 17, 31, 32, 33, 47, 64)] == [16, 16, 16, 32, 32, 32, 64, 64, 64]
+    # the 16-row configs are the measured ones
+    assert [_k._dot_config(N, K, 16) for N, K in [(768, 3072), (6144, 768), (32064, 768), (12288, 4096),
+                                                   (4096, 4096), (4096, 11008)]] == [
+        (16, 512, 2, 3), (16, 128, 2, 4), (64, 128, 4, 3), (32, 256, 4, 4), (32, 256, 4, 4), (32, 256, 4, 4)]
+    assert _k._dot_config(4096, 4096) == _k._dot_config(4096, 4096, 16)
+    # every row tile at the 7B target's and the 68M draft's shapes: valid tiles, the pipeline
+    # within the 16-row configs' shared memory, at most 32 fp32 accumulator values a thread
+    for block_m in (16, 32, 64):
+        for N, K in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32064, 4096), (2304, 768),
+                     (768, 768), (6144, 768), (768, 3072), (32064, 768), (37, 300)]:
+            cfg = _k._dot_config(N, K, block_m)
+            assert _k._checked_config(cfg) == cfg
+            assert _k.dot_smem_bytes(block_m, cfg) <= 96 << 10, (N, K, block_m, cfg)
+            assert block_m * cfg[0] <= 32 * 32 * cfg[2], (N, K, block_m, cfg)
 
 
 def test_dispatch():
@@ -196,12 +239,14 @@ def test_dispatch_gpu_rule():
     assert ops.gemv_kind(x1, w) == "row"
     x6 = torch.zeros(6, 2048, device=dev, dtype=torch.bfloat16)
     assert ops.gemv_kind(x6, w) == "rows"                                                 # verification
-    assert ops.gemv_kind(torch.zeros(17, 2048, device=dev, dtype=torch.bfloat16), w) is None   # prefill: cuBLAS
+    for M in (17, 64):                                                     # a tree's nodes, a batch's chains
+        assert ops.gemv_kind(torch.zeros(M, 2048, device=dev, dtype=torch.bfloat16), w) == "rows"
+    assert ops.gemv_kind(torch.zeros(65, 2048, device=dev, dtype=torch.bfloat16), w) is None   # prefill: cuBLAS
     assert ops.gemv_kind(x6.float(), w.float()) is None                                   # fp32 rows: cuBLAS
     assert ops.gemv_kind(x1, w[:ops.MIN_FEATURES - 1]) is None                           # narrow: cuBLAS
     assert ops.gemv_kind(x1[:, :128], w[:, :128]) is None                                # short K: cuBLAS
     assert ops.gemv_kind(x1.float(), w) is None                                          # mixed dtypes
-    for M in (1, 6):   # gated through the dispatch: fused in the GEMV / the silu_mul kernel first
+    for M in (1, 6, 40):   # gated through the dispatch: fused in the GEMV / the silu_mul kernel first
         xg, wg, _ = make_case(M, 4096, 2048, torch.bfloat16, dev, gated=True, seed=M)
         check(ops.linear(xg, wg, gated=True), xg, wg, None, True)
         # glu through the dispatch: the GEMV then silu_mul / the rows GEMV's epilogue
@@ -220,16 +265,58 @@ def test_kernel_real_shapes_gpu(dtype):
         x, w, _ = make_case(1, N, K, dtype, "cuda", gated=gated, seed=N)
         out = torch.full((1, N), float("nan"), device="cuda", dtype=dtype)
         check(_k.gemv(x, w, gated=gated, out=out), x, w, None, gated)
-        if dtype == torch.bfloat16:   # verification's 6 rows (the gate applied before, as the MLP does)
-            x6, w6, _ = make_case(6, N, K, dtype, "cuda", gated=gated, seed=N + 6)
+        for M in ((6, 33, 64) if dtype == torch.bfloat16 else ()):
+            # verification's rows (the gate applied before, as the MLP does): a chain, a tree, a batch
+            x6, w6, _ = make_case(M, N, K, dtype, "cuda", gated=gated, seed=N + M)
             a6 = ops.silu_mul_reference(x6) if gated else x6
-            out6 = torch.full((6, N), float("nan"), device="cuda", dtype=dtype)
+            out6 = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
             check(_k.gemv_rows(a6, w6, out=out6), a6, w6, None, False)
-            if N == 22016:   # gate/up: the SiLU gate in the epilogue, as verification's MLP runs it
-                out6 = torch.full((6, N // 2), float("nan"), device="cuda", dtype=dtype)
+            if N == 22016:   # gate/up: the SiLU gate after the product, as verification's MLP runs it
+                out6 = torch.full((M, N // 2), float("nan"), device="cuda", dtype=dtype)
                 check_glu(_k.gemv_rows(x6, w6, glu=True, out=out6), x6, w6, None)
-    if dtype == torch.bfloat16:   # the LLaVA-68M-shape draft's gate/up at 2 and 4 rows (one per view)
-        for M in (2, 4):
+    if dtype == torch.bfloat16:   # the LLaVA-68M-shape draft's gate/up: a step over 2 or 4 views, or a batch's
+        for M in (2, 4, 24, 48):
             x, w, _ = make_case(M, 6144, 768, dtype, "cuda", seed=M)
             out = torch.full((M, 3072), float("nan"), device="cuda", dtype=dtype)
             check_glu(_k.gemv_rows(x, w, glu=True, out=out), x, w, None)
+
+
+def _smoke_run(tmp_path, kernel_device, *argv):
+    """benchmarks/bench_gemv.py --smoke with argv (interpreter, tiny shapes): the JSON rows."""
+    if kernel_device == "cuda":
+        pytest.skip("--smoke runs the CPU interpreter")
+    import json
+
+    from bench_scripts import load_benchmark
+
+    out = tmp_path / "gemv.json"
+    load_benchmark("bench_gemv").main(["--smoke", *argv, "--out", str(out)])
+    return json.loads(out.read_text())["rows"]
+
+
+def test_benchmark_smoke(tmp_path, kernel_device):
+    # the table at one row and at a 64-row tile: the kernels within a bf16 rounding of cuBLAS's path
+    rows = _smoke_run(tmp_path, kernel_device, "--rows", "1", "40")
+    assert [(r["name"], r["rows"]) for r in rows[:-1]] == [("small", 1), ("small_gated", 1), ("small", 40),
+                                                          ("small_gated", 40), ("small_glu", 40)]
+    for r in rows[:-1]:
+        assert r["max_abs_err_vs_eager"] < 0.1 and r["stream_us"]["fused"] > 0 and r["stream_us"]["eager"] > 0
+
+
+def test_benchmark_sweep_smoke(tmp_path, kernel_device):
+    # --sweep: per shape the best config of the grid (or the default), within a bf16 rounding of
+    # cuBLAS's path, next to positive baselines; the winners printed as `_DOT_CONFIGS` takes them
+    import ast
+
+    from bench_scripts import load_benchmark
+
+    rows = _smoke_run(tmp_path, kernel_device, "--sweep", "--sweep-rows", "40")
+    swept, configs = rows[:-1], rows[-1]
+    assert [(r["name"], r["rows"], r["block_m"]) for r in swept] == [("small", 40, 64), ("small_glu", 40, 64)]
+    bench = load_benchmark("bench_gemv")
+    grid = bench.sweep_configs(64, bench.SMOKE_GRID, 227 << 10)
+    for r in swept:
+        assert tuple(r["best"]) in grid + [tuple(r["default"])] and r["best_us"] > 0
+        assert r["max_abs_err_vs_cublas"] < 0.1 and not r["failed"]
+        assert all(r["baseline_us"][k] > 0 for k in ("cublas", "rows16", "split16"))
+    assert ast.literal_eval(configs["literal"]) == {(r["N"], r["K"], 64): tuple(r["best"]) for r in swept}

@@ -1,4 +1,4 @@
-"""silu_mul (SwiGLU activation ahead of the 2-16-row down projection): Triton kernel
+"""silu_mul (SwiGLU activation ahead of the 2-64-row down projection): Triton kernel
 (interpreter on CPU) against the PyTorch reference and a float64 ground truth.
 
 The kernel and the reference both compute in float32 and round once; the two float32 silu

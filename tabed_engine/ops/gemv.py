@@ -6,9 +6,10 @@
 * one-row calls (an AR decode step) run the Triton GEMV (`tabed_engine.kernels.gemv.gemv`),
   which streams the weight at close to HBM bandwidth in one launch and applies the SiLU gate
   as it reads;
-* 2-16 rows in float16/bfloat16 (verification of γ + 1 tokens, a draft step over several
-  views) run its tensor-core sibling (`gemv_rows`); the decoder's MLP takes its SiLU gate in
-  the gate/up projection's epilogue (`glu=True`), a `gated` input gets its own Triton launch
+* 2-64 rows in float16/bfloat16 (verification of γ + 1 tokens or of a draft tree's nodes,
+  a batch's chains, a draft step over several views) run its tensor-core sibling
+  (`gemv_rows`), still bound by the weight read; the decoder's MLP takes its SiLU gate in the
+  gate/up projection's epilogue (`glu=True`), a `gated` input gets its own Triton launch
   (`silu_mul`) first;
 everything else (prefill, matrices narrower than `MIN_FEATURES`, float32 rows, the CPU) runs
 the reference (cuBLAS on the GPU).
@@ -54,7 +55,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated:
 
 def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
     """The path `linear` takes for these arguments: "row" (one row, Triton GEMV), "rows"
-    (2-16 rows in float16/bfloat16, tensor-core GEMV) or None (the reference)."""
+    (2-64 rows in float16/bfloat16, tensor-core GEMV) or None (the reference)."""
     if not (x.is_cuda and min(weight.shape) >= MIN_FEATURES and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1 and x.shape[-1] > 0):
         return None
@@ -85,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
     gated : bool
         Apply the SwiGLU gate to x first.
     glu : bool
-        Apply the SwiGLU gate to the product (on the 2-16-row path in the GEMV's epilogue).
+        Apply the SwiGLU gate to the product (on the 2-64-row path in the GEMV's epilogue).
 
     Returns
     -------
