@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
-#   (stages: env build test kernels bench layer-kernels profile e2e e2e-next ttft batch serve e2e-demo world)
+#   (stages: env build test kernels bench layer-kernels profile profile-tree e2e e2e-next ttft batch serve e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -60,6 +60,10 @@ for stage in "$@"; do
       ;;
     profile)
       timeout 300 $PY benchmarks/profile_decode.py --out "$OUT" 2>&1 | tail -45
+      ;;
+    profile-tree)
+      # a tree block's graphs (draft, verification, history) by kernel, beside the chain's
+      timeout 300 $PY benchmarks/profile_tree.py --trees 5x3x5 10x3x2 12x2x2 --out "$OUT" 2>&1 | grep -v Warn | tail -40
       ;;
     e2e)
       timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -60

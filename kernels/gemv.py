@@ -202,8 +202,25 @@ MAX_DOT_ROWS = 64
 GLU_EPILOGUE_MAX = 1 << 23
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # (N, K, BLOCK_M) -> (BLOCK_N, BLOCK_K, num_warps, stages) measured per shape: the dict
-# `python benchmarks/bench_gemv.py --sweep` prints. Shapes not in it take `_dot_config`'s rules.
-_DOT_CONFIGS: dict = {}
+# `python benchmarks/bench_gemv.py --sweep` prints (the LLaVA-1.5-7B target's projections on the
+# H200, benchmarks/results/gemv_sweep_h200.json). Shapes not in it take `_dot_config`'s rules.
+_DOT_CONFIGS: dict = {
+    (4096, 4096, 16): (32, 256, 4, 5),
+    (4096, 4096, 32): (32, 256, 4, 5),
+    (4096, 4096, 64): (32, 128, 4, 5),
+    (4096, 11008, 16): (32, 256, 2, 5),
+    (4096, 11008, 32): (32, 256, 4, 5),
+    (4096, 11008, 64): (32, 256, 4, 4),
+    (12288, 4096, 16): (32, 128, 4, 4),
+    (12288, 4096, 32): (64, 128, 2, 4),
+    (12288, 4096, 64): (32, 128, 4, 3),
+    (22016, 4096, 16): (64, 128, 4, 3),
+    (22016, 4096, 32): (64, 128, 4, 3),
+    (22016, 4096, 64): (64, 64, 4, 4),
+    (32064, 4096, 16): (32, 128, 2, 2),
+    (32064, 4096, 32): (64, 128, 2, 3),
+    (32064, 4096, 64): (128, 128, 8, 4),
+}
 
 
 def dot_block_m(M: int) -> int:

@@ -201,19 +201,23 @@ def test_rows_kernel_config_override(kernel_device):
 def test_rows_launch_plan():
     # the row tile: the next power of two of the rows, at least 16
     assert [_k.dot_block_m(M) for M in (1, 2, 16, 17, 31, 32, 33, 47, 64)] == [16, 16, 16, 32, 32, 32, 64, 64, 64]
-    # the 16-row configs are the measured ones
-    assert [_k._dot_config(N, K, 16) for N, K in [(768, 3072), (6144, 768), (32064, 768), (12288, 4096),
-                                                   (4096, 4096), (4096, 11008)]] == [
-        (16, 512, 2, 3), (16, 128, 2, 4), (64, 128, 4, 3), (32, 256, 4, 4), (32, 256, 4, 4), (32, 256, 4, 4)]
+    # the draft's 16-row configs are the rules measured inside its forward; the swept shapes
+    # take the sweep's entry at every row tile
+    assert [_k._dot_config(N, K, 16) for N, K in [(768, 3072), (6144, 768), (32064, 768), (12288, 768)]] == [
+        (16, 512, 2, 3), (16, 128, 2, 4), (64, 128, 4, 3), (32, 256, 4, 4)]
+    for (N, K, block_m), cfg in _k._DOT_CONFIGS.items():
+        assert _k._dot_config(N, K, block_m) == cfg
     assert _k._dot_config(4096, 4096) == _k._dot_config(4096, 4096, 16)
     # every row tile at the 7B target's and the 68M draft's shapes: valid tiles, the pipeline
-    # within the 16-row configs' shared memory, at most 32 fp32 accumulator values a thread
+    # within the rules' 96 KB of shared memory (a swept entry: within an sm_90 block's 227 KB),
+    # at most 32 fp32 accumulator values a thread
     for block_m in (16, 32, 64):
         for N, K in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32064, 4096), (2304, 768),
                      (768, 768), (6144, 768), (768, 3072), (32064, 768), (37, 300)]:
             cfg = _k._dot_config(N, K, block_m)
             assert _k._checked_config(cfg) == cfg
-            assert _k.dot_smem_bytes(block_m, cfg) <= 96 << 10, (N, K, block_m, cfg)
+            smem = 227 << 10 if (N, K, block_m) in _k._DOT_CONFIGS else 96 << 10
+            assert _k.dot_smem_bytes(block_m, cfg) <= smem, (N, K, block_m, cfg)
             assert block_m * cfg[0] <= 32 * 32 * cfg[2], (N, K, block_m, cfg)
 
 
