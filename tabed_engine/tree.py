@@ -32,6 +32,8 @@ import torch
 
 from .ensemble import confidence_weights
 from .ops.compact_kv import compact_kv
+from .ops.mix_topk import mix_topk, mix_views
+from .ops.tree_grow import TreeState, tree_grow, tree_start
 from .ops.verify_tree import verify_tree
 
 
@@ -139,16 +141,6 @@ def pick_children(logq: torch.Tensor, k: int, greedy: bool, seed, offset) -> tor
 
 
 # ---------------------------------------------------------------------------- draft
-def mix_views(logits: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Mixture probabilities [B, T, V] fp32 of the views' logits [B*K, T, V] with weights
-    w [B, K] (or [B, T, K]): Σ_k w_k softmax(logits_k / temperature)."""
-    BK, T, V = logits.shape
-    B = w.shape[0]
-    p = torch.softmax(logits.float() / temperature, dim=-1).view(B, BK // B, T, V)
-    wk = w[:, :, None] if w.dim() == 2 else w.transpose(1, 2)          # [B, K, T]
-    return (p * wk[..., None]).sum(1)
-
-
 def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tensor:
     """One-hot weights [B, T, K] on each node's most confident view (`confidence` policy):
     `ensemble.confidence_weights` with every (node, request) as a request."""
@@ -159,7 +151,7 @@ def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tenso
 
 
 def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, cfg: TreeConfig, greedy: bool,
-               temperature: float, confidence: bool, kv_len=None):
+               temperature: float, confidence: bool, kv_len=None, _kernels=None):
     """Draft one tree for B requests × K views (rows of one batch), fixed shapes, no host sync.
 
     inp2 [B*K, 2]: each row's last two tokens, written at slots lens, lens + 1 (lens [B*K]);
@@ -167,78 +159,54 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     w [B, K] ensemble weights; seed, offset [1] int64 (sampling noise).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
-    leaves), fed_logits [B*K, F, V] the views' logits at each fed node, fedpos [B, N] the fed
-    index of every node or -1)."""
+    leaves, and everywhere when greedy: the greedy walk reads only the tokens), fed_logits
+    [B*K, F, V] the views' logits at each fed node, fedpos [B, N] the fed index of every node
+    or -1).
+
+    Per depth, on CUDA: the bookkeeping is one `tree_grow` kernel, and a greedy tree's children
+    come from `mix_topk` (the mixture is never stored); sampling mixes and draws with PyTorch
+    ops. `_kernels` (internal): None picks by device, True runs the kernels on any device (tests,
+    under the Triton interpreter), False the PyTorch references.
+    """
     dev = inp2.device
-    R, W, Bc, D = B * K, cfg.width, cfg.branch, cfg.depth
-    N, F = cfg.nodes, cfg.fed
+    W, Bc, D = cfg.width, cfg.branch, cfg.depth
     V = draft_lm.cfg.vocab_size
-    rows = torch.arange(B, device=dev)
-    # the sequence fed at the last depth: [prev, root, frontier_1 .. frontier_{D-1}]
+    # the sequence fed at the last depth: [prev, root, P padding slots, frontier_1 .. frontier_{D-1}]
     # P = depth - 1 padding slots after the root keep the frontier's KV clear of the slots the
     # accepted path is compacted into (root + 1 .. root + depth - 1), so the verification's
     # compaction reads sources it never writes (idempotent, as a graph's warm-up needs)
     P = D - 1
-    Tx = 1 + P + F
-    X = torch.zeros(B, Tx, dtype=torch.long, device=dev)
-    X_pos = torch.ones(B, Tx, dtype=torch.long, device=dev)
-    vis = torch.eye(Tx, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # fed node i sees fed node j
-    vis[:, 1, 0] = True
-    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-    parents = torch.full((B, N), -1, dtype=torch.long, device=dev)
-    score = torch.zeros(B, N, device=dev)                               # cumulative log q
-    node_q = torch.zeros(B, N, V, device=dev)
-    fedpos = torch.full((B, N), -1, dtype=torch.long, device=dev)
-    fedpos[:, 0] = 0
+    st = TreeState.empty(B, K, cfg.nodes, cfg.fed, cfg.draft_rows, dev)
+    tree_start(st, inp2, lens, pad=P, width=W, kernel=_kernels)
+    node_q = torch.zeros(B, cfg.nodes, V, device=dev)
     fed_logits = []
-    base = lens[:, None]                                                # [R, 1]
 
     def forward(T):
-        x = X[:, :T].repeat_interleave(K, 0)
-        pos = base + X_pos[:, :T].repeat_interleave(K, 0)
-        return draft_lm(cache, pos, input_ids=x, lengths=lens, tree_mask=vis[:, :T, :T].repeat_interleave(K, 0),
-                        kv_len=kv_len, float_logits=False)
+        ids, pos, bits = st.feed(T)          # views: the K rows of a request are written alike
+        return draft_lm(cache, pos, input_ids=ids, lengths=lens, tree_bits=bits, kv_len=kv_len, float_logits=False)
 
-    # depth 0: the last two tokens (a chain), the root's distribution
-    X[:, :2] = inp2.view(B, K, 2)[:, 0]
-    tokens[:, 0] = X[:, 1]
-    X_pos[:, 0], X_pos[:, 1] = 0, 1
-    new_logits = forward(2)[:, 1:2]                                     # [R, 1, V]
-    frontier = torch.zeros(B, 1, dtype=torch.long, device=dev)          # node ids of the fed frontier
+    new_logits = forward(2)[:, 1:2]                                     # [R, 1, V]: the root's
     n_nodes, n_fed = 1, 1
     for depth in range(1, D + 1):
         fed_logits.append(new_logits)
-        T = frontier.shape[1]
-        wk = _confidence(new_logits, B, temperature) if confidence else w
-        q = mix_views(new_logits, wk, temperature)                      # [B, T, V]
-        node_q[rows[:, None], frontier] = q
+        T = new_logits.shape[1]
         k = W if depth == 1 else Bc
-        kids = pick_children(torch.log(q), k, greedy, seed, offset + (depth - 1) * B * W * V)   # [B, T, k]
-        ids = torch.arange(n_nodes, n_nodes + T * k, device=dev)
-        tokens[:, ids] = kids.reshape(B, T * k)
-        parents[:, ids] = frontier.repeat_interleave(k, 1)
-        score[:, ids] = (score.gather(1, frontier)[:, :, None]
-                         + torch.log(q).gather(2, kids)).reshape(B, T * k)
+        wk = _confidence(new_logits, B, temperature) if confidence else w
+        if greedy:
+            kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels)     # [B, T, k]
+        else:
+            q = mix_views(new_logits, wk, temperature)                  # [B, T, V]
+            node_q.scatter_(1, st.fed[:, n_fed - T:n_fed, None].expand(B, T, V), q)
+            logq = torch.log(q)
+            kids = pick_children(logq, k, False, seed, offset + (depth - 1) * B * W * V)
+            logq = logq.gather(2, kids)
+        tree_grow(st, kids, logq, pad=P, n_nodes=n_nodes, n_fed=n_fed, width=W, last=depth == D, kernel=_kernels)
         n_nodes += T * k
         if depth == D:
             break
-        # the next frontier: the `width` best new nodes by cumulative log q, fed in node order
-        best = score[:, ids].topk(W, dim=-1).indices.sort(-1).values    # [B, W]
-        frontier = ids[best]
-        f_ids = torch.arange(n_fed, n_fed + W, device=dev)
-        fedpos[rows[:, None], frontier] = f_ids
-        # (index_fill_ and tensor values: an indexed assignment of a Python scalar copies it
-        # from the host, which a CUDA-graph capture refuses)
-        x_ids = 1 + P + f_ids
-        X[:, x_ids] = tokens.gather(1, frontier)
-        X_pos.index_fill_(1, x_ids, depth + 1)
-        # a frontier node sees prev, its ancestors' fed slots and itself
-        par_fed = fedpos.gather(1, parents.gather(1, frontier))         # [B, W]
-        itself = torch.arange(Tx, device=dev) == x_ids[:, None]          # [W, Tx]
-        vis[:, x_ids] = vis[rows[:, None], 1 + torch.where(par_fed > 0, par_fed + P, par_fed)] | itself
         n_fed += W
         new_logits = forward(1 + P + n_fed)[:, 1 + P + n_fed - W:]       # [R, W, V]
-    return tokens, parents, node_q, torch.cat(fed_logits, 1), fedpos
+    return st.tokens, st.parents, node_q, torch.cat(fed_logits, 1), st.fedpos
 
 
 # ---------------------------------------------------------------------------- verify
