@@ -32,7 +32,7 @@ import torch
 
 from .ensemble import confidence_weights
 from .ops.compact_kv import compact_kv
-from .ops.mix_topk import mix_topk, mix_views
+from .ops.mix_topk import mix_topk
 from .ops.tree_grow import TreeState, tree_grow, tree_start
 from .ops.verify_tree import verify_tree
 
@@ -111,35 +111,6 @@ def parse_tree(value) -> "TreeConfig | None":
     raise TypeError(f"tree must be None, True, a TreeConfig, a dict or a 'DxWxB' string, got {type(value).__name__}")
 
 
-# ---------------------------------------------------------------------------- random numbers
-_M1, _M2, _GOLD = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64 (int64)
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def hash_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Tensor:
-    """n uniforms in (0, 1), float64, from splitmix64 of (seed, offset + i): device tensors in,
-    no host sync, the same numbers on every device (graph-safe, unlike a host generator)."""
-    z = seed + (offset + torch.arange(n, device=seed.device)) * _GOLD
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    z = z ^ _shr(z, 31)
-    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
-
-
-def pick_children(logq: torch.Tensor, k: int, greedy: bool, seed, offset) -> torch.Tensor:
-    """k distinct children per row of log-probabilities logq [..., V]: the top k (greedy) or
-    k draws without replacement, in draw order (Gumbel-top-k). Returns token ids [..., k]."""
-    if greedy:
-        return logq.topk(k, dim=-1).indices
-    u = hash_uniform(seed, offset, logq.numel()).view(logq.shape)
-    gumbel = -torch.log(-torch.log(u))
-    return (logq.double() + gumbel).topk(k, dim=-1).indices
-
-
 # ---------------------------------------------------------------------------- draft
 def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tensor:
     """One-hot weights [B, T, K] on each node's most confident view (`confidence` policy):
@@ -163,10 +134,10 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     [B*K, F, V] the views' logits at each fed node, fedpos [B, N] the fed index of every node
     or -1).
 
-    Per depth, on CUDA: the bookkeeping is one `tree_grow` kernel, and a greedy tree's children
-    come from `mix_topk` (the mixture is never stored); sampling mixes and draws with PyTorch
-    ops. `_kernels` (internal): None picks by device, True runs the kernels on any device (tests,
-    under the Triton interpreter), False the PyTorch references.
+    Per depth, on CUDA: the children come from the `mix_topk` kernels (which store the mixture
+    only when sampling) and the bookkeeping is one `tree_grow` kernel. `_kernels` (internal):
+    None picks by device, True runs the kernels on any device (tests, under the Triton
+    interpreter), False the PyTorch references.
     """
     dev = inp2.device
     W, Bc, D = cfg.width, cfg.branch, cfg.depth
@@ -192,14 +163,11 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
         T = new_logits.shape[1]
         k = W if depth == 1 else Bc
         wk = _confidence(new_logits, B, temperature) if confidence else w
-        if greedy:
-            kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels)     # [B, T, k]
-        else:
-            q = mix_views(new_logits, wk, temperature)                  # [B, T, V]
-            node_q.scatter_(1, st.fed[:, n_fed - T:n_fed, None].expand(B, T, V), q)
-            logq = torch.log(q)
-            kids = pick_children(logq, k, False, seed, offset + (depth - 1) * B * W * V)
-            logq = logq.gather(2, kids)
+        # sampling: the draws' noise at counters offset + (depth - 1) * B * W * V + ..., and each
+        # frontier node's mixture kept for the verification
+        draw = {} if greedy else dict(seed=seed, offset=offset + (depth - 1) * B * W * V, mixture_out=node_q,
+                                      out_rows=st.fed[:, n_fed - T:n_fed])
+        kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels, **draw)   # [B, T, k]
         tree_grow(st, kids, logq, pad=P, n_nodes=n_nodes, n_fed=n_fed, width=W, last=depth == D, kernel=_kernels)
         n_nodes += T * k
         if depth == D:

@@ -1,10 +1,12 @@
 """mix_topk: Triton kernel (CPU interpreter here, CUDA on a GPU) vs the PyTorch reference
-(mix_views, log, top k)."""
+(mix_views, log, then the top k or Gumbel-top-k with `hash_uniform` noise)."""
 import pytest
 import torch
 
+import triton
+import triton.language as tl
 from tabed_engine.kernels import mix_topk as _k
-from tabed_engine.ops.mix_topk import mix_topk, mix_topk_reference
+from tabed_engine.ops.mix_topk import hash_uniform, mix_topk, mix_topk_reference
 from graphs import replayed
 
 DTYPES = [  # (dtype, atol, rtol) of log q: both sides upcast the same logits, only fp32 rounding differs
@@ -36,28 +38,61 @@ def _inputs(B, K, T, V, dtype, device, per_node, seed=0):
     return logits.to(device), w.to(device)
 
 
+def _draw(device, seed=123456789, offset=-5):
+    """Sampling arguments: the seed and counter offset tensors."""
+    return dict(seed=torch.tensor([seed], device=device), offset=torch.tensor([offset], device=device))
+
+
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
 @pytest.mark.parametrize("B, K, T, V, k, temperature, per_node, splits", [
     (1, 1, 1, 1000, 1, 1.0, False, None), (2, 2, 3, 1001, 3, 0.7, False, None),
     (3, 4, 5, 2999, 4, 1.0, True, None), (1, 3, 2, 3001, 8, 0.7, True, 1),
     (2, 1, 4, 1777, 2, 0.7, False, 5), (3, 2, 1, 2048, 4, 1.0, True, 3),
 ])
-def test_matches_reference(B, K, T, V, k, temperature, per_node, splits, dtype, atol, rtol, kernel_device,
+@pytest.mark.parametrize("sample", [False, True])
+def test_matches_reference(B, K, T, V, k, temperature, per_node, splits, sample, dtype, atol, rtol, kernel_device,
                            poisoned_empty):
+    """The same children (sampling: the same draws, the noise being the reference's bit for bit)
+    and log q; sampling also stores each node's mixture row into the rows asked for, and
+    nothing else."""
     logits, w = _inputs(B, K, T, V, dtype, kernel_device, per_node)
     plan = _k.topk_plan(B * T, V, sms=4, splits=splits) if splits else None
-    ids, logq = _k.mix_topk(logits, w, k, temperature, plan=plan)
-    ref_ids, ref_logq = mix_topk_reference(logits, w, k, temperature)
+    kw = {}
+    if sample:
+        rows = torch.stack([torch.randperm(T + 2, generator=torch.Generator().manual_seed(b))[:T] for b in range(B)])
+        kw = dict(_draw(kernel_device), out_rows=rows.to(kernel_device))
+    mix = torch.full((B, T + 2, V), float("nan"), device=kernel_device)
+    ref_mix = torch.full_like(mix, float("nan"))
+    ids, logq = _k.mix_topk(logits, w, k, temperature, plan=plan, **(dict(kw, mixture_out=mix) if sample else {}))
+    ref_ids, ref_logq = mix_topk_reference(logits, w, k, temperature,
+                                           **(dict(kw, mixture_out=ref_mix) if sample else {}))
     assert ids.shape == logq.shape == (B, T, k) and ids.dtype == torch.int64 and logq.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(logq, ref_logq, atol=atol, rtol=rtol)
+    torch.testing.assert_close(mix, ref_mix, atol=1e-7, rtol=1e-5, equal_nan=True)   # NaN: rows left alone
 
 
-def test_any_split_gives_the_same_children(kernel_device):
+@pytest.mark.parametrize("sample", [False, True])
+def test_any_split_gives_the_same_children(sample, kernel_device):
     logits, w = _inputs(1, 3, 2, 2500, torch.float32, kernel_device, per_node=False, seed=4)
-    outs = [_k.mix_topk(logits, w, 5, 0.8, plan=_k.topk_plan(2, 2500, sms=4, splits=s)) for s in (1, 2, 7, 24)]
+    kw = _draw(kernel_device) if sample else {}
+    outs = [_k.mix_topk(logits, w, 5, 0.8, plan=_k.topk_plan(2, 2500, sms=4, splits=s), **kw) for s in (1, 3, 11)]
     assert all(torch.equal(o[0], outs[0][0]) for o in outs)
     assert all(torch.allclose(o[1], outs[0][1], atol=1e-6, rtol=1e-6) for o in outs)
+
+
+@triton.jit
+def _hash_kernel(seed_ptr, offset_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, _k.hash_uniform(tl.load(seed_ptr), tl.load(offset_ptr) + i), mask=i < N)
+
+
+@pytest.mark.parametrize("seed, offset", [(12345, 7), (-3, 2 ** 40), (2 ** 62 + 11, -(2 ** 35))])
+def test_hash_uniform_is_the_reference_bit_for_bit(seed, offset, kernel_device):
+    s, o = torch.tensor([seed], device=kernel_device), torch.tensor([offset], device=kernel_device)
+    out = torch.full((5000,), float("nan"), dtype=torch.float64, device=kernel_device)
+    _hash_kernel[(5,)](s, o, out, 5000, BLOCK=1024)
+    assert torch.equal(out, hash_uniform(s, o, 5000))
 
 
 @pytest.mark.parametrize("K", [1, 2])
@@ -112,13 +147,25 @@ def test_dispatch_by_device():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, K, T", [(1, 2, 3), (2, 4, 4), (4, 1, 2)])
-def test_gpu_full_size_in_a_graph(B, K, T):
-    """V = 32064 bf16 in a CUDA graph (the tree draft's shape): the same children as the
-    reference where the k-th and (k+1)-th mixture values are apart, log q close."""
+@pytest.mark.parametrize("sample", [False, True])
+def test_gpu_full_size_in_a_graph(B, K, T, sample):
+    """V = 32064 bf16 in a CUDA graph (the tree draft's shape). Greedy: the reference's children
+    where the 4th and 5th mixture values are apart (bf16 logits tie often), log q close.
+    Sampling: the reference's draws, and its mixture rows."""
     logits, w = _inputs(B, K, T, 32064, torch.bfloat16, "cuda", per_node=False)
-    _k.mix_topk(logits, w, 4)           # compiled outside the capture
-    ids, logq = replayed(lambda: _k.mix_topk(logits, w, 4))
-    ref_ids, ref_logq = mix_topk_reference(logits, w, 5)
-    clear = (ref_logq[..., 3] - ref_logq[..., 4]) > 1e-4
-    assert torch.equal(ids[clear], ref_ids[..., :4][clear]) and clear.float().mean() > 0.9
+    mix, ref_mix = torch.zeros(2, B, T, 32064, device="cuda")
+    kw, ref_kw = {}, {}
+    if sample:
+        rows = torch.arange(T, device="cuda").expand(B, T).contiguous()
+        kw = dict(_draw("cuda"), mixture_out=mix, out_rows=rows)
+        ref_kw = dict(kw, mixture_out=ref_mix)
+    _k.mix_topk(logits, w, 4, **kw)           # compiled outside the capture
+    ids, logq = replayed(lambda: _k.mix_topk(logits, w, 4, **kw))
+    ref_ids, ref_logq = mix_topk_reference(logits, w, 5, **ref_kw)
+    if sample:
+        assert torch.equal(ids, ref_ids[..., :4])
+        torch.testing.assert_close(mix, ref_mix, atol=1e-7, rtol=1e-4)
+    else:
+        clear = (ref_logq[..., 3] - ref_logq[..., 4]) > 1e-4
+        assert torch.equal(ids[clear], ref_ids[..., :4][clear]) and clear.float().mean() > 0.9
     torch.testing.assert_close(logq, ref_logq[..., :4], atol=1e-4, rtol=1e-4)

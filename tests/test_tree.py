@@ -14,7 +14,8 @@ from tabed_engine.config import LMConfig
 from tabed_engine.ensemble import POLICIES
 from tabed_engine.model import KVCache, LlamaLM, bits_to_mask, mask_to_bits
 from tabed_engine.tiny import random_image, words
-from tabed_engine.tree import hash_uniform, parse_tree, tree_draft, tree_mask_of, tree_verify
+from tabed_engine.ops.mix_topk import hash_uniform
+from tabed_engine.tree import parse_tree, tree_draft, tree_mask_of, tree_verify
 
 VOCAB = 173
 
@@ -121,12 +122,16 @@ def _draft_both(lm, cfg, B, K, device, greedy=True, confidence=False, temperatur
 ])
 def test_tree_draft_kernels_match_reference(shape, K, greedy, confidence):
     """The draft's kernel path (mix_topk and tree_grow per depth, run by the Triton interpreter
-    here) builds the reference's tree: the same tokens, parents, fed positions, fed logits and
-    draft cache; node_q zeros when greedy (the reference's too), else the same mixtures."""
+    here) builds the reference's tree: the same tokens (sampling: the same draws), parents, fed
+    positions, fed logits and draft cache; node_q zeros when greedy (the reference's too), else
+    the same mixtures up to rounding."""
     lm = _tiny_draft(K)
     (fast, fast_cache), (ref, ref_cache) = _draft_both(lm, parse_tree(shape), 2, K, "cpu", greedy, confidence)
     for name, a, b in zip(("tokens", "parents", "node_q", "fed_logits", "fedpos"), fast, ref):
-        assert torch.equal(a, b), name
+        if name == "node_q":        # the kernel sums the mixture in its own order
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+        else:
+            assert torch.equal(a, b), name
     assert torch.equal(fast_cache.k, ref_cache.k) and torch.equal(fast_cache.v, ref_cache.v)
     node_q = fast[2]
     assert bool((node_q == 0).all()) if greedy else bool((node_q.sum(-1)[fast[4] >= 0] - 1).abs().max() < 1e-5)
@@ -262,7 +267,7 @@ def one_tree_block(cfg, draft_tables, target_table, w, temperature, n, seed, ver
         draft, dcache, inp2, lens, wt, torch.tensor([seed]), torch.tensor([0]), B=n, K=K, cfg=cfg, greedy=False,
         temperature=temperature, confidence=False)
     if verify_weights is not None:
-        from tabed_engine.tree import mix_views
+        from tabed_engine.ops.mix_topk import mix_views
 
         at = fedpos.clamp_min(0).repeat_interleave(K, 0)                      # [n*K, N]
         logits = fed_logits.gather(1, at[:, :, None].expand(-1, -1, V))
@@ -368,7 +373,8 @@ def test_graph_tree_equals_ar_fp32(views, policy, tree):
 @pytest.mark.parametrize("shape, K, greedy", [("5x3x2", 2, True), ("4x1x3", 1, True), ("3x2x2", 2, False)])
 def test_graph_tree_draft_kernels_match_reference_gpu(shape, K, greedy):
     """On the GPU, the draft with its kernels replayed as a CUDA graph builds the same tree as
-    the PyTorch references run eagerly (float32, a vocabulary of several mix_topk chunks)."""
+    the PyTorch references run eagerly (float32, a vocabulary of several mix_topk chunks;
+    sampling: the same draws)."""
     from graphs import replayed
 
     cfg = parse_tree(shape)
@@ -400,7 +406,10 @@ def test_graph_tree_draft_kernels_match_reference_gpu(shape, K, greedy):
             res = run()                              # compiles outside the capture
             out[kernels] = replayed(run) if kernels else res
     for name, a, b in zip(("tokens", "parents", "node_q", "fed_logits", "fedpos"), out[True], out[False]):
-        assert torch.equal(a, b), name
+        if name == "node_q":
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+        else:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

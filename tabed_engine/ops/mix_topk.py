@@ -1,15 +1,43 @@
-"""The children of a draft tree's frontier nodes: the top k tokens of each node's ensemble mixture.
+"""The children of a draft tree's frontier nodes from each node's ensemble mixture.
 
 For request b and frontier node t, q = sum_k w[b, (t,) k] softmax(logits[b*K + k, t] / T) over
-the vocabulary; the children are the k most probable tokens, with their log q. The Triton
-kernel (CUDA) never stores q: a greedy tree keeps only its tokens (the greedy walk reads no
-mixture), so the [B, T, V] rows and their log are traffic it skips.
+the vocabulary; the children are the k most probable tokens (greedy) or k draws without
+replacement (Gumbel-top-k: the top k of log q + Gumbel noise, the noise a counter-based hash of
+a device seed and offset), with their log q. The Triton kernel (CUDA) stores q only where the
+caller asks for it (sampling: the verification reads it; a greedy walk reads only the tokens).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+_M1, _M2, _GOLD = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64 (int64)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def hash_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Tensor:
+    """n uniforms in (0, 1), float64, from splitmix64 of (seed, offset + i): device tensors in,
+    no host sync, the same numbers on every device (graph-safe, unlike a host generator)."""
+    z = seed + (offset + torch.arange(n, device=seed.device)) * _GOLD
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+
+
+def pick_children(logq: torch.Tensor, k: int, greedy: bool, seed, offset) -> torch.Tensor:
+    """k distinct children per row of log-probabilities logq [..., V]: the top k (greedy) or
+    k draws without replacement, in draw order (Gumbel-top-k). Returns token ids [..., k]."""
+    if greedy:
+        return logq.topk(k, dim=-1).indices
+    u = hash_uniform(seed, offset, logq.numel()).view(logq.shape)
+    gumbel = -torch.log(-torch.log(u))
+    return (logq.double() + gumbel).topk(k, dim=-1).indices
 
 
 def mix_views(logits: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -22,16 +50,20 @@ def mix_views(logits: torch.Tensor, w: torch.Tensor, temperature: float) -> torc
     return (p * wk[..., None]).sum(1)
 
 
-def mix_topk_reference(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float = 1.0):
-    """Plain PyTorch (ground truth for tests; the CPU path): `mix_views`, log, top k."""
-    logq = torch.log(mix_views(logits, w, temperature))
-    ids = logq.topk(k, dim=-1).indices
+def mix_topk_reference(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float = 1.0, *, seed=None,
+                       offset=None, mixture_out=None, out_rows=None):
+    """Plain PyTorch (ground truth for tests; the CPU path): `mix_views`, log, `pick_children`."""
+    q = mix_views(logits, w, temperature)
+    if mixture_out is not None:
+        mixture_out.scatter_(1, out_rows[..., None].expand(q.shape), q)
+    logq = torch.log(q)
+    ids = pick_children(logq, k, seed is None, seed, offset)
     return ids, logq.gather(-1, ids)
 
 
-def mix_topk(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float = 1.0, *,
-             kernel: Optional[bool] = None):
-    """Top k tokens of each frontier node's mixture and their log-probabilities.
+def mix_topk(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float = 1.0, *, seed=None, offset=None,
+             mixture_out=None, out_rows=None, kernel: Optional[bool] = None):
+    """Each frontier node's k children and their log-probabilities under its mixture.
 
     Parameters
     ----------
@@ -41,13 +73,19 @@ def mix_topk(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float =
         Mixture weights (per request, or per node as the `confidence` policy gives).
     k : int, 1 <= k <= min(8, V)
     temperature : float > 0
+    seed, offset : Tensor [1] int64, optional
+        Sampling: k draws without replacement, ranked by log q + Gumbel noise, the noise of
+        node (b, t) and token v from `hash_uniform(seed, offset + (b * T + t) * V + v)`.
+        None: greedy, the top k of q.
+    mixture_out, out_rows : Tensor [B, N, V] fp32 (unit last stride), Tensor [B, T] int64, optional
+        Also store node (b, t)'s mixture q into mixture_out[b, out_rows[b, t]].
     kernel : bool, optional
         None: the Triton kernel for CUDA tensors, the reference otherwise. True: the kernel
         on any device (tests run it on the CPU under the Triton interpreter).
 
     Returns
     -------
-    ids : Tensor [B, T, k] int64, by decreasing q; the kernel breaks exact ties by the lowest
+    ids : Tensor [B, T, k] int64, in rank order; the kernel breaks exact ties by the lowest
         token id (torch.topk does not say)
     logq : Tensor [B, T, k] fp32, log q of those tokens
     """
@@ -57,4 +95,4 @@ def mix_topk(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float =
         from tabed_engine.kernels.mix_topk import mix_topk as fn
     else:
         fn = mix_topk_reference
-    return fn(logits, w, k, temperature)
+    return fn(logits, w, k, temperature, seed=seed, offset=offset, mixture_out=mixture_out, out_rows=out_rows)
