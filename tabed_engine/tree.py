@@ -136,8 +136,8 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
 
     Per depth, on CUDA: the children come from the `mix_topk` kernels (which store the mixture
     only when sampling) and the bookkeeping is one `tree_grow` kernel. `_kernels` (internal):
-    None picks by device, True runs the kernels on any device (tests, under the Triton
-    interpreter), False the PyTorch references.
+    None picks by device, True as on CUDA whatever the device (tests: the kernels under the
+    Triton interpreter), False the PyTorch references.
     """
     dev = inp2.device
     W, Bc, D = cfg.width, cfg.branch, cfg.depth

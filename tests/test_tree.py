@@ -119,6 +119,7 @@ def _draft_both(lm, cfg, B, K, device, greedy=True, confidence=False, temperatur
 @pytest.mark.parametrize("shape, K, greedy, confidence", [
     ("3x2x2", 1, True, False), ("3x2x2", 2, True, False), ("5x3x2", 1, True, False), ("5x3x2", 2, True, False),
     ("4x1x3", 2, True, False), ("4x1x3", 1, True, False), ("3x3x2", 2, False, False), ("3x2x2", 3, True, True),
+    ("2x10x2", 1, True, False),     # the root's 10 children: more than the kernel takes, the reference's top k
 ])
 def test_tree_draft_kernels_match_reference(shape, K, greedy, confidence):
     """The draft's kernel path (mix_topk and tree_grow per depth, run by the Triton interpreter
@@ -370,7 +371,8 @@ def test_graph_tree_equals_ar_fp32(views, policy, tree):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, K, greedy", [("5x3x2", 2, True), ("4x1x3", 1, True), ("3x2x2", 2, False)])
+@pytest.mark.parametrize("shape, K, greedy", [("5x3x2", 2, True), ("4x1x3", 1, True), ("3x2x2", 2, False),
+                                             ("2x10x2", 2, True)])   # 10 root children: the reference's top k
 def test_graph_tree_draft_kernels_match_reference_gpu(shape, K, greedy):
     """On the GPU, the draft with its kernels replayed as a CUDA graph builds the same tree as
     the PyTorch references run eagerly (float32, a vocabulary of several mix_topk chunks;

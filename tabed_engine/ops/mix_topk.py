@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+KERNEL_MAX_K = 8   # children per node the kernel takes (its unrolled selection rounds)
 _M1, _M2, _GOLD = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64 (int64)
 
 
@@ -71,7 +72,8 @@ def mix_topk(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float =
         Rows b*K .. b*K+K-1 are the K views of request b; T frontier nodes.
     w : Tensor [B, K] or [B, T, K] fp32
         Mixture weights (per request, or per node as the `confidence` policy gives).
-    k : int, 1 <= k <= min(8, V)
+    k : int, 1 <= k <= V (the kernel: at most KERNEL_MAX_K; more, as the root's children of a
+        tree wider than that, take the reference)
     temperature : float > 0
     seed, offset : Tensor [1] int64, optional
         Sampling: k draws without replacement, ranked by log q + Gumbel noise, the noise of
@@ -80,8 +82,9 @@ def mix_topk(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float =
     mixture_out, out_rows : Tensor [B, N, V] fp32 (unit last stride), Tensor [B, T] int64, optional
         Also store node (b, t)'s mixture q into mixture_out[b, out_rows[b, t]].
     kernel : bool, optional
-        None: the Triton kernel for CUDA tensors, the reference otherwise. True: the kernel
-        on any device (tests run it on the CPU under the Triton interpreter).
+        None: the Triton kernel for CUDA tensors and k <= KERNEL_MAX_K, the reference
+        otherwise. True: as for CUDA tensors whatever the device (tests run the kernel on the
+        CPU under the Triton interpreter); False: the reference.
 
     Returns
     -------
@@ -89,9 +92,7 @@ def mix_topk(logits: torch.Tensor, w: torch.Tensor, k: int, temperature: float =
         token id (torch.topk does not say)
     logq : Tensor [B, T, k] fp32, log q of those tokens
     """
-    if kernel is None:
-        kernel = logits.is_cuda
-    if kernel:
+    if (logits.is_cuda if kernel is None else kernel) and k <= KERNEL_MAX_K:
         from tabed_engine.kernels.mix_topk import mix_topk as fn
     else:
         fn = mix_topk_reference
