@@ -130,6 +130,41 @@ def test_gemv(bench, rows, N, K):
     bench(fn, w.numel() * 2, flops=2 * rows * N * K)
 
 
+@pytest.mark.parametrize("B, K, T, k", [(1, 2, 1, 3), (1, 2, 3, 2), (4, 2, 3, 2)])
+@pytest.mark.parametrize("mode", ["greedy", "sample+mixture", "torch greedy", "torch sample+mixture"])
+def test_mix_topk(bench, B, K, T, k, mode):
+    """One tree depth's children (a 10x3x2 tree: the root's 3, then 2 for each of 3 nodes), the
+    kernels beside the PyTorch ops they replace in the draft graph."""
+    from tabed_engine.kernels.mix_topk import mix_topk
+    from tabed_engine.ops.mix_topk import mix_topk_reference
+    logits = _rnd(B * K, T + 1, V)[:, 1:]            # a slice of the forward's logits
+    w = torch.full((B, K), 1.0 / K, device="cuda")
+    kw = {}
+    if "sample" in mode:
+        seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+        kw = dict(seed=seed, offset=seed, mixture_out=torch.zeros(B, 61, V, device="cuda"),
+                  out_rows=torch.arange(T, device="cuda").expand(B, T))
+    fn = mix_topk_reference if mode.startswith("torch") else mix_topk
+    bench(lambda: fn(logits, w, k, 0.9, **kw), logits.numel() * 2 + (B * T * V * 4 if kw else 0))
+
+
+@pytest.mark.parametrize("B, K", [(1, 2), (4, 2)])
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_tree_grow(bench, B, K, impl):
+    """One depth's bookkeeping in the middle of a 10x3x2 tree (3 frontier nodes x 2 children)."""
+    from tabed_engine import TreeConfig
+    from tabed_engine.ops.tree_grow import TreeState, tree_grow, tree_start
+    cfg = TreeConfig(10, 3, 2)
+    st = TreeState.empty(B, K, cfg.nodes, cfg.fed, cfg.draft_rows, "cuda")
+    tree_start(st, torch.ones(B * K, 2, dtype=torch.long, device="cuda"), torch.full((B * K,), 900, device="cuda"),
+               pad=cfg.depth - 1, width=cfg.width)
+    st.fed[:, 1:4] = torch.arange(1, 4, device="cuda")       # the root's children, fed at depth 1
+    kids = torch.randint(0, V, (B, 3, 2), device="cuda")
+    logq = -torch.rand(B, 3, 2, device="cuda")
+    bench(lambda: tree_grow(st, kids, logq, pad=cfg.depth - 1, n_nodes=4, n_fed=4, width=3, last=False,
+                            kernel=impl == "kernel"), st.ids.numel() * 8)
+
+
 def _needs_ext():
     from tabed_engine.ops import _ext
     if not _ext.HAS_CUDA_KERNELS:

@@ -240,6 +240,12 @@ def mask_to_bits(tree_mask: torch.Tensor) -> torch.Tensor:
     return (tree_mask.long() * w).sum(-1)
 
 
+def bits_to_mask(tree_bits: torch.Tensor) -> torch.Tensor:
+    """[R, T] int64 bit masks -> [R, T, T] bool (node i sees node j where bit j of row i is set)."""
+    T = tree_bits.shape[-1]
+    return ((tree_bits[..., None] >> torch.arange(T, device=tree_bits.device)) & 1) != 0
+
+
 class ForwardContext:
     """Per-call metadata shared by all layers (built once per forward, not per layer).
 
@@ -250,11 +256,21 @@ class ForwardContext:
     dense boolean mask, or plain causal SDPA (FlashAttention) for a fresh single-row prefill;
     a fresh prefill on CUDA rotates and writes its K/V through `rope_kv_write` too (rows from
     slot 0: `starts32`). `slot` ([1] int64, device): a fresh single-row prefill written into
-    that cache row (`lengths` unused).
+    that cache row (`lengths` unused). `tree_bits` ([R, T] int64, any strides): the tree mask
+    already packed (bit j of row i: node i sees node j), read as it is by the kernel path and
+    unpacked to the dense mask elsewhere; at most one of tree_mask and tree_bits.
     """
 
-    def __init__(self, lengths, T: int, kv_len: int, tree_mask=None, fresh: bool = False, slot=None):
+    def __init__(self, lengths, T: int, kv_len: int, tree_mask=None, fresh: bool = False, slot=None,
+                 tree_bits=None):
         # lengths: [R] committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
+        dev = lengths.device
+        kernels = dev.type == "cuda" and T <= 64 and not fresh
+        if tree_bits is not None:
+            if tree_mask is not None:
+                raise ValueError("pass tree_mask or tree_bits, not both")
+            if not kernels:
+                tree_mask, tree_bits = bits_to_mask(tree_bits), None
         self.kv_len = kv_len
         self.fresh = fresh
         self.slot = slot
@@ -267,11 +283,14 @@ class ForwardContext:
                 raise ValueError("slot= is for a fresh causal prefill of one row")
             return                                  # causal SDPA over the new keys, no mask
         R = lengths.shape[0]
-        dev = lengths.device
-        if dev.type == "cuda" and T <= 64 and not fresh:
+        if kernels:
             self.lengths32 = lengths.int()  # rope_kv_write derives the cache slots from it
-            self.tree_bits = chain_bits(T, dev)[None].expand(R, T) if tree_mask is None \
-                else mask_to_bits(tree_mask)
+            if tree_bits is not None:
+                self.tree_bits = tree_bits
+            elif tree_mask is None:
+                self.tree_bits = chain_bits(T, dev)[None].expand(R, T)
+            else:
+                self.tree_bits = mask_to_bits(tree_mask)
             return
         ar = torch.arange(T, device=dev)
         self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
@@ -311,12 +330,15 @@ class LlamaLM(nn.Module):
     def forward(self, cache: KVCache, positions: torch.Tensor, *, input_ids=None, embeds=None,
                 tree_mask: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
                 kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
-                fresh: bool = False, slot: Optional[torch.Tensor] = None, float_logits: bool = True):
+                fresh: bool = False, slot: Optional[torch.Tensor] = None, float_logits: bool = True,
+                tree_bits: Optional[torch.Tensor] = None):
         """Run T new tokens per row; returns logits in float32 (in the model's dtype with
         `float_logits=False`: no conversion kernel, for consumers that read any float dtype).
 
         positions: [R, T] RoPE positions. input_ids: [R, T] or embeds: [R, T, hidden].
-        tree_mask: [R, T, T] bool (node i sees node j) or None for causal.
+        tree_mask: [R, T, T] bool (node i sees node j) or None for causal; or tree_bits: the
+        same packed, [R, T] int64 with bit j of row i set (any strides; the CUDA kernels read it
+        without a conversion).
         logits_index: [R, n] indices into T of the positions whose logits are wanted
         (None = all). kv_len: attend over cache slots [0, kv_len) (default: whole cache).
         lengths: per-row committed prefix (default `cache.lengths`). Does not update lengths.
@@ -328,7 +350,7 @@ class LlamaLM(nn.Module):
         R, T = positions.shape
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
-        ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot)
+        ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot, tree_bits)
         # the table spans the cache: a draft's cache may be longer than the draft's position
         # limit (it has the target's length); a request's draft rows stay within the limit
         # (`Engine._draft_room`, checked when it is added), and only the slots drafted past a

@@ -32,6 +32,8 @@ import torch
 
 from .ensemble import confidence_weights
 from .ops.compact_kv import compact_kv
+from .ops.mix_topk import mix_topk
+from .ops.tree_grow import TreeState, tree_grow, tree_start
 from .ops.verify_tree import verify_tree
 
 
@@ -109,46 +111,7 @@ def parse_tree(value) -> "TreeConfig | None":
     raise TypeError(f"tree must be None, True, a TreeConfig, a dict or a 'DxWxB' string, got {type(value).__name__}")
 
 
-# ---------------------------------------------------------------------------- random numbers
-_M1, _M2, _GOLD = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64 (int64)
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def hash_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Tensor:
-    """n uniforms in (0, 1), float64, from splitmix64 of (seed, offset + i): device tensors in,
-    no host sync, the same numbers on every device (graph-safe, unlike a host generator)."""
-    z = seed + (offset + torch.arange(n, device=seed.device)) * _GOLD
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    z = z ^ _shr(z, 31)
-    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
-
-
-def pick_children(logq: torch.Tensor, k: int, greedy: bool, seed, offset) -> torch.Tensor:
-    """k distinct children per row of log-probabilities logq [..., V]: the top k (greedy) or
-    k draws without replacement, in draw order (Gumbel-top-k). Returns token ids [..., k]."""
-    if greedy:
-        return logq.topk(k, dim=-1).indices
-    u = hash_uniform(seed, offset, logq.numel()).view(logq.shape)
-    gumbel = -torch.log(-torch.log(u))
-    return (logq.double() + gumbel).topk(k, dim=-1).indices
-
-
 # ---------------------------------------------------------------------------- draft
-def mix_views(logits: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Mixture probabilities [B, T, V] fp32 of the views' logits [B*K, T, V] with weights
-    w [B, K] (or [B, T, K]): Σ_k w_k softmax(logits_k / temperature)."""
-    BK, T, V = logits.shape
-    B = w.shape[0]
-    p = torch.softmax(logits.float() / temperature, dim=-1).view(B, BK // B, T, V)
-    wk = w[:, :, None] if w.dim() == 2 else w.transpose(1, 2)          # [B, K, T]
-    return (p * wk[..., None]).sum(1)
-
-
 def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tensor:
     """One-hot weights [B, T, K] on each node's most confident view (`confidence` policy):
     `ensemble.confidence_weights` with every (node, request) as a request."""
@@ -159,7 +122,7 @@ def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tenso
 
 
 def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, cfg: TreeConfig, greedy: bool,
-               temperature: float, confidence: bool, kv_len=None):
+               temperature: float, confidence: bool, kv_len=None, _kernels=None):
     """Draft one tree for B requests × K views (rows of one batch), fixed shapes, no host sync.
 
     inp2 [B*K, 2]: each row's last two tokens, written at slots lens, lens + 1 (lens [B*K]);
@@ -167,78 +130,51 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     w [B, K] ensemble weights; seed, offset [1] int64 (sampling noise).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
-    leaves), fed_logits [B*K, F, V] the views' logits at each fed node, fedpos [B, N] the fed
-    index of every node or -1)."""
+    leaves, and everywhere when greedy: the greedy walk reads only the tokens), fed_logits
+    [B*K, F, V] the views' logits at each fed node, fedpos [B, N] the fed index of every node
+    or -1).
+
+    Per depth, on CUDA: the children come from the `mix_topk` kernels (which store the mixture
+    only when sampling) and the bookkeeping is one `tree_grow` kernel. `_kernels` (internal):
+    None picks by device, True as on CUDA whatever the device (tests: the kernels under the
+    Triton interpreter), False the PyTorch references.
+    """
     dev = inp2.device
-    R, W, Bc, D = B * K, cfg.width, cfg.branch, cfg.depth
-    N, F = cfg.nodes, cfg.fed
+    W, Bc, D = cfg.width, cfg.branch, cfg.depth
     V = draft_lm.cfg.vocab_size
-    rows = torch.arange(B, device=dev)
-    # the sequence fed at the last depth: [prev, root, frontier_1 .. frontier_{D-1}]
+    # the sequence fed at the last depth: [prev, root, P padding slots, frontier_1 .. frontier_{D-1}]
     # P = depth - 1 padding slots after the root keep the frontier's KV clear of the slots the
     # accepted path is compacted into (root + 1 .. root + depth - 1), so the verification's
     # compaction reads sources it never writes (idempotent, as a graph's warm-up needs)
     P = D - 1
-    Tx = 1 + P + F
-    X = torch.zeros(B, Tx, dtype=torch.long, device=dev)
-    X_pos = torch.ones(B, Tx, dtype=torch.long, device=dev)
-    vis = torch.eye(Tx, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # fed node i sees fed node j
-    vis[:, 1, 0] = True
-    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-    parents = torch.full((B, N), -1, dtype=torch.long, device=dev)
-    score = torch.zeros(B, N, device=dev)                               # cumulative log q
-    node_q = torch.zeros(B, N, V, device=dev)
-    fedpos = torch.full((B, N), -1, dtype=torch.long, device=dev)
-    fedpos[:, 0] = 0
+    st = TreeState.empty(B, K, cfg.nodes, cfg.fed, cfg.draft_rows, dev)
+    tree_start(st, inp2, lens, pad=P, width=W, kernel=_kernels)
+    node_q = torch.zeros(B, cfg.nodes, V, device=dev)
     fed_logits = []
-    base = lens[:, None]                                                # [R, 1]
 
     def forward(T):
-        x = X[:, :T].repeat_interleave(K, 0)
-        pos = base + X_pos[:, :T].repeat_interleave(K, 0)
-        return draft_lm(cache, pos, input_ids=x, lengths=lens, tree_mask=vis[:, :T, :T].repeat_interleave(K, 0),
-                        kv_len=kv_len, float_logits=False)
+        ids, pos, bits = st.feed(T)          # views: the K rows of a request are written alike
+        return draft_lm(cache, pos, input_ids=ids, lengths=lens, tree_bits=bits, kv_len=kv_len, float_logits=False)
 
-    # depth 0: the last two tokens (a chain), the root's distribution
-    X[:, :2] = inp2.view(B, K, 2)[:, 0]
-    tokens[:, 0] = X[:, 1]
-    X_pos[:, 0], X_pos[:, 1] = 0, 1
-    new_logits = forward(2)[:, 1:2]                                     # [R, 1, V]
-    frontier = torch.zeros(B, 1, dtype=torch.long, device=dev)          # node ids of the fed frontier
+    new_logits = forward(2)[:, 1:2]                                     # [R, 1, V]: the root's
     n_nodes, n_fed = 1, 1
     for depth in range(1, D + 1):
         fed_logits.append(new_logits)
-        T = frontier.shape[1]
-        wk = _confidence(new_logits, B, temperature) if confidence else w
-        q = mix_views(new_logits, wk, temperature)                      # [B, T, V]
-        node_q[rows[:, None], frontier] = q
+        T = new_logits.shape[1]
         k = W if depth == 1 else Bc
-        kids = pick_children(torch.log(q), k, greedy, seed, offset + (depth - 1) * B * W * V)   # [B, T, k]
-        ids = torch.arange(n_nodes, n_nodes + T * k, device=dev)
-        tokens[:, ids] = kids.reshape(B, T * k)
-        parents[:, ids] = frontier.repeat_interleave(k, 1)
-        score[:, ids] = (score.gather(1, frontier)[:, :, None]
-                         + torch.log(q).gather(2, kids)).reshape(B, T * k)
+        wk = _confidence(new_logits, B, temperature) if confidence else w
+        # sampling: the draws' noise at counters offset + (depth - 1) * B * W * V + ..., and each
+        # frontier node's mixture kept for the verification
+        draw = {} if greedy else dict(seed=seed, offset=offset + (depth - 1) * B * W * V, mixture_out=node_q,
+                                      out_rows=st.fed[:, n_fed - T:n_fed])
+        kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels, **draw)   # [B, T, k]
+        tree_grow(st, kids, logq, pad=P, n_nodes=n_nodes, n_fed=n_fed, width=W, last=depth == D, kernel=_kernels)
         n_nodes += T * k
         if depth == D:
             break
-        # the next frontier: the `width` best new nodes by cumulative log q, fed in node order
-        best = score[:, ids].topk(W, dim=-1).indices.sort(-1).values    # [B, W]
-        frontier = ids[best]
-        f_ids = torch.arange(n_fed, n_fed + W, device=dev)
-        fedpos[rows[:, None], frontier] = f_ids
-        # (index_fill_ and tensor values: an indexed assignment of a Python scalar copies it
-        # from the host, which a CUDA-graph capture refuses)
-        x_ids = 1 + P + f_ids
-        X[:, x_ids] = tokens.gather(1, frontier)
-        X_pos.index_fill_(1, x_ids, depth + 1)
-        # a frontier node sees prev, its ancestors' fed slots and itself
-        par_fed = fedpos.gather(1, parents.gather(1, frontier))         # [B, W]
-        itself = torch.arange(Tx, device=dev) == x_ids[:, None]          # [W, Tx]
-        vis[:, x_ids] = vis[rows[:, None], 1 + torch.where(par_fed > 0, par_fed + P, par_fed)] | itself
         n_fed += W
         new_logits = forward(1 + P + n_fed)[:, 1 + P + n_fed - W:]       # [R, W, V]
-    return tokens, parents, node_q, torch.cat(fed_logits, 1), fedpos
+    return st.tokens, st.parents, node_q, torch.cat(fed_logits, 1), st.fedpos
 
 
 # ---------------------------------------------------------------------------- verify

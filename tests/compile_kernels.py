@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-_PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int64": "*i64", "int32": "*i32",
+_PTR = {"float64": "*fp64", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int64": "*i64", "int32": "*i32",
         "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 
@@ -92,8 +92,8 @@ def _exercise():
     """Every op in each of its modes, on small shapes (the kernels' constexpr branches)."""
     import torch
 
-    from tabed_engine.kernels import (add_rms_norm, chain_verify, ensemble_mix, gemv, history_update,
-                                      rope_kv_write, silu_mul, tree_attention, window_divergence)
+    from tabed_engine.kernels import (add_rms_norm, chain_verify, ensemble_mix, gemv, history_update, mix_topk,
+                                      rope_kv_write, silu_mul, tree_attention, tree_grow, window_divergence)
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
     V = 300
@@ -121,6 +121,26 @@ def _exercise():
     ensemble_mix.ensemble_mix(logits, w, greedy=True, view_tokens_out=torch.zeros(6, dtype=torch.int64))
     ensemble_mix.ensemble_mix(logits, w, greedy=False, seed=seed, offset=off, return_mixture=True,
                               view_tokens_out=torch.zeros(6, dtype=torch.int64))
+
+    # the tree draft: children of a depth's frontier ([B*K, T, V] slices, weights per request or
+    # per node; one chunk and several, a 16-divisible vocabulary), the bookkeeping's two kernels
+    for K, V_t, w_t in ((1, 300, torch.ones(2, 1)), (2, 1008, torch.full((2, 3, 2), 0.5)),
+                        (3, 5000, torch.full((2, 3), 1 / 3))):
+        z = torch.randn(2 * K, 5, V_t, generator=g).to(bf)[:, 1:4]
+        mix_topk.mix_topk(z, w_t, 2)
+        mix_topk.mix_topk(z, w_t, 8, 0.7, plan=mix_topk.topk_plan(6, V_t, sms=4, splits=3))
+        mix_topk.mix_topk(z, w_t, 3, seed=torch.tensor([1]), offset=torch.tensor([0]),
+                          mixture_out=torch.zeros(2, 9, V_t), out_rows=torch.ones(2, 3, dtype=torch.long))
+    from tabed_engine import TreeConfig
+    from tabed_engine.ops.tree_grow import TreeState
+    tcfg, K = TreeConfig(3, 2, 2), 2
+    st = TreeState.empty(2, K, tcfg.nodes, tcfg.fed, tcfg.draft_rows, "cpu")
+    tree_grow.tree_start(st.tokens, st.parents, st.score, st.fedpos, st.fed, st.ids, st.pos, st.bits,
+                         torch.ones(2 * K, 2, dtype=torch.long), torch.full((2 * K,), 5), pad=2, width=2)
+    state = (st.tokens, st.parents, st.score, st.fedpos, st.fed, st.ids, st.bits)
+    for n_nodes, n_fed, T, k, last in ((1, 1, 1, 2, False), (3, 3, 2, 2, True)):
+        tree_grow.tree_grow(*state, torch.ones(2, T, k, dtype=torch.long), -torch.rand(2, T, k, generator=g), pad=2,
+                            n_nodes=n_nodes, n_fed=n_fed, width=2, last=last)
 
     p = torch.randn(1, 3, V, generator=g).to(bf)
     q = torch.randn(1, 2, 3, V, generator=g).to(bf)

@@ -33,5 +33,6 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     for name in ("_mix_partial_kernel", "_mix_chunk_kernel", "_wd_kl_kernel", "_wd_given_kernel",
                  "_wd_stats_kernel", "_wd_div_kernel", "_argmax_partial_kernel", "_greedy_accept_kernel",
                  "_residual_partial_kernel", "_residual_draw_kernel", "_history_kernel", "_tree_attention_kernel",
-                 "_add_rms_norm_kernel", "_rope_kv_write_kernel"):
+                 "_add_rms_norm_kernel", "_rope_kv_write_kernel", "_topk_stats_kernel", "_topk_chunk_kernel",
+                 "_tree_start_kernel", "_tree_grow_kernel"):
         assert f"ok   {name}" in out.stdout, name

@@ -10,9 +10,12 @@ import torch
 import realistic
 from models import model_dir
 from tabed_engine import Engine, SamplingParams, TreeConfig
+from tabed_engine.config import LMConfig
 from tabed_engine.ensemble import POLICIES
+from tabed_engine.model import KVCache, LlamaLM, bits_to_mask, mask_to_bits
 from tabed_engine.tiny import random_image, words
-from tabed_engine.tree import hash_uniform, parse_tree, tree_draft, tree_mask_of, tree_verify
+from tabed_engine.ops.mix_topk import hash_uniform
+from tabed_engine.tree import parse_tree, tree_draft, tree_mask_of, tree_verify
 
 VOCAB = 173
 
@@ -65,6 +68,80 @@ def test_tree_mask_of_is_ancestor_or_self():
                 d += 1
             depth = max(depth, d)
     assert torch.equal(tree_mask_of(parents, depth), want)
+
+
+def test_bits_mask_round_trip():
+    """The draft's packed tree rows and the dense mask convert both ways, bit 63 included."""
+    g = torch.Generator().manual_seed(1)
+    for T in (1, 5, 63, 64):
+        mask = torch.rand(3, T, T, generator=g) < 0.4
+        bits = mask_to_bits(mask)
+        assert torch.equal(bits_to_mask(bits), mask)
+        assert torch.equal(mask_to_bits(bits_to_mask(bits)), bits)
+    assert int(mask_to_bits(torch.ones(1, 1, 64, dtype=torch.bool))[0, 0]) == -1
+
+
+def _tiny_draft(K, seed=0):
+    cfg = LMConfig(vocab_size=211, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8)
+    torch.manual_seed(seed)
+    lm = LlamaLM(cfg)
+    for p in lm.parameters():
+        torch.nn.init.normal_(p, std=0.3)      # peaked distributions: well-separated top tokens
+    return lm
+
+
+def _draft_both(lm, cfg, B, K, device, greedy=True, confidence=False, temperature=0.8, seed=3):
+    """tree_draft with the kernels (`_kernels=True`) and with the references, on the same inputs
+    and copies of one random cache: both outputs and both caches."""
+    g = torch.Generator().manual_seed(seed)
+    V = lm.cfg.vocab_size
+    cache = KVCache(lm.cfg, B * K, 128, device, torch.float32)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    lens = torch.randint(5, 30, (B * K,), generator=g).to(device)
+    inp2 = torch.randint(0, V, (B * K, 2), generator=g).to(device)
+    w = torch.rand(B, K, generator=g).to(device)
+    w = w / w.sum(1, keepdim=True)
+    out = []
+    for kernels in (True, False):
+        c = KVCache(lm.cfg, B * K, 128, device, torch.float32)
+        c.k.copy_(cache.k)
+        c.v.copy_(cache.v)
+        with torch.inference_mode():
+            res = tree_draft(lm, c, inp2, lens, w, torch.tensor([7], device=device), torch.tensor([11], device=device),
+                             B=B, K=K, cfg=cfg, greedy=greedy, temperature=temperature, confidence=confidence,
+                             _kernels=kernels)
+        out.append((res, c))
+    return out
+
+
+@pytest.mark.parametrize("shape, K, greedy, confidence", [
+    ("3x2x2", 1, True, False), ("3x2x2", 2, True, False), ("5x3x2", 1, True, False), ("5x3x2", 2, True, False),
+    ("4x1x3", 2, True, False), ("4x1x3", 1, True, False), ("3x3x2", 2, False, False), ("3x2x2", 3, True, True),
+    ("2x10x2", 1, True, False),     # the root's 10 children: more than the kernel takes, the reference's top k
+])
+def test_tree_draft_kernels_match_reference(shape, K, greedy, confidence):
+    """The draft's kernel path (mix_topk and tree_grow per depth, run by the Triton interpreter
+    here) builds the reference's tree: the same tokens (sampling: the same draws), parents, fed
+    positions, fed logits and draft cache; node_q zeros when greedy (the reference's too), else
+    the same mixtures up to rounding."""
+    lm = _tiny_draft(K)
+    (fast, fast_cache), (ref, ref_cache) = _draft_both(lm, parse_tree(shape), 2, K, "cpu", greedy, confidence)
+    for name, a, b in zip(("tokens", "parents", "node_q", "fed_logits", "fedpos"), fast, ref):
+        if name == "node_q":        # the kernel sums the mixture in its own order
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+        else:
+            assert torch.equal(a, b), name
+    assert torch.equal(fast_cache.k, ref_cache.k) and torch.equal(fast_cache.v, ref_cache.v)
+    node_q = fast[2]
+    assert bool((node_q == 0).all()) if greedy else bool((node_q.sum(-1)[fast[4] >= 0] - 1).abs().max() < 1e-5)
+    # a real tree: every non-root node hangs below an earlier one, siblings are distinct tokens
+    tokens, parents = fast[0], fast[1]
+    assert bool((parents[:, 1:] < torch.arange(1, tokens.shape[1])).all())
+    for b in range(tokens.shape[0]):
+        pairs = list(zip(parents[b, 1:].tolist(), tokens[b, 1:].tolist()))
+        assert len(set(pairs)) == len(pairs)
 
 
 # ---------------------------------------------------------------------------- greedy == AR
@@ -139,9 +216,11 @@ class TableLM:
         self.tables = tables                       # [K, V, V, V]
         self.cfg = SimpleNamespace(vocab_size=tables.shape[-1])
 
-    def __call__(self, cache, pos, *, input_ids, lengths, tree_mask=None, kv_len=None, float_logits=True,
-                 logits_index=None):
+    def __call__(self, cache, pos, *, input_ids, lengths, tree_mask=None, tree_bits=None, kv_len=None,
+                 float_logits=True, logits_index=None):
         R, T = input_ids.shape
+        if tree_bits is not None:
+            tree_mask = bits_to_mask(tree_bits)
         S = cache.k.shape[3]
         rows = torch.arange(R)[:, None]
         slots = lengths.long()[:, None] + torch.arange(T)
@@ -189,7 +268,7 @@ def one_tree_block(cfg, draft_tables, target_table, w, temperature, n, seed, ver
         draft, dcache, inp2, lens, wt, torch.tensor([seed]), torch.tensor([0]), B=n, K=K, cfg=cfg, greedy=False,
         temperature=temperature, confidence=False)
     if verify_weights is not None:
-        from tabed_engine.tree import mix_views
+        from tabed_engine.ops.mix_topk import mix_views
 
         at = fedpos.clamp_min(0).repeat_interleave(K, 0)                      # [n*K, N]
         logits = fed_logits.gather(1, at[:, :, None].expand(-1, -1, V))
@@ -289,6 +368,80 @@ def test_graph_tree_equals_ar_fp32(views, policy, tree):
         assert sd.token_ids == ar
         assert sd.stats.target_forwards < len(ar) - 1
         assert eng.graphs is not None and len(eng.graphs) >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, K, greedy", [("5x3x2", 2, True), ("4x1x3", 1, True), ("3x2x2", 2, False),
+                                             ("2x10x2", 2, True)])   # 10 root children: the reference's top k
+def test_graph_tree_draft_kernels_match_reference_gpu(shape, K, greedy):
+    """On the GPU, the draft with its kernels replayed as a CUDA graph builds the same tree as
+    the PyTorch references run eagerly (float32, a vocabulary of several mix_topk chunks;
+    sampling: the same draws)."""
+    from graphs import replayed
+
+    cfg = parse_tree(shape)
+    lmcfg = LMConfig(vocab_size=5003, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    lm = LlamaLM(lmcfg).cuda()
+    for p in lm.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    B, dev = 2, torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(5, 30, (B * K,), generator=g).to(dev)
+    inp2 = torch.randint(0, lmcfg.vocab_size, (B * K, 2), generator=g).to(dev)
+    w = torch.rand(B, K, generator=g).to(dev)
+    w = w / w.sum(1, keepdim=True)
+    seed, offset = torch.tensor([7], device=dev), torch.tensor([11], device=dev)
+    start = torch.randn(2, lmcfg.num_layers, B * K, lmcfg.num_kv_heads, 128, lmcfg.head_dim, generator=g).to(dev)
+    out = {}
+    for kernels in (True, False):
+        cache = KVCache(lmcfg, B * K, 128, dev, torch.float32)
+        cache.k.copy_(start[0])
+        cache.v.copy_(start[1])
+
+        def run():
+            return tree_draft(lm, cache, inp2, lens, w, seed, offset, B=B, K=K, cfg=cfg, greedy=greedy,
+                              temperature=0.8, confidence=False, kv_len=128, _kernels=kernels)
+
+        with torch.inference_mode():
+            res = run()                              # compiles outside the capture
+            out[kernels] = replayed(run) if kernels else res
+    for name, a, b in zip(("tokens", "parents", "node_q", "fed_logits", "fedpos"), out[True], out[False]):
+        if name == "node_q":
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+        else:
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("views,policy", [(("M",), "uniform"), (("M", "T"), "hedge"), (("M", "T"), "confidence")])
+def test_graph_tree_kernels_equal_ar_fp32(views, policy, monkeypatch):
+    """The greedy tree engine on CUDA with graphs drafts through the kernels (mix_topk and
+    tree_grow, counted) and its tokens are the target's greedy tokens."""
+    from tabed_engine.kernels import mix_topk as mk, tree_grow as tg
+
+    calls = {"mix_topk": 0, "tree_grow": 0}
+
+    def counted(mod, name):
+        fn = getattr(mod, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(mod, name, wrapper)
+
+    counted(mk, "mix_topk")
+    counted(tg, "tree_grow")
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.25), device="cuda",
+                                 dtype=torch.float32, views=views, policy=policy, tree="5x3x2", adaptive=False)
+    text, imgs = prompt(1)
+    sp = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    ar = eng.generate(text, images=imgs, sampling=sp, speculative=False).token_ids
+    sd = eng.generate(text, images=imgs, sampling=sp)
+    assert sd.token_ids == ar
+    assert sd.stats.target_forwards < len(ar) - 1
+    assert calls["mix_topk"] >= 5 and calls["tree_grow"] >= 5, calls
 
 
 @pytest.mark.gpu
