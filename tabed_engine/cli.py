@@ -32,7 +32,7 @@ def add_engine_options(p: argparse.ArgumentParser):
                         "max_position_embeddings, at most 4096)")
     p.add_argument("--tree", default=None, metavar="DxWxB",
                    help="draft a tree per block instead of a chain: depth x width x branch, e.g. 5x4x2 "
-                        "('default' = 5x4x2); the target verifies all its nodes in one forward")
+                        "('default' = 10x3x2); the target verifies all its nodes in one forward")
     p.add_argument("--no-view-tree", action="store_true",
                    help="draft the first block as a mixture chain instead of verifying every view's own chain "
                         "as a branch of one tree (kld/tvd/hedge, greedy, several views)")

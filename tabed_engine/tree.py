@@ -42,10 +42,15 @@ class TreeConfig:
     """Shape of the draft tree: `depth` levels below the root (the most tokens one block can
     accept before the bonus token), `width` frontier nodes expanded per level (the root has
     `width` children), `branch` children per expanded node. N = 1 + width +
-    (depth - 1) * width * branch target nodes per block (at most 64)."""
+    (depth - 1) * width * branch target nodes per block (at most 64).
 
-    depth: int = 5
-    width: int = 4
+    The default, 10x3x2 (58 nodes), drafted the most tokens per unit of block time among the
+    shapes measured: block efficiency on the procedural world
+    (benchmarks/results/tree_scenarios_cpu_deeper.md) over the block's cost on the H200 at the
+    LLaVA-1.5-7B shape (benchmarks/results/e2e_llava-1.5-7b_trees.md)."""
+
+    depth: int = 10
+    width: int = 3
     branch: int = 2
 
     def __post_init__(self):

@@ -156,7 +156,7 @@ def engine():
     # the Llama-2-style fixture (SentencePiece, llava-hf processor files) with its close draft:
     # the trees accept several tokens per block
     target, draft = realistic.checkpoint("llama")
-    return Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, tree=TreeConfig())
+    return Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, tree=TreeConfig(5, 4, 2))
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +187,16 @@ def test_greedy_tree_equals_ar(engine, ar_reference, views, policy, tree):
         assert len(s.accepted_lengths) == s.target_forwards
         assert all(0 <= a <= cfg.depth for a in s.accepted_lengths)
         assert all(abs(sum(w) - 1) < 1e-3 and len(w) == len(views) for w in s.weights)
+
+
+def test_default_tree_equals_ar(engine, ar_reference):
+    # TreeConfig() / tree=True: the default shape, deeper than the others here
+    configure(engine, ("M", "T"), "hedge", True)
+    assert engine.tree == TreeConfig() and engine.tree.depth == 10
+    text, imgs = realistic.prompt(1)
+    out = engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=24))
+    assert out.token_ids == ar_reference[1]
+    assert max(out.stats.accepted_lengths) > 5      # deeper than a 5-chain could accept
 
 
 def test_trees_accept_more_than_chains(engine):
