@@ -1,6 +1,8 @@
 """Benchmark: Triton tree attention vs SDPA with a dense boolean mask (eager and compiled).
 
     python benchmarks/bench_tree_attention.py [--out benchmarks/results/tree_attention.json]
+    python benchmarks/bench_tree_attention.py --sweep --rows 1 --nodes 6 64 --out F.json
+        # the N > 1 kernel's launch configs (query tile, splits, warps) in CUDA graphs
     TRITON_INTERPRET=1 python benchmarks/bench_tree_attention.py --smoke   # CPU, tiny, no claims
 
 Shapes: rows R (1 = target verification of one request, 4/8 = draft-like rows), H = Hkv = 32,
@@ -117,7 +119,11 @@ def main(argv=None):
     ap.add_argument("--prefix", type=int, nargs="+", default=[600, 1000, 2000])
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the N > 1 kernel's launch configs (block_m x splits x num_warps) per shape instead")
     args = ap.parse_args(argv)
+    if args.sweep:
+        return sweep(args)
 
     if args.smoke:
         device, H, Hkv, D, S = "cpu", 4, 4, 64, 160
@@ -198,6 +204,56 @@ def main(argv=None):
                "memset graph subtracted") if not args.smoke else "wall clock",
         rows=rows,
     )
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out_path}")
+
+
+SWEEP_BLOCK_M, SWEEP_SPLITS, SWEEP_WARPS = (16, 32, 64), (1, 2, 3, 4, 6, 8), (4, 8)
+
+
+def sweep(args):
+    """Graph-replayed time of every launch config of the N > 1 kernel at each (R, prefix, N),
+    against the default heuristic's, with its bandwidth and the copy ceiling of the same run."""
+    if not torch.cuda.is_available():
+        sys.exit("--sweep needs a CUDA GPU")
+    H, Hkv, D, S, dtype = 32, 32, 128, 4096, torch.bfloat16
+    copy_gbs = copy_bandwidth("cuda", False)
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {copy_gbs:.0f} GB/s")
+    shapes = []
+    for R in args.rows:
+        for prefix in args.prefix:
+            for N in [n for n in args.nodes if n > 1]:
+                q, k, v, lengths, tm = make_inputs(R, N, H, Hkv, D, prefix, S, dtype, "cuda")
+                out = torch.empty_like(q)
+                truth = tree_attention_reference(q, k, v, lengths, tm, span=prefix + N).float()
+                nbytes, _ = bytes_and_flops(R, N, H, Hkv, D, prefix, q.element_size())
+                default_us = graph_ms(lambda: _k.tree_attention(q, k, v, lengths, tm, out=out)) * 1e3
+                configs = []
+                for bm in [b for b in SWEEP_BLOCK_M if b <= max(16, triton.next_power_of_2(N))]:
+                    for sp in SWEEP_SPLITS:
+                        for nw in SWEEP_WARPS:
+                            cfg = {"block_m": bm, "splits": sp, "num_warps": nw}
+                            fn = lambda: _k.tree_attention(q, k, v, lengths, tm, out=out, config=cfg)  # noqa: E731
+                            out.fill_(float("nan"))
+                            fn()
+                            err = (out.float() - truth).abs().max().item()
+                            us = graph_ms(fn) * 1e3
+                            configs.append({**cfg, "us": us, "gbs": nbytes / (us * 1e-6) / 1e9, "max_abs_err": err})
+                best = min(configs, key=lambda c: c["us"])
+                shapes.append({"R": R, "prefix": prefix, "N": N, "bytes": nbytes, "default_us": default_us,
+                               "default_gbs": nbytes / (default_us * 1e-6) / 1e9, "best": best, "configs": configs})
+                print(f"R={R} prefix={prefix} N={N}: default {default_us:.1f} us, best {best['us']:.1f} us "
+                      f"(block_m {best['block_m']}, splits {best['splits']}, warps {best['num_warps']}; "
+                      f"{best['gbs']:.0f} GB/s = {100 * best['gbs'] / copy_gbs:.0f}% of copy, err {best['max_abs_err']:.2g})")
+    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        "tree_attention_sweep.json")
+    result = dict(op="tree_attention launch-config sweep", device=torch.cuda.get_device_name(),
+                  torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command=" ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), copy_gbs=copy_gbs,
+                  timer="CUDA-graph replay, L2 flushed, memset graph subtracted", shapes=shapes)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

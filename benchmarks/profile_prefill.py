@@ -1,7 +1,10 @@
 """Where the target's prefill time goes: the LLaVA-1.5-7B-shaped language model on a
 616-token prompt (one 336x336 image + 40 text tokens) and a 1,800-token one, timed with CUDA
-events and run under torch.profiler; CUDA kernel time grouped by kernel name, against the
-FLOP floor (2 x parameters x tokens at the bf16 dense rate measured in the same run).
+events and run under torch.profiler; CUDA kernel time grouped by kernel name and by kind
+(GEMM, attention, SwiGLU, norms, RoPE + KV write, other), against the FLOP floor (2 x
+parameters x tokens at the bf16 dense rate measured in the same run). Each length runs
+eagerly and as the engine runs it: `runner.prefill_step` padded to its bucket, one
+captured CUDA graph.
 
     python benchmarks/profile_prefill.py [--out DIR]
 """
@@ -21,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance  # noqa: E402
 
 from tabed_engine.config import LMConfig  # noqa: E402
+from tabed_engine.graphs import GraphCache  # noqa: E402
 from tabed_engine.model import KVCache, LlamaLM  # noqa: E402
+from tabed_engine.runner import prefill_bucket, prefill_step  # noqa: E402
 
 LLAMA2_7B = LMConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                      num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=4096)
@@ -42,6 +47,43 @@ def dense_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n ** 3 * reps / (s.elapsed_time(e) * 1e-3) / 1e12
 
 
+KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "sm90_xmma", "_gemv")), ("attention", ("flash", "fmha", "attention", "sdpa")),
+         ("swiglu", ("silu",)), ("norm", ("rms_norm", "norm", "rsqrt")), ("rope_kv", ("rope",)))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(key in low for key in keys)), "other")
+
+
+def timed(fn, reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps
+
+
+def kernels(fn) -> dict:
+    """CUDA kernel ms of one call of fn by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    by_name = defaultdict(float)
+    for ev in p.key_averages():
+        t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            by_name[ev.key] += t / 1e3
+    return dict(by_name)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
@@ -59,43 +101,45 @@ def main():
     cache = KVCache(LLAMA2_7B, 1, 2048, "cuda", torch.bfloat16)
     rate = dense_tflops()
     out = {"provenance": provenance("cuda"), "bf16_gemm_tflops": rate, "non_embedding_params": params, "runs": {}}
-    from torch.profiler import ProfilerActivity, profile
-
+    graphs = GraphCache()
     for n in args.tokens:
         ids = torch.randint(0, 32000, (1, n), device="cuda")
         pos = torch.arange(n, device="cuda")[None]
         last = torch.tensor([[n - 1]], device="cuda")
 
-        def prefill():
+        def eager():
             cache.lengths.zero_()
             with torch.inference_mode():
                 return lm(cache, pos, input_ids=ids, logits_index=last, kv_len=n, fresh=True)
 
-        for _ in range(3):
-            prefill()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(5):
-            prefill()
-        e.record()
-        torch.cuda.synchronize()
-        ms = s.elapsed_time(e) / 5
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            prefill()
-            torch.cuda.synchronize()
-        by_name = defaultdict(float)
-        for ev in p.key_averages():
-            t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
-            if t:
-                by_name[ev.key] += t / 1e3
-        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+        P = prefill_bucket(n, cache.max_len, limit=cache.max_len)
+        x = torch.zeros(1, P, LLAMA2_7B.hidden_size, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            x[:, :n] = lm.embed_tokens(ids)
+        slot, plast = torch.zeros(1, device="cuda", dtype=torch.long), last.clone()
+
+        def graph():
+            with torch.inference_mode():
+                return graphs.run(("prefill", P), lambda x, slot, last: prefill_step(lm, cache, x, slot, last),
+                                  {"x": x, "slot": slot, "last": plast})
+
         floor = 2 * params * n / (rate * 1e12) * 1e3
-        out["runs"][str(n)] = {"ms": ms, "flop_floor_ms": floor, "ratio_to_floor": ms / floor,
-                               "kernels_ms": dict(top)}
-        print(f"prefill {n} tokens: {ms:.2f} ms, floor {floor:.2f} ms ({ms / floor:.2f}x) at {rate:.0f} TFLOP/s")
-        for k, v in top[:12]:
-            print(f"   {v:8.3f} ms  {k[:110]}")
+        run = {"flop_floor_ms": floor, "bucket": P}
+        for name, fn in (("eager", eager), ("graph", graph)):
+            ms = timed(fn)
+            by_name = kernels(fn)
+            by_kind = defaultdict(float)
+            for k, v in by_name.items():
+                by_kind[kind_of(k)] += v
+            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+            run[name] = {"ms": ms, "ratio_to_floor": ms / floor, "kernel_ms_sum": sum(by_name.values()),
+                         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "kernels_ms": dict(top)}
+            print(f"prefill {n} tokens, {name}{f' (bucket {P})' if name == 'graph' else ''}: {ms:.2f} ms, "
+                  f"floor {floor:.2f} ms ({ms / floor:.2f}x) at {rate:.0f} TFLOP/s; by kind: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in run[name]["by_kind_ms"].items()))
+            for k, v in top[:10]:
+                print(f"   {v:8.3f} ms  {k[:110]}")
+        out["runs"][str(n)] = run
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_prefill.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -35,10 +35,10 @@ VIEW_SETS = {"M": (("M",), "uniform"), "hedge[M+T]": (("M", "T"), "hedge"),
              "hedge[M+T+P+C]": (("M", "T", "P", "C"), "hedge")}
 
 
-def run(n_prompts: int, device: str, seed: int = 0, trees=None) -> dict:
+def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None) -> dict:
     t_start = time.perf_counter()
     base = Engine.from_pretrained(os.path.join(DEMO, "target"), os.path.join(DEMO, "draft"), device=device,
-                                  views=("M",), policy="uniform")
+                                  views=("M",), policy="uniform", dtype=dtype)
     engines = {}
     for vname, (views, pol) in VIEW_SETS.items():
         for dname, tree in DECODERS + [(f"tree {t}", t) for t in trees or ()]:
@@ -72,7 +72,8 @@ def run(n_prompts: int, device: str, seed: int = 0, trees=None) -> dict:
             "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
             "git_commit": git_commit(), "wall_s": round(time.perf_counter() - t_start, 1),
         },
-        "setup": {"models": "tabed_engine/assets/demo/{target,draft}", "greedy": True, "chain_gamma": 5,
+        "setup": {"models": "tabed_engine/assets/demo/{target,draft}", "dtype": str(base.dtype).removeprefix("torch."),
+                  "greedy": True, "chain_gamma": 5,
                   "prompts_per_scenario": n_prompts, "max_new_tokens": MAX_NEW,
                   "trees": {d: parse_tree(t).nodes for d, t in DECODERS + [(f"tree {t}", t) for t in trees or ()]
                             if t},
@@ -85,7 +86,8 @@ def markdown(rep: dict) -> str:
     keys = list(rep["mean_over_scenarios"])
     lines = [f"# Trees vs chains on the procedural world ({rep['provenance']['date']}, "
              f"{rep['provenance']['device']}, {rep['provenance']['git_commit'][:8]})", "",
-             f"`{rep['provenance']['command']}`; greedy; tokens per target forward; AR mismatches: "
+             f"`{rep['provenance']['command']}`; {rep['setup'].get('dtype', 'default dtype')}; greedy; "
+             f"tokens per target forward; AR mismatches: "
              f"{rep['ar_mismatches']}. Tree nodes per block: {rep['setup']['trees']} (chain: 6).", "",
              "| decoder | " + " | ".join(SCENARIOS) + " | mean | vs chain |", "|---|" + "---|" * (len(SCENARIOS) + 2)]
     for k in keys:
@@ -105,8 +107,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--trees", nargs="*", default=(), metavar="DxWxB", help="more tree shapes to try")
     ap.add_argument("--name", default="tree_scenarios", help="output file name (without extension)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="the engines' dtype (default: the engine's default for the device)")
     args = ap.parse_args()
-    rep = run(args.prompts, args.device, args.seed, args.trees)
+    rep = run(args.prompts, args.device, args.seed, args.trees, dtype=getattr(torch, args.dtype) if args.dtype else None)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(rep, f, indent=1)

@@ -279,12 +279,15 @@ def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
     return max(1, min(triton.cdiv(sms, base_programs), cap))
 
 
-def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=None, num_splits=None):
+def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=None, num_splits=None,
+                   config=None):
     """Triton tree attention; see `tabed_engine.ops.tree_attention` for the contract.
 
     q [R, N, H, D], k_cache/v_cache [R, Hkv, S, D] (any strides, unit last stride), lengths [R]
     int32, tree_mask [R, N] int64 -> out [R, N, H, D] in q's dtype. `num_splits` overrides the
-    split-K heuristic (tests use it to cover both paths on the interpreter).
+    split-K heuristic (tests use it to cover both paths on the interpreter); `config`, a dict
+    with any of block_m / num_warps / splits, overrides the N > 1 kernel's launch
+    (`benchmarks/bench_tree_attention.py --sweep`).
     """
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(f"q must be [R, N, H, D] and k/v caches [R, Hkv, S, D], got {tuple(q.shape)}, "
@@ -326,11 +329,13 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         return _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, num_splits)
 
     group = H // Hkv
-    BLOCK_M = min(64, max(16, triton.next_power_of_2(N * group)))
+    config = config or {}
+    BLOCK_M = config.get("block_m") or min(64, max(16, triton.next_power_of_2(N * group)))
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
     m_blocks = triton.cdiv(N * group, BLOCK_M)
-    splits = num_splits or _pick_splits(q.device, R * Hkv * m_blocks, N * group, triton.cdiv(S, BLOCK_N))
+    splits = (config.get("splits") or num_splits
+              or _pick_splits(q.device, R * Hkv * m_blocks, N * group, triton.cdiv(S, BLOCK_N)))
     # fp32 inputs take the exact (non-TF32) tensor-core path: the fp32 engine path must match
     # the reference to ~1e-6, TF32 would give ~1e-3.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -355,6 +360,6 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         R, N, H, S, qk_scale,
         GROUP=group, HEAD_DIM=D, SPLITS=splits,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
-        PDL=use_pdl, num_warps=4, num_stages=num_stages, launch_pdl=use_pdl,
+        PDL=use_pdl, num_warps=config.get("num_warps", 4), num_stages=num_stages, launch_pdl=use_pdl,
     )
     return out

@@ -120,6 +120,15 @@ def test_kernel_padded_head_dims_and_scale(D, splits, kernel_device):
     check(q, k, v, lengths, masks, out, scale=0.3)
 
 
+@pytest.mark.parametrize("config", [{"block_m": 16, "splits": 3, "num_warps": 8}, {"block_m": 32, "splits": 1}])
+def test_kernel_launch_config_override(config, kernel_device):
+    # A swept launch config: several query tiles per (row, kv head), each with its own splits.
+    q, k, v, lengths, masks = make_case(2, 37, 4, 2, 64, torch.bfloat16, kernel_device, seed=37)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    _k.tree_attention(q, k, v, lengths, masks, out=out, config=config)
+    check(q, k, v, lengths, masks, out)
+
+
 def test_kernel_more_splits_than_blocks(kernel_device):
     # Rows of length 0 and 7: most splits get no key block and must drop out of the combine.
     q, k, v, lengths, masks = make_case(2, 5, 4, 4, 64, torch.float32, kernel_device, lengths=[0, 7], S=80)
