@@ -35,13 +35,17 @@ VIEW_SETS = {"M": (("M",), "uniform"), "hedge[M+T]": (("M", "T"), "hedge"),
              "hedge[M+T+P+C]": (("M", "T", "P", "C"), "hedge")}
 
 
-def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None) -> dict:
+def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None, view_sets=None,
+        base_trees: bool = True) -> dict:
     t_start = time.perf_counter()
     base = Engine.from_pretrained(os.path.join(DEMO, "target"), os.path.join(DEMO, "draft"), device=device,
                                   views=("M",), policy="uniform", dtype=dtype)
     engines = {}
+    decoders = (DECODERS if base_trees else DECODERS[:1]) + [(f"tree {t}", t) for t in trees or ()]
     for vname, (views, pol) in VIEW_SETS.items():
-        for dname, tree in DECODERS + [(f"tree {t}", t) for t in trees or ()]:
+        if view_sets and vname not in view_sets:
+            continue
+        for dname, tree in decoders:
             engines[vname, dname] = Engine(base.target, base.processor, draft=base.draft, device=base.device,
                                            dtype=base.dtype, views=views, policy=pol, gamma=5, tree=tree)
     results, mismatches = {}, 0
@@ -75,8 +79,7 @@ def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None) -> d
         "setup": {"models": "tabed_engine/assets/demo/{target,draft}", "dtype": str(base.dtype).removeprefix("torch."),
                   "greedy": True, "chain_gamma": 5,
                   "prompts_per_scenario": n_prompts, "max_new_tokens": MAX_NEW,
-                  "trees": {d: parse_tree(t).nodes for d, t in DECODERS + [(f"tree {t}", t) for t in trees or ()]
-                            if t},
+                  "trees": {d: parse_tree(t).nodes for d, t in decoders if t},
                   "block_efficiency": "sum(new_tokens - 1) / sum(target_forwards) over the prompts"},
         "ar_mismatches": mismatches, "results": results, "mean_over_scenarios": mean,
     }
@@ -109,8 +112,11 @@ def main():
     ap.add_argument("--name", default="tree_scenarios", help="output file name (without extension)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="the engines' dtype (default: the engine's default for the device)")
+    ap.add_argument("--view-sets", nargs="+", choices=list(VIEW_SETS), default=None, help="default: all")
+    ap.add_argument("--no-base-trees", action="store_true", help="only the chain and --trees")
     args = ap.parse_args()
-    rep = run(args.prompts, args.device, args.seed, args.trees, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    rep = run(args.prompts, args.device, args.seed, args.trees, dtype=getattr(torch, args.dtype) if args.dtype else None,
+              view_sets=args.view_sets, base_trees=not args.no_base_trees)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(rep, f, indent=1)

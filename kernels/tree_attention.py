@@ -265,17 +265,17 @@ def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
     """Split-K factor, from shapes only (lengths stay on the device, no sync).
 
     About one program per SM: with fewer, the idle SMs' bandwidth is lost; a one-row call is
-    latency-bound and more splits only add partials (an H200 sweep,
-    benchmarks/results/tree_attention.json). Each split writes and the combine reads R*N*H*D fp32 partials; capping splits at
-    512 / (N*group) keeps that traffic under the K/V bytes of a 1024-key prefix (N=64 -> 8
-    splits, N=1 -> 16). Splits beyond a short row's block count just write m=-1e30, l=0.
+    latency-bound and more splits only add partials. Each split writes and the last one to
+    finish reads R*N*H*D fp32 partials, so splits are capped at 192 / (N*group): 3 for 64
+    queries per kv head, 16 for one (benchmarks/results/tree_attention_sweep.json). Splits
+    beyond a short row's block count just write m=-1e30, l=0.
     """
     if device.type != "cuda":
         return 1
     sms = _sm_count(device)
     if base_programs > sms:
         return 1
-    cap = min(16, max(1, 512 // queries_per_kv), max_blocks)
+    cap = min(16, max(1, 192 // queries_per_kv), max_blocks)
     return max(1, min(triton.cdiv(sms, base_programs), cap))
 
 
@@ -330,7 +330,9 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
 
     group = H // Hkv
     config = config or {}
-    BLOCK_M = config.get("block_m") or min(64, max(16, triton.next_power_of_2(N * group)))
+    # up to 32 queries per kv head: 16-query tiles (more programs, each with fewer rows to
+    # combine); past that one 64-query tile reads K/V once (tree_attention_sweep.json)
+    BLOCK_M = config.get("block_m") or (16 if N * group <= 32 else 64)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
     m_blocks = triton.cdiv(N * group, BLOCK_M)
