@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import LMConfig
 from .ops.add_rms_norm import add_rms_norm, rms_norm_reference
-from .ops.gemv import gemv_kind, linear, silu_mul_reference
+from .ops.gemv import gemv_kind, linear, silu_mul as silu_mul_op
 from .ops.rope_kv_write import rope_kv_write, rope_reference, use_kernel
 from .ops.tree_attention import tree_attention
 
@@ -59,10 +59,11 @@ def fused_on_cuda(fn):
 rms_norm = fused_on_cuda(rms_norm_reference)
 
 
-# silu(gate) * up for gate_up = [gate | up]: one generated kernel on CUDA for prefill (decode
-# and verification rows have it fused: into the one-row down-projection GEMV's loads, into the
-# 2-64-row gate/up GEMV's epilogue, see `MLP.forward`)
-silu_mul = fused_on_cuda(silu_mul_reference)
+# silu(gate) * up for gate_up = [gate | up]: the Triton kernel on CUDA for prefill (decode and
+# verification rows have it fused: into the one-row down-projection GEMV's loads, into the
+# 2-64-row gate/up GEMV's epilogue, see `MLP.forward`); the generated pointwise kernel it
+# replaces ran at a third of the copy rate on prefill rows (results/profile_prefill.json)
+silu_mul = silu_mul_op
 
 
 class Linear(nn.Linear):
@@ -169,19 +170,21 @@ def sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
 def fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
     """A fresh prefill's q, k, v in one `rope_kv_write` launch (the CUDA path): rotates q and
     k, writes k and v at slots [0, T) of cache row `ctx.slot` (of each row r without a slot)
-    and returns q [R, h, T, hd] and, for single-row causal attention (no mask), the new k, v
-    [R, kv, T, hd], all contiguous for SDPA (else None). Replaces a compiled RoPE kernel, three
-    transposed copies and two index_copy_ (benchmarks/results/rope_kv_write.json)."""
+    and returns q [R, h, T, hd] (a view of [R, T, h, hd] storage) and, for single-row causal
+    attention (no mask), the new k, v [R, kv, T, hd], contiguous for SDPA (else None).
+    Replaces a compiled RoPE kernel, three transposed copies and two index_copy_
+    (benchmarks/results/rope_kv_write.json)."""
     R, T, _ = qkv.shape
     h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = qkv.new_empty(R, h, T, hd)
+    # q stored [R, T, h, hd] and handed to SDPA as its [R, h, T, hd] view: the attention
+    # output comes back in q's layout, so the o_proj input needs no transposing copy
+    q = qkv.new_empty(R, T, h, hd)
     new_k = new_v = None
     if ctx.mask is None:
         new_k, new_v = qkv.new_empty(R, kv, T, hd), qkv.new_empty(R, kv, T, hd)
-    # q written through its [R, T, h, hd] view: lands in SDPA's [R, h, T, hd] layout
-    rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.starts32, h, kv, out=q.transpose(1, 2), rows=ctx.slot,
+    rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.starts32, h, kv, out=q, rows=ctx.slot,
                   k_out=new_k, v_out=new_v)
-    return q, new_k, new_v
+    return q.transpose(1, 2), new_k, new_v
 
 
 class MLP(nn.Module):
