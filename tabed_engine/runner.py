@@ -35,10 +35,9 @@ from .views import ViewRow, build_views
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CATCH_UP = 16          # tokens per draft catch-up forward (see Runner.catch_up)
 DRAFT_TEMPERATURES = (0.3, 0.5, 0.7, 1.0, 1.4, 2.0)   # the draft's softmax temperature when sampling
-# prompts are padded to a multiple of 16 tokens up to 1,024 (a one-image prompt's 640-row
-# GEMMs cost ~3% more than its own 616: results/profile_prefill.json), of 64 beyond (fewer
-# graphs where padding weighs less); a graph per bucket
-PREFILL_STEP, PREFILL_STEP_LONG, PREFILL_FINE_MAX = 16, 64, 1024
+# prompts are padded to a multiple of 64 tokens for the prefill graphs: at most 63 wasted
+# tokens (about one image's worth over ten), and a graph per 64 tokens of cache stays few
+PREFILL_STEP = 64
 # longer prompts prefill eagerly: there the kernels outlast the host's launches, all a graph
 # removes, and the padding costs more (benchmarks/results/ttft_llava-1.5-7b.json, graph vs eager)
 PREFILL_GRAPH_MAX = 1664
@@ -52,16 +51,10 @@ def bucket_of(n: int, max_batch: int) -> int:
 def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Optional[int]:
     """The padded length P >= n a prompt of n tokens is prefilled at through the graph of
     bucket P, or None when it prefills eagerly at its own length (n above `limit` or the
-    cache). P is n rounded up to a multiple of `bucket_step(n)`, at most the cache length."""
+    cache). P is n rounded up to a multiple of PREFILL_STEP, at most the cache length."""
     if n < 1 or n > min(limit, max_len):
         return None
-    step = bucket_step(n)
-    return min(-(-n // step) * step, max_len)
-
-
-def bucket_step(n: int) -> int:
-    """The padding granularity of an n-token prompt's prefill bucket."""
-    return PREFILL_STEP if n <= PREFILL_FINE_MAX else PREFILL_STEP_LONG
+    return min(-(-n // PREFILL_STEP) * PREFILL_STEP, max_len)
 
 
 def prefill_buckets(max_len: int, limit: int = PREFILL_GRAPH_MAX) -> list[int]:

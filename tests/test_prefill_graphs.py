@@ -12,8 +12,7 @@ import torch
 from models import model_dir
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.model import KVCache
-from tabed_engine.runner import (PREFILL_FINE_MAX, PREFILL_STEP, PREFILL_STEP_LONG, bucket_step, prefill_bucket,
-                                 prefill_buckets, prefill_step)
+from tabed_engine.runner import PREFILL_STEP, prefill_bucket, prefill_buckets, prefill_step
 from tabed_engine.tiny import random_image, words
 
 
@@ -26,16 +25,12 @@ def test_bucket_rule(max_len):
         if n > min(max_len, limit):
             assert P is None, n
             continue
-        step = PREFILL_STEP if n <= PREFILL_FINE_MAX else PREFILL_STEP_LONG
-        assert bucket_step(n) == step
-        assert n <= P <= max_len and (P % step == 0 or P == max_len), (n, P)
-        assert P - n < step, (n, P)                             # bounded waste
+        assert n <= P <= max_len and (P % PREFILL_STEP == 0 or P == max_len), (n, P)
+        assert P - n < PREFILL_STEP, (n, P)                     # bounded waste
     buckets = prefill_buckets(max_len, limit)
     m = min(max_len, limit)
-    fine = -(-min(m, PREFILL_FINE_MAX) // PREFILL_STEP)
-    coarse = -(-(m - PREFILL_FINE_MAX) // PREFILL_STEP_LONG) if m > PREFILL_FINE_MAX else 0
-    assert buckets == sorted(set(buckets)) and buckets[-1] == prefill_bucket(m, max_len, limit)
-    assert len(buckets) == fine + coarse, (len(buckets), fine, coarse)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == min(-(-m // PREFILL_STEP) * PREFILL_STEP, max_len)
+    assert len(buckets) == -(-min(max_len, limit) // PREFILL_STEP)
     assert prefill_bucket(0, max_len) is None
     assert prefill_bucket(65, 2048, limit=64) is None            # above the last bucket: eager
 
