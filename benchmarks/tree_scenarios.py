@@ -12,6 +12,7 @@ Writes tree_scenarios.json and tree_scenarios.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -27,12 +28,29 @@ sys.path.insert(0, ROOT)
 from benchmarks.scenarios import DEMO, MAX_NEW, git_commit  # noqa: E402
 from benchmarks.world.scenarios import SCENARIOS, examples  # noqa: E402
 from tabed_engine import Engine, SamplingParams  # noqa: E402
+from tabed_engine.prompt import prepare  # noqa: E402
 from tabed_engine.tree import parse_tree  # noqa: E402
 
 DECODERS = [("chain", None), ("tree 3x2x2", "3x2x2"), ("tree 5x2x2", "5x2x2"), ("tree 5x4x2", "5x4x2"),
             ("tree 6x4x2", "6x4x2"), ("tree 6x3x3", "6x3x3")]
 VIEW_SETS = {"M": (("M",), "uniform"), "hedge[M+T]": (("M", "T"), "hedge"),
              "hedge[M+T+P+C]": (("M", "T", "P", "C"), "hedge")}
+
+
+def divergence(base, ex, ref: list, got: list) -> dict:
+    """Where a speculative output first leaves AR's: the position, both tokens and the target's
+    logits for them there, from a fresh prefill of the prompt plus AR's tokens before it (the
+    processor's pixels). A gap near the float rounding of the logits is a near-tie that the
+    one-row (AR) and multi-row (verification) kernels may break differently."""
+    i = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    if i >= min(len(ref), len(got)):
+        return {"position": i, "ar_len": len(ref), "sd_len": len(got)}
+    prep = prepare(base.processor, ex.prompt, ex.images, base.target.image_token_id, base.tokens_per_image)
+    logits = base.prefill_target(dataclasses.replace(prep, ids=prep.ids + list(ref[:i])))[1][0].float()
+    top = logits.topk(2)
+    return {"position": i, "ar_token": ref[i], "sd_token": got[i], "logit_ar_token": logits[ref[i]].item(),
+            "logit_sd_token": logits[got[i]].item(), "argmax": int(top.indices[0]),
+            "top2_gap": (top.values[0] - top.values[1]).item(), "max_abs_logit": logits.abs().max().item()}
 
 
 def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None, view_sets=None,
@@ -56,15 +74,24 @@ def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None, view
         results[sc] = {}
         for (vname, dname), eng in engines.items():
             new = fwd = bad = 0
+            where = []
             t0 = time.perf_counter()
-            for e, ref in zip(exs, ar):
+            for k, (e, ref) in enumerate(zip(exs, ar)):
                 o = eng.generate(e.prompt, images=e.images, sampling=sp, caption=e.captions)
-                bad += o.token_ids != ref
+                if o.token_ids != ref:
+                    bad += 1
+                    where.append({"prompt": k, **divergence(base, e, ref, o.token_ids)})
                 new += o.stats.new_tokens - 1
                 fwd += o.stats.target_forwards
             mismatches += bad
             results[sc][f"{vname} {dname}"] = {"block_efficiency": new / fwd if fwd else 1.0,
-                                               "ar_mismatches": bad, "wall_s": round(time.perf_counter() - t0, 2)}
+                                               "ar_mismatches": bad, "wall_s": round(time.perf_counter() - t0, 2),
+                                               **({"divergences": where} if where else {})}
+            for w in where:
+                print(f"    prompt {w['prompt']} leaves AR at token {w['position']}: "
+                      + (f"{w['ar_token']} vs {w['sd_token']}, target logits {w['logit_ar_token']:.7g} vs "
+                         f"{w['logit_sd_token']:.7g} (top-2 gap {w['top2_gap']:.3g})" if "ar_token" in w
+                         else f"lengths {w['ar_len']} vs {w['sd_len']}"), flush=True)
             print(f"[{sc}] {vname:16s} {dname:11s} tau {new / max(fwd, 1):.3f}  mismatches {bad}", flush=True)
     mean = {k: sum(results[sc][k]["block_efficiency"] for sc in SCENARIOS) / len(SCENARIOS)
             for k in results[SCENARIOS[0]]}
