@@ -305,11 +305,10 @@ class Runner:
         host = self._host("first", (1,))
         host.copy_(first, non_blocking=True)
         ready = self._record()
-        first_q = self._prefill_views(req, sel, slot, vision_done) if req.speculative else None
-        self._wait(ready)                    # the first token: not behind the draft's views
-        req.append([int(host[0])])
-        req.stats.time_first_token = time.perf_counter() - req.arrival
         if req.speculative:
+            first_q = self._prefill_views(req, sel, slot, vision_done)
+            # the slot's views, weights and history queued behind the target's prefill before the
+            # first token is read: their host work overlaps the device's, not the token's delivery
             if self._side is not None:
                 torch.cuda.current_stream().wait_stream(self._side)   # later work reads the draft rows
             self.state.reset_rows(slice(slot, slot + 1))
@@ -325,6 +324,9 @@ class Runner:
                 self.w[slot] = w[0]
             if req.view_mask is not None:
                 self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
+        self._wait(ready)                    # the first token: not behind the draft's views
+        req.append([int(host[0])])
+        req.stats.time_first_token = time.perf_counter() - req.arrival
         self.pending = None               # the batch changed: the queued block is stale
         req.stats.time_prefill = time.perf_counter() - t0
 
