@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
-#   (stages: env build test kernels bench layer-kernels profile profile-tree e2e e2e-next ttft batch serve e2e-demo world)
+#   (stages: env build test kernels bench layer-kernels profile profile-prefill profile-tree e2e e2e-next ttft batch
+#    serve e2e-demo world)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -38,6 +39,8 @@ for stage in "$@"; do
       timeout 280 $PY benchmarks/bench_ensemble_ops.py --time-budget 230 --out "$OUT/ensemble_ops.json" 2>&1 | tail -40
       timeout 240 $PY benchmarks/bench_tree_attention.py --rows 1 8 --prefix 600 2000 --nodes 1 8 32 64 \
         --out "$OUT/tree_attention.json" 2>&1 | tail -25
+      timeout 200 $PY benchmarks/bench_tree_attention.py --sweep --rows 1 --prefix 600 2000 --nodes 6 32 64 \
+        --out "$OUT/tree_attention_sweep.json" 2>&1 | tail -8
       timeout 120 $PY benchmarks/bench_verify.py --out "$OUT/verify.json" 2>&1 | tail -12
       timeout 100 $PY benchmarks/bench_history_update.py --out "$OUT/history_update.json" 2>&1 | tail -8
       ;;
@@ -60,6 +63,10 @@ for stage in "$@"; do
       ;;
     profile)
       timeout 300 $PY benchmarks/profile_decode.py --out "$OUT" 2>&1 | tail -45
+      ;;
+    profile-prefill)
+      # the target's prefill by kernel kind, eager and as the engine's graph, at the prompt's length and its bucket
+      timeout 300 $PY benchmarks/profile_prefill.py --out "$OUT" 2>&1 | grep -v Warn | tail -60
       ;;
     profile-tree)
       # a tree block's graphs (draft, verification, history) by kernel, beside the chain's
