@@ -386,7 +386,8 @@ class Engine:
             self.scheduler = self._new_scheduler()
 
     def _new_scheduler(self) -> Scheduler:
-        return Scheduler(self.runner, CostModel(self.adaptive, self.gamma, chains=self.tree is None))
+        return Scheduler(self.runner, CostModel(self.adaptive, self.gamma, chains=self.tree is None,
+                                                tree_depth=None if self.tree is None else self.tree.depth))
 
     @property
     def graphs(self):

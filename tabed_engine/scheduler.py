@@ -32,7 +32,8 @@ class CostModel:
     """How the next block decodes: autoregressively (0) or as a speculative chain of g drafts
     (1 <= g <= γ; a tree keeps its shape: γ only), whichever gives the batch the most tokens
     per second. A request accepting each draft with probability α gets 1 + α + ... + α^g
-    tokens from a chain of g; α is estimated from its running counts of accepted and rejected
+    tokens from a chain of g (from a tree, 1 + α + ... + α^depth with α its acceptance per
+    depth: `tree_depth`); α is estimated from its running counts of accepted and rejected
     drafts (`Request.accepted`, `.rejected`) with `prior_weight` pseudo-drafts at the prior
     (one unlucky block does not make a draft look useless; a new request is the prior). Block times are measured per (g, batch
     bucket) on this machine: the steady interval between two consecutive blocks of the same
@@ -50,8 +51,10 @@ class CostModel:
 
     def __init__(self, enabled: bool, gamma: int = 5, chains: bool = True, probe_every: int = 64,
                  probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03, prior_weight: float = 1.0,
-                 probe_max: int = 1024):
+                 probe_max: int = 1024, tree_depth: Optional[int] = None):
         self.enabled, self.gamma, self.chains = enabled, gamma, chains
+        # a tree block (kind γ when not `chains`) accepts up to its depth along a path
+        self.tree_depth = tree_depth if not chains and tree_depth else gamma
         self.probe_every, self.probe_len, self.probe_max = probe_every, probe_len, probe_max
         self._every, self._probed = probe_every, False    # the current probe interval; a probe just ended
         self.prior_ratio, self.margin, self.prior_weight = prior_ratio, margin, prior_weight
@@ -109,7 +112,8 @@ class CostModel:
         lengths = range(1, self.gamma + 1) if self.chains else (self.gamma,)
 
         def rate(g):
-            return sum(sum(a ** i for i in range(g + 1)) for a in al) / self.time(g, b)
+            d = self.tree_depth if g == self.gamma else g
+            return sum(sum(a ** i for i in range(d + 1)) for a in al) / self.time(g, b)
 
         if self.time(self.gamma, b) is None:
             choice = self.gamma                     # measure speculative blocks first

@@ -185,6 +185,15 @@ def test_cost_model_choices():
     tree = CostModel(True, gamma=3, chains=False)      # trees: their own shape or AR
     tree.times = {(3, 1): 0.01, (0, 1): 0.008}
     assert tree.choose(1, [c(0.6)]) == 3 and tree.choose(1, [c(0.1)]) == 0
+    # a depth-8 tree's block is worth 1 + a + ... + a^8 tokens at a per-depth acceptance a: at
+    # a = 0.5 a 20 ms block (2.00 tokens) beats a 10.4 ms AR step, which a depth-3 count (1.875)
+    # would not
+    deep = CostModel(True, gamma=3, chains=False, tree_depth=8)
+    deep.times = {(3, 1): 0.02, (0, 1): 0.0104}
+    assert deep.choose(1, [c(0.5)]) == 3
+    shallow = CostModel(True, gamma=3, chains=False)
+    shallow.times = dict(deep.times)
+    assert shallow.choose(1, [c(0.5)]) == 0
     assert CostModel(False, gamma=4).choose(4, [c(0.0)]) == 4   # off: always the full chain
     forced = CostModel(True, gamma=4)
     forced.forced = 2
