@@ -23,18 +23,18 @@ def _tree_start_kernel(tokens_ptr, parents_ptr, score_ptr, fedpos_ptr, fed_ptr, 
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, NP)
-    prev = tl.load(inp2_ptr + b * K * stride_inp2)
     root = tl.load(inp2_ptr + b * K * stride_inp2 + 1)
     tl.store(tokens_ptr + b * N + n, tl.where(n == 0, root, 0), mask=n < N)
     tl.store(parents_ptr + b * N + n, tl.full([NP], -1, tl.int64), mask=n < N)
     tl.store(score_ptr + b * N + n, tl.zeros([NP], tl.float32), mask=n < N)
     tl.store(fedpos_ptr + b * N + n, tl.where(n == 0, 0, -1).to(tl.int64), mask=n < N)
     tl.store(fed_ptr + b * F + n, tl.zeros([NP], tl.int64), mask=n < F)
-    ids = tl.where(n == 0, prev, tl.where(n == 1, root, 0))
     rel = tl.where(n <= 1 + PAD, (n > 0).to(tl.int64), 2 + (tl.maximum(n - 2 - PAD, 0) // WIDTH).to(tl.int64))
     bits = tl.where(n == 1, 3, tl.full([NP], 1, tl.int64) << n.to(tl.int64))
     for k in range(K):
         r = b * K + k
+        prev = tl.load(inp2_ptr + r * stride_inp2)      # each view row's own previous token
+        ids = tl.where(n == 0, prev, tl.where(n == 1, root, 0))
         tl.store(ids_ptr + r * TX + n, ids, mask=n < TX)
         tl.store(pos_ptr + r * TX + n, tl.load(lens_ptr + r).to(tl.int64) + rel, mask=n < TX)
         tl.store(bits_ptr + r * TX + n, bits, mask=n < TX)

@@ -158,7 +158,7 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     fed_logits = []
 
     def forward(T):
-        ids, pos, bits = st.feed(T)          # views: the K rows of a request are written alike
+        ids, pos, bits = st.feed(T)          # views: a request's K rows alike but for their first slot
         return draft_lm(cache, pos, input_ids=ids, lengths=lens, tree_bits=bits, kv_len=kv_len, float_logits=False)
 
     new_logits = forward(2)[:, 1:2]                                     # [R, 1, V]: the root's

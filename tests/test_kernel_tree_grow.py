@@ -52,6 +52,9 @@ def _build(B, K, cfg, device, seed, ties=False):
     _start(ref, inp2, lens, cfg, False)
     _start(ker, inp2, lens, cfg, True)
     _assert_same(ref, ker, "after tree_start")
+    # each view row feeds its own previous token, then its request's root (view 0's last token)
+    assert torch.equal(ker.ids[:, 0], inp2[:, 0])
+    assert torch.equal(ker.ids[:, 1], inp2[0::K, 1].repeat_interleave(K))
     n_nodes, n_fed = 1, 1
     for depth in range(1, cfg.depth + 1):
         T = 1 if depth == 1 else cfg.width
@@ -83,11 +86,12 @@ def test_tree_build_matches_reference(shape, B, K, kernel_device):
 
 def test_bits_are_each_fed_nodes_ancestors():
     """A frontier slot sees prev, the root's slot, its ancestors' slots and itself (the tree
-    mask the draft attends with), the padding slots only themselves; view rows alike."""
+    mask the draft attends with), the padding slots only themselves; view rows alike but for
+    their own previous token in slot 0."""
     cfg, B, K = TreeConfig(4, 2, 2), 2, 2
     st = _build(B, K, cfg, "cpu", seed=3)
     P = cfg.depth - 1
-    assert torch.equal(st.bits[0::K], st.bits[1::K]) and torch.equal(st.ids[0::K], st.ids[1::K])
+    assert torch.equal(st.bits[0::K], st.bits[1::K]) and torch.equal(st.ids[0::K, 1:], st.ids[1::K, 1:])
     mask = bits_to_mask(st.bits)
     for b in range(B):
         for f in range(1, cfg.fed):

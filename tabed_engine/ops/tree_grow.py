@@ -50,7 +50,8 @@ class TreeState:
 
 def tree_start_reference(st: TreeState, inp2: torch.Tensor, lens: torch.Tensor, *, pad: int, width: int):
     """Depth 0: the root (request b's last token inp2[b*K, 1]) is node 0 and fed node 0; every
-    view row of request b feeds view 0's last two tokens. inp2 [B*K, 2], lens [B*K]."""
+    view row of request b feeds its own previous token inp2[b*K + k, 0] and the root (a view's
+    prompt may end in another token than view 0's). inp2 [B*K, 2], lens [B*K]."""
     B, Tx = st.tokens.shape[0], st.ids.shape[1]
     K = st.ids.shape[0] // B
     first = inp2.view(B, K, 2)[:, 0]
@@ -62,7 +63,8 @@ def tree_start_reference(st: TreeState, inp2: torch.Tensor, lens: torch.Tensor, 
     st.fedpos[:, 0] = 0
     st.fed.zero_()
     st.ids.zero_()
-    st.ids[:, :2] = first.repeat_interleave(K, 0)
+    st.ids[:, 0] = inp2[:, 0]
+    st.ids[:, 1] = first[:, 1].repeat_interleave(K, 0)
     slot = torch.arange(Tx, device=inp2.device)
     # prev 0, the root and the padding 1, fed node f >= 1 (fed at depth (f - 1) // width + 1) its depth + 1
     rel = torch.where(slot <= 1 + pad, (slot > 0).long(), 2 + (slot - 2 - pad).div(width, rounding_mode="floor"))
