@@ -3,11 +3,13 @@
     python benchmarks/bench_silu_mul.py [--out benchmarks/results/silu_mul.json]
     TRITON_INTERPRET=1 python benchmarks/bench_silu_mul.py --smoke   # CPU, tiny, no claims
 
-Shapes: rows 6 and 1 at the LLaVA-1.5-7B MLP width 11008 (verification, a decode row), 4
+Shapes: rows 6, 1 and 616 at the LLaVA-1.5-7B MLP width 11008 (verification, a decode row, a
+one-image prompt's prefill), 4
 rows at the LLaVA-68M draft's 3072 (a 4-view draft step); bf16. Columns (per call, medians):
   fused     tabed_engine.kernels.silu_mul (Triton)
   eager     the PyTorch reference (silu in float32, one rounding)
-  model     what the decoder ran before: the torch.compile'd reference (dynamic shapes)
+  model     what the decoder ran before: the torch.compile'd reference (dynamic shapes;
+            prefill rows ran it until it was replaced by the kernel)
   compiled  torch.compile of the reference with static shapes
 `stream` and `graph` timings as in bench_rope_kv_write.py. GB/s counts the [gate | up] rows
 read and the activations written, over the graph time, next to a 256 MiB device-to-device
@@ -27,13 +29,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  measured_row, write_result)
 from tabed_engine.kernels import silu_mul as _k  # noqa: E402
-from tabed_engine.model import silu_mul as model_silu_mul  # noqa: E402
+from tabed_engine.model import fused_on_cuda  # noqa: E402
 from tabed_engine.ops.gemv import silu_mul_reference  # noqa: E402
+
+model_silu_mul = fused_on_cuda(silu_mul_reference)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=["6x11008", "1x11008", "4x3072"], help="ROWSxWIDTH")
+    ap.add_argument("--shapes", nargs="+", default=["6x11008", "1x11008", "4x3072", "616x11008"], help="ROWSxWIDTH")
     add_common_args(ap, "silu_mul")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
