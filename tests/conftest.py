@@ -20,6 +20,49 @@ if not _HAS_CUDA:
 
 import pytest  # noqa: E402
 
+
+def _patch_triton_language_once_per_launch():
+    """The Triton interpreter re-patches `triton.language` (an `inspect.getmembers` walk of
+    four modules) at every @triton.jit helper call inside a kernel, though the launch running
+    it already patched the same modules: the re-patch sets the same replacements again (and
+    is never undone). Skip a helper's re-patch of modules this launch already patched: 40-45%
+    of the interpreter's time in the kernel tests (one ensemble_mix launch of 60 rows: 4.1 s
+    -> 2.4 s); the programs run the same way."""
+    import inspect
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    launch = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
+    if original is None or launch is None or not hasattr(interpreter, "_LangPatchScope"):
+        return                                  # another triton: leave it as it is
+    running = []                                # [ids of the modules patched] during a launch
+
+    def patch_lang(fn):
+        mods = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v)
+                and (v is interpreter.tl or v is interpreter.tl.core)}
+        if running and running[0] and mods <= running[0]:   # a helper call: its modules are patched
+            return interpreter._LangPatchScope()
+        if running:                             # the launch's own patch, or other modules
+            running[0] |= mods
+        return original(fn)
+
+    def launch_once_patched(self, *args, **kwargs):
+        running.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            running.clear()
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch_once_patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_language_once_per_launch()
+
 # parallel workers of one run (pytest-xdist) share the checkpoints the tests build
 # (tests/models.py, tests/realistic.py), instead of each building its own
 if os.environ.get("PYTEST_XDIST_TESTRUNUID") and not os.environ.get("TABED_TEST_MODELS"):
