@@ -37,7 +37,7 @@ CATCH_UP = 16          # tokens per draft catch-up forward (see Runner.catch_up)
 DRAFT_TEMPERATURES = (0.3, 0.5, 0.7, 1.0, 1.4, 2.0)   # the draft's softmax temperature when sampling
 # prompts are padded to a multiple of 64 tokens for the prefill graphs: at most 63 wasted
 # tokens (about one image's worth over ten), and a graph per 64 tokens of cache stays few (each
-# bucket costs ~0.15 s of warm-up, a capture and an attention plan: ttft_llava-1.5-7b_16step.md)
+# bucket costs a capture and an attention plan at warm-up: results/ttft_llava-1.5-7b_16step.md)
 PREFILL_STEP = 64
 # longer prompts prefill eagerly: there the kernels outlast the host's launches, all a graph
 # removes, and the padding costs more (benchmarks/results/ttft_llava-1.5-7b.json, graph vs eager)
