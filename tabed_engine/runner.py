@@ -541,7 +541,7 @@ class Runner:
         and verification) is queued behind it with chains of `gamma_next` (default `gamma`; 0:
         nothing, the batch changes or decodes autoregressively next), so the host's work on
         this block's tokens overlaps the device's on the next. Returns each slot's new tokens."""
-        eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
+        eng, K, tree = self.eng, self.K, self.eng.tree
         gamma = eng.gamma if gamma is None or tree is not None else gamma
         gamma_next = gamma if gamma_next is None else gamma_next
         if eng.timing:          # per-phase times synchronize each phase: nothing is queued ahead
