@@ -199,6 +199,18 @@ def test_default_tree_equals_ar(engine, ar_reference):
     assert max(out.stats.accepted_lengths) > 5      # deeper than a 5-chain could accept
 
 
+def test_batched_trees_equal_ar(engine, ar_reference):
+    """Requests as rows of one batch (one and two images, captions of their own), each decoded by
+    trees with the views' own prompts: every request's tokens equal its AR decoding alone."""
+    configure(engine, ("M", "T", "C"), "hedge", "4x3x2")
+    prompts = [realistic.prompt(n) for n in (1, 2, 1)]
+    sp = SamplingParams(max_new_tokens=24)
+    outs = engine.generate([t for t, _ in prompts], images=[i for _, i in prompts], sampling=sp,
+                           captions=[["a red car on the street"], ["two people", "near 3 trees"], ["a car"]])
+    assert [o.token_ids for o in outs] == [ar_reference[1], ar_reference[2], ar_reference[1]]
+    assert all(max(o.stats.accepted_lengths) > 0 for o in outs)
+
+
 def test_trees_accept_more_than_chains(engine):
     """With the close draft, a 5-deep tree accepts more tokens per block than a 5-token chain
     of the same mixture (the tree holds the chain's path among its branches)."""
