@@ -135,7 +135,8 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     w [B, K] ensemble weights; seed, offset [1] int64 (sampling noise).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
-    leaves, and everywhere when greedy: the greedy walk reads only the tokens), fed_logits
+    leaves; greedy: an empty tensor, as `draft_block`'s mixtures: the greedy walk reads only
+    the tokens), fed_logits
     [B*K, F, V] the views' logits at each fed node, fedpos [B, N] the fed index of every node
     or -1).
 
@@ -154,7 +155,7 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     P = D - 1
     st = TreeState.empty(B, K, cfg.nodes, cfg.fed, cfg.draft_rows, dev)
     tree_start(st, inp2, lens, pad=P, width=W, kernel=_kernels)
-    node_q = torch.zeros(B, cfg.nodes, V, device=dev)
+    node_q = torch.empty(0, device=dev) if greedy else torch.zeros(B, cfg.nodes, V, device=dev)
     fed_logits = []
 
     def forward(T):

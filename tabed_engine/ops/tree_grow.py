@@ -24,7 +24,8 @@ class TreeState:
     per view row (Tx slots: prev, the root, `pad` padding slots, fed nodes 1 .. F - 1): ids,
     pos (RoPE positions: the row's length plus 0 for prev, 1 for the root and padding, d + 1
     for a node of depth d) and bits (bit j of slot i: slot i sees slot j), int64 [B*K, Tx];
-    the view rows of a request hold the same ids and bits."""
+    the view rows of a request hold the same bits, and the same ids but for their own
+    previous token in slot 0."""
 
     tokens: torch.Tensor     # [B, N] int64
     parents: torch.Tensor    # [B, N] int64
