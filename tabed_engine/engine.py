@@ -675,13 +675,11 @@ class Engine:
             caption, room = self._draft_room(prep, caption, mask, sp, room)
         # the request's own generator, seeded from the OS when unseeded: torch's global RNG
         # (the user's) is neither reseeded nor advanced
-        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, prep, sp, caption, use_sd, gen, self.tokenizer, frozenset(self.eos_ids),
-                       max_new=room if sp.max_new_tokens is None else sp.max_new_tokens, seed=seed,
-                       view_mask=mask)
+                       max_new=room if sp.max_new_tokens is None else sp.max_new_tokens, view_mask=mask)
 
     def _view_mask(self, views) -> Optional[tuple[bool, ...]]:
         """A request's `views=` as a mask over the engine's views (None: all)."""

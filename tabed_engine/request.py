@@ -46,7 +46,6 @@ class Request:
     tokenizer: Any
     eos_ids: frozenset
     max_new: int = 0                      # sp.max_new_tokens, or what the cache holds (None)
-    seed: int = 0                         # what `generator` was seeded with (a batch's noise derives from it)
     view_mask: Optional[tuple] = None     # the engine's views this request mixes (None: all)
     pieces: bool = True                   # text pieces per step (generate() needs only the end)
     arrival: float = field(default_factory=time.perf_counter)

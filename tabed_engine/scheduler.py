@@ -310,7 +310,7 @@ class Scheduler:
                     # reproduces (the runner's noise seed, the batch generator). Derived on the
                     # host: a device draw read here would wait for the draft views' prefill
                     # queued behind the first token, and delay its output
-                    rng = random.Random(head.seed)
+                    rng = random.Random(head.generator.initial_seed())
                     self.runner.seed.fill_(rng.getrandbits(62))
                     self.runner.offset.zero_()
                     self._batch_gen.manual_seed(rng.getrandbits(62))
