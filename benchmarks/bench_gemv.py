@@ -32,7 +32,7 @@ thread and give each warp at least one 16x8 tensor-core tile. Every config is co
 the weight copies (3 replays; a config whose first replay takes over twice the best so far is
 dropped); the 3 fastest are re-timed as the table times, next to `_dot_config`'s default, the
 16-row kernel (at 16 rows, and over the rows in 16-row calls) and cuBLAS (F.linear; the
-compiled SiLU*up after it for gate/up). Prints the winners as the `_DOT_CONFIGS` dict literal
+model's SiLU*up kernel after it for gate/up). Prints the winners as the `_DOT_CONFIGS` dict literal
 of kernels/gemv.py.
 """
 from __future__ import annotations
@@ -65,8 +65,16 @@ DRAFT_ROWS = [("draft_qkv", 2304, 768, None, 2), ("draft_o", 768, 768, None, 2),
               ("draft_lm_head", 32064, 768, None, 1)]
 
 
+def over_weights(ws, fn):
+    """One call that runs fn on each copy of the weight (the copies together pass L2)."""
+    def run():
+        for w in ws:
+            fn(w)
+    return run
+
+
 def model_path(x, w, gate):
-    """The cuBLAS path the decoder would run: F.linear with the compiled SiLU*up around it."""
+    """The cuBLAS path the decoder would run: F.linear with the model's SiLU*up (`model.silu_mul`) around it."""
     y = torch.nn.functional.linear(silu_mul(x) if gate == "in" else x, w)
     return silu_mul(y) if gate == "out" else y
 
@@ -173,10 +181,7 @@ def sweep(args, device, copy_gbs: float):
             out = torch.empty(M, N // 2 if glu else N, device=device, dtype=dtype)
 
             def over_copies(fn):
-                def run():
-                    for w in ws:
-                        fn(w)
-                return run
+                return over_weights(ws, fn)
 
             def kernel(cfg):
                 return over_copies(lambda w: _k.gemv_rows(x, w, glu=glu, out=out, config=cfg))
@@ -282,10 +287,8 @@ def main(argv=None):
         out = torch.empty(M, N // 2 if glu else N, device=device, dtype=dtype)
 
         def each(fn):
-            def run():
-                for w in ws:
-                    fn(w)
-            return run
+            return over_weights(ws, fn)
+
         def fused(w):
             if M == 1:
                 return _k.gemv(x, w, gated=gated, out=out)
@@ -317,7 +320,7 @@ def main(argv=None):
                              + [("draft", M, DRAFT_ONE if M == 1 else DRAFT_ROWS) for M in args.draft_rows]):
         sel = [r for r in rows if r["rows"] == M and r["name"] in {n for n, *_ in shapes}]
         if len(sel) == len(shapes) and all("eager" in r["graph_us"] for r in sel):
-            # the baseline is what the decoder would run on cuBLAS: with the compiled SiLU*up
+            # the baseline is what the decoder would run on cuBLAS: with the model's SiLU*up
             # kernel for the gated one ("model"), not the eager two-kernel gate
             base = {r["name"]: r["graph_us"].get("model", r["graph_us"]["eager"]) for r in sel}
             step = {"fused": sum(r["graph_us"]["fused"] * r["layers"] for r in sel) / 1e3,

@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import provenance  # noqa: E402
+from _common import event_ms, provenance  # noqa: E402
 
 from tabed_engine.config import LMConfig  # noqa: E402
 from tabed_engine.graphs import GraphCache  # noqa: E402
@@ -54,19 +54,6 @@ KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "sm90_xmma", "_gemv")), ("attenti
 def kind_of(name: str) -> str:
     low = name.lower()
     return next((k for k, keys in KINDS if any(key in low for key in keys)), "other")
-
-
-def timed(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
 
 
 def kernels(fn) -> dict:
@@ -128,7 +115,7 @@ def main():
                     with torch.inference_mode():
                         return graphs.run(("prefill", L), lambda x, slot, last: prefill_step(lm, cache, x, slot, last),
                                           {"x": x, "slot": slot, "last": last})
-            ms = timed(fn)
+            ms = event_ms(fn, 10)
             by_name = kernels(fn)
             by_kind = defaultdict(float)
             for k, v in by_name.items():
