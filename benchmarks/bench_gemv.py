@@ -23,7 +23,7 @@ measured in the same run. The summary lines add up one decode step's projections
 layers + lm_head; the draft: 2 layers + lm_head) for the GEMV and for the cuBLAS path the
 decoder would otherwise run.
 
---sweep times `gemv_rows` block configs (BLOCK_N, BLOCK_K, num_warps, stages) per target
+--sweep times `gemv_rows` block configs (BLOCK_N, BLOCK_K, num_warps, stages, splits over K) per target
 projection, as the decoder runs it at several rows (gate/up with `glu`, down on the gated
 activations), and per row tile (`--sweep-rows` 16, 32, 64: BLOCK_M 16, 32, 64), over a grid
 pruned to the configs that fit a block's shared memory, hold at most 32 accumulator values a
@@ -83,19 +83,20 @@ def model_path(x, w, gate):
 # after the gate/up product, down on the gated activations), and the config grid
 SWEEP_SHAPES = [("qkv", 12288, 4096, None), ("o", 4096, 4096, None), ("gate_up", 22016, 4096, "out"),
                 ("down", 4096, 11008, None), ("lm_head", 32064, 4096, None)]
-SWEEP_GRID = dict(BN=(16, 32, 64, 128), BK=(64, 128, 256, 512), warps=(2, 4, 8), stages=(2, 3, 4, 5))
+SWEEP_GRID = dict(BN=(16, 32, 64, 128), BK=(64, 128, 256, 512), warps=(2, 4, 8), stages=(2, 3, 4, 5), splits=(1,))
 SMOKE_SHAPES = [("small", 96, 130, None), ("small_glu", 64, 70, "out")]
-SMOKE_GRID = dict(BN=(16, 32), BK=(32,), warps=(2,), stages=(2,))
+SMOKE_GRID = dict(BN=(16, 32), BK=(32,), warps=(2,), stages=(2,), splits=(1, 3))
 SCREEN_REPS, RETIME = 3, 3
 
 
 def sweep_configs(block_m: int, grid: dict, smem_budget: int) -> list:
-    """The grid's (BLOCK_N, BLOCK_K, num_warps, stages) worth timing at `block_m` rows: the
+    """The grid's (BLOCK_N, BLOCK_K, num_warps, stages, splits) worth timing at `block_m` rows: the
     pipeline's buffers within a block's shared memory, at most 32 fp32 accumulator values a
     thread (larger tiles spill on sm_90), at least one 16x8 tensor-core tile a warp."""
     keep = []
     for cfg in itertools.product(*grid.values()):
-        BN, _, warps, _ = cfg
+        BN, _, warps, _, _ = cfg
+        cfg = cfg[:4] if cfg[4] == 1 else cfg  # an unsplit config as `_DOT_CONFIGS` writes it
         if (_k.dot_smem_bytes(block_m, cfg) <= smem_budget and block_m * BN <= 32 * 32 * warps
                 and 16 * 8 * warps <= block_m * BN):
             keep.append(cfg)
@@ -162,6 +163,8 @@ def sweep(args, device, copy_gbs: float):
     """Per sweep shape and row count: the best `gemv_rows` config of the grid next to the
     default, the 16-row kernel and cuBLAS. Returns (JSON rows, {(N, K, BLOCK_M): config})."""
     shapes, grid = (SMOKE_SHAPES, SMOKE_GRID) if args.smoke else (SWEEP_SHAPES, SWEEP_GRID)
+    grid = {k: getattr(args, f"grid_{k}") or v for k, v in grid.items()}
+    shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     budget = 227 << 10  # sm_90's opt-in shared memory a block
     if device == "cuda":
         budget = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", budget)
@@ -228,7 +231,7 @@ def sweep(args, device, copy_gbs: float):
 
 
 def dot_configs_literal(best: dict) -> str:
-    """{(N, K, BLOCK_M): (BLOCK_N, BLOCK_K, num_warps, stages), ...} as Python source."""
+    """{(N, K, BLOCK_M): (BLOCK_N, BLOCK_K, num_warps, stages[, splits]), ...} as Python source."""
     lines = [f"    {key}: {cfg}," for key, cfg in sorted(best.items())]
     return "{\n" + "\n".join(lines) + "\n}"
 
@@ -244,6 +247,9 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="time gemv_rows block configs instead of the table")
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=None,
                     help="activation rows per sweep (default 16 32 64; --smoke: 6 20 40)")
+    for k in SWEEP_GRID:
+        ap.add_argument(f"--grid-{k}", type=int, nargs="+", default=None, help=f"--sweep: the grid's {k} values")
+    ap.add_argument("--shapes", nargs="+", default=None, help="--sweep: only these shapes (names)")
     ap.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="threads compiling the sweep's configs")
     args = ap.parse_args(argv)

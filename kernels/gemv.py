@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import pdl, pdl_wait
+from ._common import counters as _counters, pdl, pdl_wait
 from .silu_mul import silu_mul, silu_times
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -158,10 +158,10 @@ def _dot_step(x, w, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, K_CHUNK, stride_xm, stride_wn,
+                     stride_ym, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     HALF: tl.constexpr = BLOCK_N // 2
     if GLU:  # weight = [gate; up] (N = 2I): this program's first half of rows gates, second half up
@@ -176,12 +176,39 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = tl.program_id(1) * K_CHUNK  # split over K: this program's K_CHUNK columns (a multiple of BLOCK_K)
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
     pdl_wait(PDL)  # before any load: an early weight tile was slower here
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_ptr, rows, stride_wn, offs_k, K, EVEN_K)
         x = _load_rows_x(x_ptr, offs_m, m_ok, stride_xm, offs_k, K, EVEN_K)
         acc = _dot_step(x, w, acc, DOT_FP32)
+    if SPLIT:
+        # fp32 partials [splits, BLOCK_M, N]; the last split of this N tile to arrive sums all of
+        # them in split order (one launch, the same bits whichever program arrives last)
+        splits = tl.num_programs(1)
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + tl.program_id(1) * BLOCK_M * N, acc, mask=n_ok[None, :])
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        cnt = cnt_ptr + pid
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            acc = tl.load(part, mask=n_ok[None, :], other=0.0)
+            for s in range(1, splits):
+                acc += tl.load(part + s * BLOCK_M * N, mask=n_ok[None, :], other=0.0)
+            _dot_epilogue(acc, b_ptr, y_ptr, offs_m, m_ok, offs_n, n_ok, N, stride_ym, pid,
+                          HAS_BIAS, GLU, BLOCK_M, BLOCK_N)
+            tl.store(cnt, 0)  # every split has arrived: ready for the next launch
+    else:
+        _dot_epilogue(acc, b_ptr, y_ptr, offs_m, m_ok, offs_n, n_ok, N, stride_ym, pid, HAS_BIAS, GLU, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _dot_epilogue(acc, b_ptr, y_ptr, offs_m, m_ok, offs_n, n_ok, N, stride_ym, pid,
+                  HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bias, the GLU gate, the store of a [BLOCK_M, BLOCK_N] fp32 product tile."""
+    HALF: tl.constexpr = BLOCK_N // 2
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GLU:  # [BLOCK_M, BLOCK_N] = [gate | up] -> silu(gate) * up, [BLOCK_M, BLOCK_N / 2]
@@ -231,8 +258,15 @@ def dot_block_m(M: int) -> int:
 def dot_smem_bytes(block_m: int, config) -> int:
     """Shared memory the pipelined loop of `_gemv_dot_kernel` holds: STAGES buffers of an
     activation tile and a weight tile (2-byte elements)."""
-    BN, BK, _, stages = config
+    BN, BK, _, stages = config[:4]
     return stages * (block_m + BN) * BK * 2
+
+
+def k_split(K: int, BK: int, splits: int):
+    """(programs over K, columns each): `splits` chunks of K rounded up to whole BK tiles, as
+    many as are non-empty."""
+    chunk = triton.cdiv(triton.cdiv(K, max(1, splits)), BK) * BK
+    return triton.cdiv(K, chunk), chunk
 
 
 def _dot_config(N: int, K: int, block_m: int = 16):
@@ -267,17 +301,23 @@ def _dot_config(N: int, K: int, block_m: int = 16):
 
 
 def _checked_config(config):
-    """`config` as a (BLOCK_N, BLOCK_K, num_warps, stages) tuple of ints, or ValueError."""
+    """`config` as a (BLOCK_N, BLOCK_K, num_warps, stages, splits) tuple of ints (splits 1 when
+    given four), or ValueError."""
     try:
-        BN, BK, warps, stages = (int(v) for v in config)
+        values = tuple(int(v) for v in config)
     except (TypeError, ValueError):
-        raise ValueError(f"gemv_rows: config must be (BLOCK_N, BLOCK_K, num_warps, stages), got {config!r}") from None
+        values = ()
+    if len(values) not in (4, 5):
+        raise ValueError(f"gemv_rows: config must be (BLOCK_N, BLOCK_K, num_warps, stages[, splits]), "
+                         f"got {config!r}")
+    BN, BK, warps, stages, splits = values + (1,) * (5 - len(values))
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if not (pow2(BN) and BN >= 16 and pow2(BK) and BK >= 16):  # tensor-core tiles; glu's halves even
         raise ValueError(f"gemv_rows: BLOCK_N and BLOCK_K must be powers of two >= 16, got {BN}, {BK}")
-    if warps not in (1, 2, 4, 8, 16) or stages < 1:
-        raise ValueError(f"gemv_rows: num_warps must be 1, 2, 4, 8 or 16 and stages >= 1, got {warps}, {stages}")
-    return BN, BK, warps, stages
+    if warps not in (1, 2, 4, 8, 16) or stages < 1 or splits < 1:
+        raise ValueError(f"gemv_rows: num_warps must be 1, 2, 4, 8 or 16, stages and splits >= 1, got {warps}, "
+                         f"{stages}, {splits}")
+    return BN, BK, warps, stages, splits
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = False, out=None,
@@ -290,17 +330,21 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
     product (gate and up rounded to x's dtype first, as `silu_mul` sees them stored): in the
     epilogue (`glu_epilogue`; default: matrices under `GLU_EPILOGUE_MAX` elements), else by a
     `silu_mul` launch after the product. Bit-identical either way.
-    `config`: (BLOCK_N, BLOCK_K, num_warps, stages) instead of `_dot_config`'s (a benchmark's
-    sweep); powers of two >= 16 for the blocks. Results do not depend on it beyond the fp32
-    summation order.
+    `config`: (BLOCK_N, BLOCK_K, num_warps, stages[, splits]) instead of `_dot_config`'s (a
+    benchmark's sweep); powers of two >= 16 for the blocks. `splits` > 1 splits K over that many
+    programs per BLOCK_N tile (more programs, and each one's activation tile re-read for fewer
+    weight bytes), the last to finish summing the fp32 partials in split order (and applying the
+    GLU gate: split launches always take it in the epilogue). Results do not depend on the
+    config beyond the fp32 summation order, and not on timing.
     """
     N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False, glu)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
     block_m = dot_block_m(M)
-    BN, BK, warps, stages = _dot_config(N, K, block_m) if config is None else _checked_config(config)
+    BN, BK, warps, stages, splits = _checked_config(_dot_config(N, K, block_m) if config is None else config)
+    splits, chunk = k_split(K, BK, splits)
     if glu_epilogue is None:
-        glu_epilogue = N * K < GLU_EPILOGUE_MAX
+        glu_epilogue = N * K < GLU_EPILOGUE_MAX or splits > 1
     if glu and not glu_epilogue:
         return silu_mul(gemv_rows(x, weight, bias, config=config), out=y)
     x2 = x.reshape(M, K)
@@ -308,9 +352,15 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
         x2 = x2.contiguous()
     use_pdl = pdl(x.device)
     b = bias if bias is not None else weight  # placeholder pointer, never read
-    grid = (triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN),)
-    _gemv_dot_kernel[grid](x2, weight, b, y, M, N, K, x2.stride(0), weight.stride(0), y.shape[-1],
-                           HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=block_m, BLOCK_N=BN, BLOCK_K=BK,
-                           STAGES=stages, EVEN_K=K % BK == 0, DOT_FP32=x.device.type != "cuda", PDL=use_pdl,
-                           num_warps=warps, launch_pdl=use_pdl)
+    tiles = triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN)
+    if splits > 1:
+        part = torch.empty(splits, block_m, N, device=x.device, dtype=torch.float32)
+        cnt = _counters(x.device, tiles)
+    else:
+        part = cnt = y  # unused
+    _gemv_dot_kernel[(tiles, splits)](x2, weight, b, y, part, cnt, M, N, K, chunk, x2.stride(0), weight.stride(0),
+                                      y.shape[-1], HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=block_m, BLOCK_N=BN,
+                                      BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0, SPLIT=splits > 1,
+                                      DOT_FP32=x.device.type != "cuda", PDL=use_pdl, num_warps=warps,
+                                      launch_pdl=use_pdl)
     return y

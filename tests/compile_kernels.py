@@ -234,6 +234,10 @@ def _exercise():
         for config in dict.fromkeys(rules + [(128, 64, 8, 5), (16, 512, 2, 2)]):
             gemv.gemv_rows(x[:M], w, config=config)
             gemv.gemv_rows(x[:M], w, glu=True, config=config)
+    x, w = torch.randn(40, 256, generator=g).to(bf), torch.randn(64, 256, generator=g).to(bf)
+    for config in ((64, 64, 4, 3, 2), (128, 64, 8, 4, 4)):   # K split over programs, the partials folded
+        gemv.gemv_rows(x, w, config=config)
+        gemv.gemv_rows(x, w, glu=True, config=config)
 
 
 def compile_all(path):

@@ -193,9 +193,44 @@ def test_rows_kernel_config_override(kernel_device):
             check_glu(_k.gemv_rows(x, w[:N // 2 * 2], glu=True, out=out, glu_epilogue=glu_epilogue,
                                    config=(32, 32, 4, 3)), x, w[:N // 2 * 2], None)
     for bad in ((24, 128, 4, 3), (8, 128, 4, 3), (32, 100, 4, 3), (32, 0, 4, 3), (32, 128, 3, 3),
-                (32, 128, 4, 0), (32, 128, 4), "fast", 32):
+                (32, 128, 4, 0), (32, 128, 4), (32, 128, 4, 3, 0), (32, 128, 4, 3, 2, 1), "fast", 32):
         with pytest.raises(ValueError, match="config|BLOCK_N|num_warps"):
             _k.gemv_rows(x, w, config=bad)
+
+
+SPLIT_CASES = [(6, 90, 300, 64, 2), (17, 61, 1031, 128, 3), (40, 173, 517, 64, 5), (64, 96, 2049, 256, 4),
+               (33, 37, 77, 32, 8)]
+
+
+@pytest.mark.parametrize("M,N,K,BK,splits", SPLIT_CASES)
+def test_rows_kernel_split_k(M, N, K, BK, splits, kernel_device):
+    # K split over programs, the last to arrive summing the fp32 partials in split order: the
+    # reference's numbers (bias, the GLU gate in the folding program), the same bits on every
+    # call, the arrival counters left zero for the next launch
+    from tabed_engine.kernels import _common
+
+    assert _k.k_split(K, BK, splits)[0] > 1
+    x, w, b = make_case(M, N, K, torch.bfloat16, kernel_device, bias=True, seed=M + K)
+    for bias in (None, b):
+        out = torch.full((M, N), float("nan"), device=kernel_device, dtype=torch.bfloat16)
+        y = _k.gemv_rows(x, w, bias, out=out, config=(32, BK, 4, 2, splits))
+        assert y is out
+        check(y, x, w, bias, False)
+        assert torch.equal(_k.gemv_rows(x, w, bias, config=(32, BK, 4, 2, splits)), y)
+        wg = w[:N // 2 * 2]
+        out = torch.full((M, N // 2), float("nan"), device=kernel_device, dtype=torch.bfloat16)
+        check_glu(_k.gemv_rows(x, wg, None if bias is None else bias[:N // 2 * 2], glu=True, out=out,
+                               config=(16, BK, 2, 3, splits)), x, wg, None if bias is None else bias[:N // 2 * 2])
+    assert not _common.COUNTERS[x.device].any()
+
+
+def test_k_split():
+    # chunks of whole BLOCK_K tiles, only the non-empty ones launched
+    assert _k.k_split(4096, 128, 4) == (4, 1024)
+    assert _k.k_split(11008, 256, 4) == (4, 2816)      # 43 tiles: 11 + 11 + 11 + 10
+    assert _k.k_split(300, 64, 8) == (5, 64)           # 5 tiles of K cannot feed 8 programs
+    assert _k.k_split(300, 64, 1) == (1, 320)
+    assert _k.k_split(77, 32, 8) == (3, 32)
 
 
 def test_rows_launch_plan():
@@ -215,7 +250,7 @@ def test_rows_launch_plan():
         for N, K in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32064, 4096), (2304, 768),
                      (768, 768), (6144, 768), (768, 3072), (32064, 768), (37, 300)]:
             cfg = _k._dot_config(N, K, block_m)
-            assert _k._checked_config(cfg) == cfg
+            assert _k._checked_config(cfg)[:len(cfg)] == cfg
             smem = 227 << 10 if (N, K, block_m) in _k._DOT_CONFIGS else 96 << 10
             assert _k.dot_smem_bytes(block_m, cfg) <= smem, (N, K, block_m, cfg)
             assert block_m * cfg[0] <= 32 * 32 * cfg[2], (N, K, block_m, cfg)
