@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import math
 import os
 import statistics
@@ -424,12 +425,14 @@ class Bench(E2EBench):
 
         base = self.engines[2]
         out = {}
+        taus = self.scenario_taus()
         for shape in TREE_SHAPES:
             eng = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
                          views=base.views, policy=self.args.policy, max_len=self.p.max_len, tree=shape,
                          max_batch=1, adaptive=False)
             depth, r = eng.tree.depth, {"nodes": eng.tree.nodes, "depth": eng.tree.depth}
-            for tau, d in self.schedule_sweep(eng, [t for t in TREE_TAUS if t - 1 <= depth], depth):
+            extra = [taus["trees"][shape]] if shape in taus.get("trees", {}) else []
+            for tau, d in self.schedule_sweep(eng, [t for t in (*TREE_TAUS, *extra) if t - 1 <= depth], depth):
                 r[f"tau={tau}"] = {"ms_per_token": d["ms_per_token"], "tau_realized": self.last_stats.block_efficiency,
                                    "speedup_vs_engine_ar": self.ar_ms / d["ms_per_token"] if self.ar_ms else None}
             if eng.graphs is not None:
@@ -450,7 +453,36 @@ class Bench(E2EBench):
             for shape in TREE_SHAPES:
                 if "block_graphs_ms" in out[shape]:
                     out[shape]["block_vs_chain_block"] = out[shape]["block_graphs_ms"] / chain_block
+        if taus:  # chain SD vs tree SD, each at the tokens per target forward the scenario run measured
+            tau_c = taus["chain"]
+            (_, d), = self.schedule_sweep(base, [tau_c], self.p.gamma)
+            sc = {"source": taus["source"], "view_set": taus["view_set"],
+                  "chain": {"tau": tau_c, "ms_per_token": d["ms_per_token"]}, "trees": {}}
+            for shape, tau in taus["trees"].items():
+                r = out.get(shape, {}).get(f"tau={tau}")
+                if r:
+                    sc["trees"][shape] = {"tau": tau, "ms_per_token": r["ms_per_token"],
+                                          "speedup_vs_chain_sd": d["ms_per_token"] / r["ms_per_token"]}
+            out["at_scenario_tau"] = sc
+            log(f"  at the scenario run's tau: chain {tau_c:.2f} -> {d['ms_per_token']:.3f} ms/token; "
+                + ", ".join(f"{k} {v['tau']:.2f} -> {v['ms_per_token']:.3f} ({v['speedup_vs_chain_sd']:.2f}x)"
+                            for k, v in sc["trees"].items()))
         return out
+
+    def scenario_taus(self) -> dict:
+        """The chain's and each tree shape's tokens per target forward from a `tree_scenarios.py`
+        result (`--scenario-taus`; mean over scenarios, the K = 2 M+T view set), or {}."""
+        path = self.args.scenario_taus
+        if not path:
+            return {}
+        with open(path) as fh:
+            means = json.load(fh)["mean_over_scenarios"]
+        view_set = f"{self.args.policy}[M+T]"
+        trees = {name.split()[-1]: tau for name, tau in means.items()
+                 if name.startswith(view_set + " tree ") and name.split()[-1] in TREE_SHAPES}
+        if f"{view_set} chain" not in means or not trees:
+            raise ValueError(f"--scenario-taus {path}: no '{view_set} chain' and tree rows of {TREE_SHAPES}")
+        return {"source": path, "view_set": view_set, "chain": means[f"{view_set} chain"], "trees": trees}
 
     def mix_graph_ms(self, K: int, eng) -> float:
         """One ensemble_mix at the draft loop's shape (1 request x K views, greedy), replayed
@@ -545,6 +577,9 @@ class Bench(E2EBench):
         }
         t64 = get("tree_sweep", "5x3x5", "block_vs_chain_block")
         t["tree_64_nodes_block_le_1.1x_chain_block"] = check(t64, 1.1)
+        at = self.result.get("tree_sweep", {}).get("at_scenario_tau", {}).get("trees", {})
+        t["tree_sd_at_scenario_tau_ge_1.25x_chain_sd"] = check(
+            max((v["speedup_vs_chain_sd"] for v in at.values()), default=None), 1.25, le=False)
         t["_notes"] = ("draft step uses the graph-replay number on CUDA, engine timing elsewhere; "
                        "ensemble share is the worst over K = 1, 2, 4 of the device share on CUDA (gamma "
                        "ensemble_mix + history graph over the block's graphs), the host-phase share elsewhere")
@@ -629,6 +664,13 @@ class Bench(E2EBench):
                          if k in r else "—" for k in (f"tau={t}" for t in TREE_TAUS)]
                 lines.append(f"| {shape} | {r['nodes']} | {f(r.get('block_graphs_ms'))} "
                              f"({f(r.get('block_vs_chain_block'), '.2f')}×) | " + " | ".join(cells) + " |")
+            at = ts.get("at_scenario_tau")
+            if at:
+                lines += ["", f"at the tokens per target forward of `{at['source']}` ({at['view_set']}, mean over "
+                          f"scenarios): chain SD τ={at['chain']['tau']:.2f} {at['chain']['ms_per_token']:.3f} "
+                          "ms/token; " + "; ".join(f"tree {k} τ={v['tau']:.2f} {v['ms_per_token']:.3f} ms/token "
+                                                   f"(**{v['speedup_vs_chain_sd']:.2f}×** chain SD)"
+                                                   for k, v in at["trees"].items())]
         ps = sec("prefill_split")
         if ps:
             lines += ["", "| prefill ms | host preprocess | vision tower | projector | target LM | draft views "
@@ -672,6 +714,9 @@ def main(argv=None):
     ap.add_argument("--hf-static-compile", choices=("auto", "off"), default="auto",
                     help="auto: transformers' own torch.compile of static-cache decoding on CUDA (default); "
                          "off: static cache without compilation")
+    ap.add_argument("--scenario-taus", default=None, metavar="JSON",
+                    help="a tree_scenarios.py result: also time chain and tree SD at its measured tokens per "
+                         "target forward (the M+T view set)")
     e2e_demo.add_args(ap)
     args = ap.parse_args(argv)
     if args.preset == e2e_demo.PRESET:

@@ -228,15 +228,17 @@ MAX_DOT_ROWS = 64
 # gate/up), larger matrices keep a second launch (H100 A/B, benchmarks/results/kernels_backed_out.md).
 GLU_EPILOGUE_MAX = 1 << 23
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-# (N, K, BLOCK_M) -> (BLOCK_N, BLOCK_K, num_warps, stages) measured per shape: the dict
+# (N, K, BLOCK_M) -> (BLOCK_N, BLOCK_K, num_warps, stages[, splits]) measured per shape: the dict
 # `python benchmarks/bench_gemv.py --sweep` prints (the LLaVA-1.5-7B target's projections on the
-# H200, benchmarks/results/gemv_sweep_h200.json). Shapes not in it take `_dot_config`'s rules.
+# H200, benchmarks/results/gemv_sweep_h200.json; the two split entries from
+# benchmarks/results/gemv_sweep_split_h200.json, where splitting K won > 1%). Shapes not in it take
+# `_dot_config`'s rules.
 _DOT_CONFIGS: dict = {
     (4096, 4096, 16): (32, 256, 4, 5),
-    (4096, 4096, 32): (32, 256, 4, 5),
+    (4096, 4096, 32): (32, 128, 4, 4, 2),
     (4096, 4096, 64): (32, 128, 4, 5),
     (4096, 11008, 16): (32, 256, 2, 5),
-    (4096, 11008, 32): (32, 256, 4, 5),
+    (4096, 11008, 32): (64, 128, 8, 5, 2),
     (4096, 11008, 64): (32, 256, 4, 4),
     (12288, 4096, 16): (32, 128, 4, 4),
     (12288, 4096, 32): (64, 128, 2, 4),
