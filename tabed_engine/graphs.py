@@ -18,8 +18,10 @@ import torch
 class CapturedFn:
     def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool, static: frozenset = frozenset()):
         # inputs whose storage is another graph's output (`static` data pointers) are used in
-        # place; everything else gets its own buffer
-        self.inputs = {k: v if v.data_ptr() in static else v.clone() for k, v in inputs.items()}
+        # place; everything else gets its own buffer, a normal tensor (not an inference one:
+        # a graph captured under inference mode is fed outside it too)
+        with torch.inference_mode(False):
+            self.inputs = {k: v if v.data_ptr() in static else v.clone() for k, v in inputs.items()}
         # warm up on a side stream (Triton compilation, cuBLAS handles), as capture requires
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -31,7 +33,8 @@ class CapturedFn:
         # overwritten when the earlier graph replays (seen: drafted tokens clobbered by the
         # verification graph). Intermediates are dead between replays and can share.
         single = isinstance(warm, torch.Tensor)
-        self.outputs = [torch.empty_like(t) for t in ((warm,) if single else warm)]
+        with torch.inference_mode(False):
+            self.outputs = [torch.empty_like(t) for t in ((warm,) if single else warm)]
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             res = fn(**self.inputs)

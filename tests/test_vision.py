@@ -190,3 +190,18 @@ def test_cuda_graph_result_is_not_the_static_buffer():
     assert torch.equal(a, kept) and not torch.equal(a, b)
     enc.use_graphs = False
     torch.testing.assert_close(enc.select(a_in), kept)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_captured_in_inference_mode_runs_outside_it():
+    # the engine captures under inference mode; a caller's own no_grad code replays the same graph
+    enc = random_encoder(gpu_config(2), torch.bfloat16, "cuda")
+    a_in, b_in = (torch.randn(2, 3, 112, 112, device="cuda") for _ in range(2))
+    with torch.inference_mode():
+        a = enc.select(a_in).clone()
+    with torch.no_grad():
+        b = enc.select(b_in)
+        torch.testing.assert_close(enc.select(a_in), a)
+    with torch.inference_mode():
+        torch.testing.assert_close(enc.select(b_in), b)
+    assert len(enc._graphs) == 1
