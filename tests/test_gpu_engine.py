@@ -231,3 +231,47 @@ def test_ensemble_mix_greedy_small_vocab(V, K):
     torch.cuda.synchronize()
     assert int(tok) == int(rtok)
     torch.testing.assert_close(lse, rlse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_target_forwards_are_deterministic(engine, dtype):
+    # a captured decode step (1 row), chain verification (6) and tree verification (64 nodes)
+    # over prefixes whose attention splits (arrival counters, partials) replayed hundreds of
+    # times give the same bits: no race between programs or between launches (PDL)
+    from tabed_engine.model import KVCache
+
+    lm = engine.target.lm if dtype == torch.float32 else Engine.from_pretrained(
+        model_dir("mha"), device="cuda", dtype=dtype).target.lm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for R, prefix in ((1, 1500), (3, 700)):
+        cache = KVCache(lm.cfg, R, 2048, "cuda", dtype)
+        cache.k.normal_(generator=g)
+        cache.v.normal_(generator=g)
+        lens = torch.full((R,), prefix, device="cuda", dtype=torch.int32)
+        for N in (1, 6, 64):
+            ids = torch.randint(0, lm.cfg.vocab_size, (R, N), device="cuda", generator=g)
+            pos = lens.long()[:, None] + torch.arange(N, device="cuda")
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=torch.Generator().manual_seed(i))) for i in range(1, N)]
+            mask = torch.zeros(N, N, dtype=torch.bool)
+            for i in range(N):
+                j = i
+                while j >= 0:
+                    mask[i, j], j = True, parents[j]
+            mask = mask.cuda()[None].expand(R, N, N).contiguous()
+            with torch.inference_mode():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    lm(cache, pos, input_ids=ids, lengths=lens, tree_mask=mask)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = lm(cache, pos, input_ids=ids, lengths=lens, tree_mask=mask)
+                graph.replay()
+                first = out.clone()
+                differing = 0
+                for _ in range(50):
+                    for _ in range(8):
+                        graph.replay()
+                    differing += not torch.equal(out, first)
+            assert differing == 0, (R, prefix, N, differing)
