@@ -184,21 +184,19 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
 
 
 # ---------------------------------------------------------------------------- verify
-def tree_mask_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
-    """Ancestor-or-self mask [B, N, N] of a tree in topological order (parents [B, N], -1 at
-    the root); `depth` bounds the path length (log-depth doubling would be overkill)."""
+def tree_bits_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """Packed ancestor-or-self mask [B, N] int64 of a tree in topological order (parents
+    [B, N], -1 at the root; N <= 64): bit j of node i set iff j is i or an ancestor. Pointer
+    doubling: after r rounds each node holds its ancestors up to 2^r - 1 levels up, so
+    ceil(log2(depth + 1)) rounds of two gathers cover a path of `depth` edges."""
     B, N = parents.shape
     node = torch.arange(N, device=parents.device)
-    mask = (node[:, None] == node[None, :]).expand(B, N, N)
-    anc = parents.clamp_min(0)
-    cur = anc
-    valid = parents >= 0
-    for _ in range(depth):
-        # a comparison, not F.one_hot (which checks its input with a host sync on CUDA)
-        mask = mask | ((cur[..., None] == node) & valid[..., None])
-        valid = valid & (parents.gather(1, cur) >= 0)
-        cur = anc.gather(1, cur)
-    return mask
+    jump = torch.where(parents >= 0, parents, node)        # the root points at itself
+    bits = (torch.ones_like(parents) << node).contiguous()  # bit 63 wraps to the sign bit, as the kernels read it
+    for _ in range(max(1, depth).bit_length()):
+        bits = bits | bits.gather(1, jump)
+        jump = jump.gather(1, jump)
+    return bits
 
 
 def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos, node_q=None, uniforms=None, *,
@@ -211,8 +209,8 @@ def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos
     [B, N, V], path [B, N], accepted [B], next token [B], packed [B, 2 + depth] for the
     block's one host read: accepted count, next token, the path's tokens)."""
     pos = tlens.long()[:, None] + node_depth[None]
-    mask = tree_mask_of(parents, depth)
-    tlogits = target_lm(tcache, pos, input_ids=tokens, lengths=tlens, tree_mask=mask, kv_len=kv_len)
+    tlogits = target_lm(tcache, pos, input_ids=tokens, lengths=tlens, tree_bits=tree_bits_of(parents, depth),
+                        kv_len=kv_len)
     if sp.greedy:
         path, n_acc, nxt = verify_tree(tokens, parents, tlogits, greedy=True)
     else:

@@ -15,7 +15,7 @@ from tabed_engine.ensemble import POLICIES
 from tabed_engine.model import KVCache, LlamaLM, bits_to_mask, mask_to_bits
 from tabed_engine.tiny import random_image, words
 from tabed_engine.ops.mix_topk import hash_uniform
-from tabed_engine.tree import parse_tree, tree_draft, tree_mask_of, tree_verify
+from tabed_engine.tree import parse_tree, tree_bits_of, tree_draft, tree_verify
 
 VOCAB = 173
 
@@ -50,13 +50,16 @@ def test_hash_uniform_is_uniform_and_counter_based():
     assert not torch.equal(hash_uniform(seed + 1, off, 10), u[:10])
 
 
-def test_tree_mask_of_is_ancestor_or_self():
-    g = torch.Generator().manual_seed(0)
-    B, N = 3, 23
+@pytest.mark.parametrize("N,chain", [(23, False), (64, False), (64, True), (9, True), (1, False)])
+def test_tree_bits_of_is_ancestor_or_self(N, chain):
+    # random trees and a path (the deepest tree of N nodes), bit 63 included; `depth` is the
+    # longest path's edge count, as the tree configs give it
+    g = torch.Generator().manual_seed(N)
+    B = 3
     parents = torch.full((B, N), -1, dtype=torch.long)
     for b in range(B):
         for i in range(1, N):
-            parents[b, i] = int(torch.randint(0, i, (1,), generator=g))
+            parents[b, i] = i - 1 if chain else int(torch.randint(0, i, (1,), generator=g))
     depth = 0
     want = torch.zeros(B, N, N, dtype=torch.bool)
     for b in range(B):
@@ -66,8 +69,11 @@ def test_tree_mask_of_is_ancestor_or_self():
                 want[b, i, j] = True
                 j = int(parents[b, j]) if j else -1
                 d += 1
-            depth = max(depth, d)
-    assert torch.equal(tree_mask_of(parents, depth), want)
+            depth = max(depth, d - 1)
+    bits = tree_bits_of(parents, depth)
+    assert bits.dtype == torch.int64 and torch.equal(bits_to_mask(bits), want)
+    if depth > 1:   # one round short of the depth misses an ancestor
+        assert not torch.equal(bits_to_mask(tree_bits_of(parents, (depth + 1) // 2 - 1)), want)
 
 
 def test_bits_mask_round_trip():
