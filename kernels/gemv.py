@@ -176,8 +176,12 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, K_C
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_lo = tl.program_id(1) * K_CHUNK  # split over K: this program's K_CHUNK columns (a multiple of BLOCK_K)
-    k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    if SPLIT:  # this program's K_CHUNK columns (a multiple of BLOCK_K)
+        k_lo = tl.program_id(1) * K_CHUNK
+        k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    else:      # the whole row from a constant 0, as the pipeliner saw it before splits existed
+        k_lo = 0
+        k_hi = K
     pdl_wait(PDL)  # before any load: an early weight tile was slower here
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
