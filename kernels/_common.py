@@ -82,20 +82,25 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 COUNTERS = {}   # device -> int32 arrival counters, all zero between launches
+_OUTGROWN = []  # earlier workspaces: CUDA graphs captured with them still count in them
 
 
 def counters(device, n):
     """n zeroed int32 arrival counters of `device`'s workspace, for kernels whose last
     program to arrive combines the others' partials and resets its counter (every launch
     leaves them zero; launches on one stream share them). Grown outside CUDA-graph capture
-    only (a graph's warm-up call runs first); during a capture that needs more, the graph
-    gets its own zeroed buffer (a captured memset)."""
+    only (a graph's warm-up call runs first); an outgrown workspace is kept, never freed, for
+    the graphs that captured its address. During a capture that needs more, the graph gets
+    its own zeroed buffer (a captured memset)."""
     buf = COUNTERS.get(device)
     if buf is not None and buf.numel() >= n:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
-    COUNTERS[device] = buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    if buf is not None:
+        _OUTGROWN.append(buf)
+    COUNTERS[device] = buf = torch.zeros(max(n, 1024, 2 * (0 if buf is None else buf.numel())), dtype=torch.int32,
+                                         device=device)
     return buf
 
 

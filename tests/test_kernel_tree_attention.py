@@ -255,3 +255,18 @@ def test_gpu_split_heuristic_fills_sms():
     assert _k._pick_splits(dev, 4 * sms, 1, 64) == 1
     assert _k._decode_splits(dev, 32, 64) * 32 >= 2 * sms      # one query: ~4 programs per SM
     assert _k._decode_splits(dev, 32, 3) == 3                  # never more splits than key blocks
+
+
+def test_counters_workspace_outgrown_is_kept():
+    # a CUDA graph bakes the workspace's address in: growing it must not free the old one
+    # (its memory handed to another tensor would take the graph's atomic counts)
+    from tabed_engine.kernels import _common
+
+    dev = torch.device("cpu")
+    old = _common.counters(dev, 16)
+    ptr, size = old.data_ptr(), old.numel()
+    del old
+    new = _common.counters(dev, size + 1)
+    assert new.numel() >= max(size + 1, 2 * size) and not new.any()
+    assert any(t.data_ptr() == ptr for t in _common._OUTGROWN)
+    assert _common.counters(dev, 8) is new
