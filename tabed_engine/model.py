@@ -322,11 +322,14 @@ class LlamaLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope = None
+        self._ropes_outgrown = []   # CUDA graphs captured with an earlier table read it by address
 
     def rope(self, max_pos: int, device):
         """[P, 2 * head_dim] float32: the cos table, then the sin table, per position (one
-        gather per forward fetches both)."""
+        gather per forward fetches both). A table replaced by a longer one is kept alive."""
         if self._rope is None or self._rope.shape[0] < max_pos or self._rope.device != device:
+            if self._rope is not None:
+                self._ropes_outgrown.append(self._rope)
             self._rope = torch.cat(rope_tables(self.cfg, max(max_pos, 256), device), dim=-1)
         return self._rope
 

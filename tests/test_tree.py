@@ -519,3 +519,17 @@ def test_bad_tree_is_refused_before_loading(tmp_path):
         Engine.from_pretrained(str(tmp_path / "none"), tree="9x9x9")
     with pytest.raises(ValueError, match="DEPTHxWIDTHxBRANCH"):
         Engine.from_pretrained(str(tmp_path / "none"), tree="big")
+
+
+def test_rope_table_outgrown_is_kept():
+    # captured graphs gather from the table by address: a longer table for a longer cache
+    # must not free the one they hold; the longer one starts with the same rows
+    cfg = LMConfig(vocab_size=11, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                   head_dim=8)
+    lm = LlamaLM(cfg)
+    short = lm.rope(300, torch.device("cpu"))
+    ptr = short.data_ptr()
+    long = lm.rope(1000, torch.device("cpu"))
+    assert long.shape[0] >= 1000 and torch.equal(long[:short.shape[0]], short)
+    assert any(t.data_ptr() == ptr for t in lm._ropes_outgrown)
+    assert lm.rope(500, torch.device("cpu")) is long
