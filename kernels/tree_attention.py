@@ -87,7 +87,7 @@ def _tree_attention_kernel(
     stride_vr, stride_vh, stride_vs,
     stride_mr, stride_mn,
     stride_or, stride_on, stride_oh,
-    R, N, H, S, qk_scale,
+    R, N, SLOTS, H, S, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, PDL: tl.constexpr,
@@ -131,7 +131,7 @@ def _tree_attention_kernel(
             v = tl.load(v_base + offs_s[:, None] * stride_vs, mask=d_ok[None, :], other=0.0)
         m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, DOT_FP32)
 
-    end = length + N
+    end = length + SLOTS  # the tree's slots: the queries' own and any fed before them
     first = n_full + (split - n_full % SPLITS + SPLITS) % SPLITS  # continue the cyclic deal
     for b in range(first, tl.cdiv(end, BLOCK_N), SPLITS):
         offs_s = b * BLOCK_N + offs_b
@@ -280,14 +280,15 @@ def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
 
 
 def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=None, num_splits=None,
-                   config=None):
+                   config=None, tree_slots=None):
     """Triton tree attention; see `tabed_engine.ops.tree_attention` for the contract.
 
     q [R, N, H, D], k_cache/v_cache [R, Hkv, S, D] (any strides, unit last stride), lengths [R]
     int32, tree_mask [R, N] int64 -> out [R, N, H, D] in q's dtype. `num_splits` overrides the
     split-K heuristic (tests use it to cover both paths on the interpreter); `config`, a dict
     with any of block_m / num_warps / splits, overrides the N > 1 kernel's launch
-    (`benchmarks/bench_tree_attention.py --sweep`).
+    (`benchmarks/bench_tree_attention.py --sweep`). `tree_slots` (default N, at most 64): the
+    tree slots lengths[r] + j the bits may name, when the N queries are the last of them.
     """
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(f"q must be [R, N, H, D] and k/v caches [R, Hkv, S, D], got {tuple(q.shape)}, "
@@ -300,6 +301,9 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv})")
     if not 1 <= N <= _MAX_NODES:
         raise ValueError(f"N={N} query nodes per row, expected 1..{_MAX_NODES}")
+    tree_slots = N if tree_slots is None else int(tree_slots)
+    if not N <= tree_slots <= _MAX_NODES:
+        raise ValueError(f"tree_slots={tree_slots}: expected N={N} to {_MAX_NODES}")
     if D > 256:
         raise ValueError(f"head_dim {D} > 256 is not supported")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -325,7 +329,7 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
 
     scale = D ** -0.5 if scale is None else float(scale)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the kernel
-    if N == 1:
+    if N == 1 and tree_slots == 1:
         return _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, num_splits)
 
     group = H // Hkv
@@ -359,7 +363,7 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tree_mask.stride(0), tree_mask.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        R, N, H, S, qk_scale,
+        R, N, tree_slots, H, S, qk_scale,
         GROUP=group, HEAD_DIM=D, SPLITS=splits,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
         PDL=use_pdl, num_warps=config.get("num_warps", 4), num_stages=num_stages, launch_pdl=use_pdl,

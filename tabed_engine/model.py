@@ -119,9 +119,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)                                  # [R, T, (h + 2 kv) * hd]
         if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernels
             # one launch rotates q and k and writes k, v at cache slots lengths[r] + t
-            q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.lengths32,
+            q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.write32,
                               cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
-            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits)
+            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits, tree_slots=ctx.tree_slots)
             return self.o_proj(out.reshape(R, T, -1))
         if ctx.fresh and use_kernel(qkv, cfg.head_dim):  # CUDA prefill: one launch
             q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg)
@@ -243,10 +243,11 @@ def mask_to_bits(tree_mask: torch.Tensor) -> torch.Tensor:
     return (tree_mask.long() * w).sum(-1)
 
 
-def bits_to_mask(tree_bits: torch.Tensor) -> torch.Tensor:
-    """[R, T] int64 bit masks -> [R, T, T] bool (node i sees node j where bit j of row i is set)."""
-    T = tree_bits.shape[-1]
-    return ((tree_bits[..., None] >> torch.arange(T, device=tree_bits.device)) & 1) != 0
+def bits_to_mask(tree_bits: torch.Tensor, slots: Optional[int] = None) -> torch.Tensor:
+    """[R, T] int64 bit masks -> [R, T, slots] bool (node i sees slot j where bit j of row i is
+    set; slots default T)."""
+    slots = tree_bits.shape[-1] if slots is None else slots
+    return ((tree_bits[..., None] >> torch.arange(slots, device=tree_bits.device)) & 1) != 0
 
 
 class ForwardContext:
@@ -262,18 +263,24 @@ class ForwardContext:
     that cache row (`lengths` unused). `tree_bits` ([R, T] int64, any strides): the tree mask
     already packed (bit j of row i: node i sees node j), read as it is by the kernel path and
     unpacked to the dense mask elsewhere; at most one of tree_mask and tree_bits.
+    `tree_offset` (with tree_bits): the new tokens sit at slots lengths[r] + tree_offset + t,
+    after tree nodes an earlier call wrote there; the bits name slots from lengths[r].
     """
 
     def __init__(self, lengths, T: int, kv_len: int, tree_mask=None, fresh: bool = False, slot=None,
-                 tree_bits=None):
+                 tree_bits=None, tree_offset: int = 0):
         # lengths: [R] committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
         dev = lengths.device
         kernels = dev.type == "cuda" and T <= 64 and not fresh
+        if tree_offset and (tree_bits is None or fresh or slot is not None or tree_offset + T > 64):
+            raise ValueError(f"tree_offset={tree_offset} needs tree_bits, no fresh prefill or slot, and "
+                             f"tree_offset + T = {tree_offset + T} <= 64 tree slots")
+        self.tree_slots = tree_offset + T
         if tree_bits is not None:
             if tree_mask is not None:
                 raise ValueError("pass tree_mask or tree_bits, not both")
             if not kernels:
-                tree_mask, tree_bits = bits_to_mask(tree_bits), None
+                tree_mask, tree_bits = bits_to_mask(tree_bits, self.tree_slots), None
         self.kv_len = kv_len
         self.fresh = fresh
         self.slot = slot
@@ -287,7 +294,9 @@ class ForwardContext:
             return                                  # causal SDPA over the new keys, no mask
         R = lengths.shape[0]
         if kernels:
-            self.lengths32 = lengths.int()  # rope_kv_write derives the cache slots from it
+            self.lengths32 = lengths.int()  # the attention's prefix; the tree's slots follow it
+            # rope_kv_write derives the cache slots from it
+            self.write32 = (lengths + tree_offset).int() if tree_offset else self.lengths32
             if tree_bits is not None:
                 self.tree_bits = tree_bits
             elif tree_mask is None:
@@ -297,7 +306,7 @@ class ForwardContext:
             return
         ar = torch.arange(T, device=dev)
         self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
-        self.slots = lengths.long()[:, None] + ar[None, :]                  # [R, T]
+        self.slots = lengths.long()[:, None] + tree_offset + ar[None, :]    # [R, T]
         if fresh and R == 1 and tree_mask is None:
             return                                  # causal SDPA over the new keys, no mask
         s = torch.arange(kv_len, device=dev)                                # [S]
@@ -306,8 +315,9 @@ class ForwardContext:
         if tree_mask is None:
             new = (rel >= 0) & (rel <= ar[None, :, None])                   # causal among new
         else:
-            idx = rel.clamp(0, T - 1).expand(R, T, kv_len)
-            new = (rel >= 0) & (rel < T) & torch.gather(tree_mask, 2, idx)
+            n = tree_mask.shape[-1]                                         # tree slots
+            idx = rel.clamp(0, n - 1).expand(R, T, kv_len)
+            new = (rel >= 0) & (rel < n) & torch.gather(tree_mask, 2, idx)
         self.mask = (prefix | new)[:, None]                                  # [R, 1, T, S]
 
 
@@ -337,7 +347,7 @@ class LlamaLM(nn.Module):
                 tree_mask: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
                 kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
                 fresh: bool = False, slot: Optional[torch.Tensor] = None, float_logits: bool = True,
-                tree_bits: Optional[torch.Tensor] = None):
+                tree_bits: Optional[torch.Tensor] = None, tree_offset: int = 0):
         """Run T new tokens per row; returns logits in float32 (in the model's dtype with
         `float_logits=False`: no conversion kernel, for consumers that read any float dtype).
 
@@ -351,12 +361,16 @@ class LlamaLM(nn.Module):
         fresh: every row starts at length 0 (a prefill), so a single row can use causal SDPA.
         slot: [1] int64 device tensor: a fresh prefill of one row (R = 1) written into cache row
         `slot` of a many-row `cache` (CUDA-graph friendly: the row is an input, not a shape).
+        tree_offset: with tree_bits, the T tokens go to slots lengths + tree_offset + t and their
+        bits name tree slots from `lengths`: nodes an earlier call wrote at lengths ..
+        lengths + tree_offset stay visible to the tokens whose bits name them (a tree drafted
+        depth by depth feeds only its new nodes).
         """
         x = self.embed_tokens(input_ids) if embeds is None else embeds
         R, T = positions.shape
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
-        ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot, tree_bits)
+        ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot, tree_bits, tree_offset)
         # the table spans the cache: a draft's cache may be longer than the draft's position
         # limit (it has the target's length); a request's draft rows stay within the limit
         # (`Engine._draft_room`, checked when it is added), and only the slots drafted past a

@@ -5,10 +5,9 @@ One tree block, fixed shapes for (B, K, depth, width, branch), no host sync:
 * Draft (`tree_draft`, one CUDA graph). Depth 0 feeds each view row its last two tokens;
   the views' next-token distributions at the root are mixed, q = Σ_k w_k softmax(z_k / T),
   and the root gets `width` children. At every later depth the `width` frontier nodes are
-  fed (with every node fed before them: the tree attention mask shows each node only its
-  ancestors, and re-writing a node's KV is harmless), each gets `branch` children from its
-  own mixture, and the `width` children with the highest cumulative log q become the next
-  frontier. Children are the top tokens of q (greedy) or a draw without replacement from q
+  fed, alone (the nodes fed before them are in the draft's cache already; the tree bits show
+  each node only its ancestors), each gets `branch` children from its own mixture, and the
+  `width` children with the highest cumulative log q become the next frontier. Children are the top tokens of q (greedy) or a draw without replacement from q
   (sampling: Gumbel-top-k, noise from a counter-based hash of a device seed and offset).
   The tree holds every child drawn: N = 1 + width + (depth - 1) * width * branch nodes.
 * Verify (`tree_verify`, one CUDA graph): the target's forward over the N nodes under the
@@ -60,7 +59,7 @@ class TreeConfig:
                 raise ValueError(f"TreeConfig.{name} must be a positive int, got {v!r}")
         if self.nodes > 64 or self.draft_rows > 64:
             raise ValueError(f"a tree of depth {self.depth}, width {self.width}, branch {self.branch} has "
-                             f"{self.nodes} nodes ({self.draft_rows} draft tokens per forward); at most 64 "
+                             f"{self.nodes} nodes ({self.draft_rows} draft tree slots); at most 64 "
                              "fit one pass (lower one of them)")
 
     @property
@@ -75,8 +74,8 @@ class TreeConfig:
 
     @property
     def draft_rows(self) -> int:
-        """Tokens per row of the draft's last forward: prev, root, depth - 1 padding slots and
-        the frontier nodes."""
+        """Tree slots per draft row (the draft's attention mask spans them): prev, root,
+        depth - 1 padding slots and the frontier nodes."""
         return 1 + (self.depth - 1) + self.fed
 
     def node_depths(self) -> list[int]:
@@ -148,7 +147,7 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     dev = inp2.device
     W, Bc, D = cfg.width, cfg.branch, cfg.depth
     V = draft_lm.cfg.vocab_size
-    # the sequence fed at the last depth: [prev, root, P padding slots, frontier_1 .. frontier_{D-1}]
+    # the draft rows' tree slots: [prev, root, P padding slots (never fed), frontier_1 .. frontier_{D-1}]
     # P = depth - 1 padding slots after the root keep the frontier's KV clear of the slots the
     # accepted path is compacted into (root + 1 .. root + depth - 1), so the verification's
     # compaction reads sources it never writes (idempotent, as a graph's warm-up needs)
@@ -158,11 +157,14 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
     node_q = torch.empty(0, device=dev) if greedy else torch.zeros(B, cfg.nodes, V, device=dev)
     fed_logits = []
 
-    def forward(T):
-        ids, pos, bits = st.feed(T)          # views: a request's K rows alike but for their first slot
-        return draft_lm(cache, pos, input_ids=ids, lengths=lens, tree_bits=bits, kv_len=kv_len, float_logits=False)
+    def forward(lo, hi):
+        # slots [lo, hi) of the sequence; those before are in the cache (views: a request's K rows
+        # alike but for their first slot)
+        ids, pos, bits = st.feed(lo, hi)
+        return draft_lm(cache, pos, input_ids=ids, lengths=lens, tree_bits=bits, tree_offset=lo, kv_len=kv_len,
+                        float_logits=False)
 
-    new_logits = forward(2)[:, 1:2]                                     # [R, 1, V]: the root's
+    new_logits = forward(0, 2)[:, 1:2]                                  # [R, 1, V]: the root's
     n_nodes, n_fed = 1, 1
     for depth in range(1, D + 1):
         fed_logits.append(new_logits)
@@ -179,7 +181,7 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
         if depth == D:
             break
         n_fed += W
-        new_logits = forward(1 + P + n_fed)[:, 1 + P + n_fed - W:]       # [R, W, V]
+        new_logits = forward(1 + P + n_fed - W, 1 + P + n_fed)            # [R, W, V]: the new frontier's
     return st.tokens, st.parents, node_q, torch.cat(fed_logits, 1), st.fedpos
 
 

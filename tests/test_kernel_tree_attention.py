@@ -112,6 +112,31 @@ def test_kernel_matches_bruteforce(R, N, H, Hkv, D, dtype, chain, splits, kernel
     check(q, k, v, lengths, masks, out)
 
 
+@pytest.mark.parametrize("R,M,W,dtype,splits", [(3, 20, 3, torch.bfloat16, 2), (1, 64, 1, torch.float32, 3),
+                                                  (4, 38, 6, torch.float16, 1), (2, 9, 9, torch.float32, 2)])
+def test_kernel_last_queries_of_a_longer_tree(R, M, W, dtype, splits, kernel_device):
+    # the W queries are the last of M tree slots (a tree drafted depth by depth: the nodes fed
+    # by earlier calls already in the cache): the full tree's last W rows, for the kernel (one
+    # query too: not the one-query kernel, which sees only its own slot) and the reference
+    q, k, v, lengths, masks = make_case(R, M, 4, 2, 64, dtype, kernel_device, seed=M + W)
+    args = [t.cpu() for t in (q, k, v, lengths, masks)]
+    truth = bruteforce(*args, 64 ** -0.5, torch.float64)[:, M - W:]
+    base = (bruteforce(*args, 64 ** -0.5, dtype).double()[:, M - W:] - truth).abs().max().item()
+    qw, mw = q[:, M - W:], masks[:, M - W:]
+    out = torch.full_like(qw, float("nan"), memory_format=torch.contiguous_format)
+    assert _k.tree_attention(qw, k, v, lengths, mw, out=out, num_splits=splits, tree_slots=M) is out
+    ref = tree_attention_reference(qw.cpu(), k.cpu(), v.cpu(), lengths.cpu(), mw.cpu(), tree_slots=M)
+    for res in (out, ref):
+        res = res.cpu().double()
+        assert torch.isfinite(res).all()
+        assert (res - truth).abs().max().item() <= 2 * base + ATOL[dtype]
+    if W < M:   # without tree_slots the earlier nodes are not seen
+        short = _k.tree_attention(qw, k, v, lengths, mw, num_splits=splits)
+        assert not torch.allclose(short.cpu().double(), truth, atol=1e-2)
+    with pytest.raises(ValueError, match="tree_slots"):
+        _k.tree_attention(qw, k, v, lengths, mw, tree_slots=W - 1 if W > 1 else 65)
+
+
 @pytest.mark.parametrize("D", [96, 128])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_kernel_padded_head_dims_and_scale(D, splits, kernel_device):

@@ -245,20 +245,21 @@ class TableLM:
         self.cfg = SimpleNamespace(vocab_size=tables.shape[-1])
 
     def __call__(self, cache, pos, *, input_ids, lengths, tree_mask=None, tree_bits=None, kv_len=None,
-                 float_logits=True, logits_index=None):
+                 float_logits=True, logits_index=None, tree_offset=0):
         R, T = input_ids.shape
+        n = tree_offset + T                                                     # tree slots
         if tree_bits is not None:
-            tree_mask = bits_to_mask(tree_bits)
+            tree_mask = bits_to_mask(tree_bits, n)
         S = cache.k.shape[3]
         rows = torch.arange(R)[:, None]
-        slots = lengths.long()[:, None] + torch.arange(T)
+        slots = lengths.long()[:, None] + tree_offset + torch.arange(T)
         cache.k[0, rows, 0, slots, 0] = input_ids.float()
         cache.k[0, rows, 0, slots, 1] = pos.float()
         tok_s, pos_s = cache.k[0, :, 0, :, 0], cache.k[0, :, 0, :, 1]           # [R, S]
         rel = torch.arange(S)[None] - lengths.long()[:, None]                   # [R, S]
         mask = tree_mask if tree_mask is not None else torch.ones(R, T, T, dtype=torch.bool).tril()
-        own = torch.gather(mask, 2, rel.clamp(0, T - 1)[:, None].expand(R, T, S)) & (rel >= 0)[:, None] \
-            & (rel < T)[:, None]
+        own = torch.gather(mask, 2, rel.clamp(0, n - 1)[:, None].expand(R, T, S)) & (rel >= 0)[:, None] \
+            & (rel < n)[:, None]
         visible = (rel < 0)[:, None] | own                                      # [R, T, S]
         before = visible & (pos_s[:, None] == pos[:, :, None].float() - 1)
         assert bool((before.sum(-1) <= 1).all()), "a node sees one slot one position before it at most"
@@ -533,3 +534,38 @@ def test_rope_table_outgrown_is_kept():
     assert long.shape[0] >= 1000 and torch.equal(long[:short.shape[0]], short)
     assert any(t.data_ptr() == ptr for t in lm._ropes_outgrown)
     assert lm.rope(500, torch.device("cpu")) is long
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
+                                          pytest.param("cuda", torch.float32, marks=pytest.mark.gpu),
+                                          pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+def test_forward_tree_offset_continues_the_tree(device, dtype):
+    # a tree's slots fed in two calls (the second with tree_offset: its tokens after the first
+    # call's, their bits naming both) give the logits and the cache of one call over all of them
+    cfg = LMConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8)
+    torch.manual_seed(3)
+    lm = LlamaLM(cfg).to(device=device, dtype=dtype)
+    R, M, S = 3, 21, 96
+    g = torch.Generator().manual_seed(5)
+    lens = torch.tensor([5, 0, 40], dtype=torch.int32, device=device)
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, M)] for _ in range(R)]
+    bits = tree_bits_of(torch.tensor(parents), M).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (R, M), generator=g).to(device)
+    pos = lens.long()[:, None] + torch.randint(0, 6, (R, M), generator=g).to(device)
+    prefix = torch.randn(cfg.num_layers, R, cfg.num_kv_heads, S, cfg.head_dim, generator=g).to(device=device, dtype=dtype)
+    one, two = KVCache(cfg, R, S, device, dtype), KVCache(cfg, R, S, device, dtype)
+    for c in (one, two):
+        c.k.copy_(prefix)
+        c.v.copy_(prefix.flip(-1))
+    with torch.inference_mode():
+        want = lm(one, pos, input_ids=ids, lengths=lens, tree_bits=bits)
+        for lo, hi in ((0, 8), (8, 11), (11, M)):
+            got = lm(two, pos[:, lo:hi], input_ids=ids[:, lo:hi], lengths=lens, tree_bits=bits[:, lo:hi],
+                     tree_offset=lo)
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(got, want[:, lo:hi], atol=tol, rtol=tol)
+    torch.testing.assert_close(two.k, one.k, atol=tol, rtol=tol)
+    torch.testing.assert_close(two.v, one.v, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="tree_offset"):
+        lm(two, pos[:, :2], input_ids=ids[:, :2], lengths=lens, tree_offset=3)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 
-def tree_attention_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, span: int) -> torch.Tensor:
+def tree_attention_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, span: int,
+                        tree_slots: int | None = None) -> torch.Tensor:
     """Dense visibility mask of the first `span` cache slots.
 
     Parameters
@@ -22,6 +23,8 @@ def tree_attention_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, span: in
         [R, N] int64, bit j of tree_mask[r, i] set iff node i attends to node j.
     span : int
         Number of cache slots covered.
+    tree_slots : int, optional
+        Tree slots lengths[r] + j the bits may name (default N).
 
     Returns
     -------
@@ -29,9 +32,10 @@ def tree_attention_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, span: in
         [R, N, span] bool, True where node i of row r may attend to slot s.
     """
     R, N = tree_mask.shape
+    tree_slots = N if tree_slots is None else tree_slots
     slot = torch.arange(span, device=tree_mask.device)  # [span]
-    j = slot[None, :] - lengths.to(torch.int64)[:, None]  # [R, span] node index of each slot
-    in_tree = (j >= 0) & (j < N)
+    j = slot[None, :] - lengths.to(torch.int64)[:, None]  # [R, span] tree slot of each cache slot
+    in_tree = (j >= 0) & (j < tree_slots)
     bit = (tree_mask[:, :, None] >> j.clamp(0, 63)[:, None, :]) & 1  # [R, N, span]
     return (j < 0)[:, None, :] | (in_tree[:, None, :] & (bit != 0))
 
@@ -46,6 +50,7 @@ def tree_attention_reference(
     scale: float | None = None,
     span: int | None = None,
     upcast: bool = True,
+    tree_slots: int | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch tree attention: a dense boolean mask and SDPA.
 
@@ -67,6 +72,9 @@ def tree_attention_reference(
         which syncs with the host; pass it to stay sync-free (e.g. under torch.compile).
     upcast : bool
         Compute in float32 and cast the result back (default); else in q's dtype.
+    tree_slots : int, optional
+        Tree slots lengths[r] + j the bits may name (default N): the N queries are the last
+        of them, the slots before hold nodes fed earlier.
 
     Returns
     -------
@@ -75,12 +83,13 @@ def tree_attention_reference(
     """
     R, N, H, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    tree_slots = N if tree_slots is None else tree_slots
     if span is None:
-        span = min(S, int(lengths.max()) + N) if R else 0
-    mask = tree_attention_mask(lengths, tree_mask, span)  # [R, N, span]
+        span = min(S, int(lengths.max()) + tree_slots) if R else 0
+    mask = tree_attention_mask(lengths, tree_mask, span, tree_slots)  # [R, N, span]
     # Slots past a row's tree may hold garbage (even NaN); a zero softmax weight times NaN is
     # still NaN, so those K/V are zeroed rather than only masked.
-    live = (torch.arange(span, device=q.device)[None, :] < (lengths.to(torch.int64) + N)[:, None])
+    live = (torch.arange(span, device=q.device)[None, :] < (lengths.to(torch.int64) + tree_slots)[:, None])
     live = live[:, None, :, None]  # [R, 1, span, 1]
     k = torch.where(live, k_cache[:, :, :span], 0)
     v = torch.where(live, v_cache[:, :, :span], 0)
@@ -103,6 +112,7 @@ def tree_attention(
     *,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    tree_slots: int | None = None,
 ) -> torch.Tensor:
     """Tree attention: the Triton kernel for CUDA tensors, else the reference.
 
@@ -116,11 +126,14 @@ def tree_attention(
         [R] int32 on q's device, committed prefix length per row.
     tree_mask : torch.Tensor
         [R, N] int64, bit j of tree_mask[r, i] set iff node i attends to node j (own bit
-        included). Slots >= lengths[r] + N are never read.
+        included). Slots >= lengths[r] + tree_slots are never read.
     scale : float, optional
         Softmax scale, default 1 / sqrt(D).
     out : torch.Tensor, optional
         [R, N, H, D] buffer in q's dtype to write into (e.g. a CUDA-graph static buffer).
+    tree_slots : int, optional
+        Tree slots lengths[r] + j the bits may name, N to 64 (default N): the N queries sit at
+        the last N of them, nodes fed by an earlier call before (a tree drafted depth by depth).
 
     Returns
     -------
@@ -130,8 +143,9 @@ def tree_attention(
     if q.is_cuda:
         from tabed_engine.kernels import tree_attention as _k
 
-        return _k.tree_attention(q, k_cache, v_cache, lengths, tree_mask, scale=scale, out=out)
-    result = tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, scale=scale)
+        return _k.tree_attention(q, k_cache, v_cache, lengths, tree_mask, scale=scale, out=out,
+                                 tree_slots=tree_slots)
+    result = tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, scale=scale, tree_slots=tree_slots)
     if out is None:
         return result
     return out.copy_(result)

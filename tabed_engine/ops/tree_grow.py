@@ -44,9 +44,9 @@ class TreeState:
         return cls(e(B, N), e(B, N), e(B, N, dtype=torch.float32), e(B, N), e(B, F), e(B * K, Tx), e(B * K, Tx),
                    e(B * K, Tx))
 
-    def feed(self, T: int):
-        """The first T slots of every row: (input ids, positions, tree bits), views [B*K, T]."""
-        return self.ids[:, :T], self.pos[:, :T], self.bits[:, :T]
+    def feed(self, lo: int, hi: int):
+        """Slots [lo, hi) of every row: (input ids, positions, tree bits), views [B*K, hi - lo]."""
+        return self.ids[:, lo:hi], self.pos[:, lo:hi], self.bits[:, lo:hi]
 
 
 def tree_start_reference(st: TreeState, inp2: torch.Tensor, lens: torch.Tensor, *, pad: int, width: int):
