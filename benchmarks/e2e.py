@@ -4,7 +4,8 @@
     python benchmarks/e2e.py --preset tiny --device cpu --out DIR     # CPU smoke, < 2 min
     python benchmarks/e2e.py --preset demo-pair [--prompts N --max-new N] --out DIR
                                           # the bundled pair, real acceptance: benchmarks/e2e_demo.py
-    (--skip-hf omits the transformers baselines)
+    (--skip-hf omits the transformers baselines; --scenario-taus FILE, a tree_scenarios.py
+    result, also times chain and tree SD at the tokens per target forward it measured)
 
 Random bf16 weights built on the device (no checkpoints): target LLaVA-1.5-7B shape (CLIP
 ViT-L/14-336, 576 image tokens; Llama 32 x 4096 MHA, vocab 32064), draft LLaVA-68M shape
@@ -36,6 +37,10 @@ How each number is measured
   over draft-block graph + verify graph + history graph. Without timing the host queues
   the history graph before it waits for the verification result, so its launches overlap
   the verification; (b) is what the target is checked against.
+* trees: each shape's draft, verification and history graphs replayed back to back against
+  the chain's, and ms/token at fixed accepted depths; with --scenario-taus also chain SD and
+  each tree at the mean tokens per target forward of that run (the M+T view set), the tree
+  SD vs chain SD speedup checked against 1.25x.
 * prefill split: direct synchronized calls of the engine's pieces (vision tower +
   projector, `prefill_target`, `build_views`, `prefill_draft`) and host preprocessing.
 """

@@ -73,7 +73,8 @@ for stage in "$@"; do
       timeout 300 $PY benchmarks/profile_tree.py --trees 5x3x5 10x3x2 12x2x2 --out "$OUT" 2>&1 | grep -v Warn | tail -40
       ;;
     e2e)
-      timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" 2>&1 | tail -60
+      timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" \
+        --scenario-taus benchmarks/results/tree_scenarios_gpu_fp32.json 2>&1 | tail -60
       ;;
     ttft)
       # time to first token: 616 / 1,800 tokens, AR and SD K=1/2/4, prefill graph vs eager,

@@ -347,7 +347,8 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
     block_m = dot_block_m(M)
-    BN, BK, warps, stages, splits = _checked_config(_dot_config(N, K, block_m) if config is None else config)
+    cfg = _dot_config(N, K, block_m) if config is None else _checked_config(config)
+    BN, BK, warps, stages, splits = (*cfg, 1)[:5]     # a four-value config does not split
     splits, chunk = k_split(K, BK, splits)
     if glu_epilogue is None:
         glu_epilogue = N * K < GLU_EPILOGUE_MAX or splits > 1
