@@ -560,7 +560,7 @@ def test_forward_tree_offset_continues_the_tree(device, dtype):
         c.v.copy_(prefix.flip(-1))
     with torch.inference_mode():
         want = lm(one, pos, input_ids=ids, lengths=lens, tree_bits=bits)
-        for lo, hi in ((0, 8), (8, 11), (11, M)):
+        for lo, hi in ((0, 8), (8, 11), (11, 12), (12, M)):   # one query alone too (not the one-query kernel)
             got = lm(two, pos[:, lo:hi], input_ids=ids[:, lo:hi], lengths=lens, tree_bits=bits[:, lo:hi],
                      tree_offset=lo)
             tol = 1e-5 if dtype == torch.float32 else 3e-2
