@@ -37,6 +37,9 @@ VIEW_SETS = {"M": (("M",), "uniform"), "hedge[M+T]": (("M", "T"), "hedge"),
              "hedge[M+T+P+C]": (("M", "T", "P", "C"), "hedge")}
 
 
+REPEAT_ON_MISMATCH = 5   # re-runs of a call whose output left AR's
+
+
 def divergence(base, ex, ref: list, got: list) -> dict:
     """Where a speculative output first leaves AR's: the position, both tokens and the target's
     logits for them there, from a fresh prefill of the prompt plus AR's tokens before it (the
@@ -80,7 +83,14 @@ def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None, view
                 o = eng.generate(e.prompt, images=e.images, sampling=sp, caption=e.captions)
                 if o.token_ids != ref:
                     bad += 1
-                    where.append({"prompt": k, **divergence(base, e, ref, o.token_ids)})
+                    # the block structure of this output, and whether the same call does it again
+                    # (every time: a logic bug; sometimes: timing, i.e. the cost model's choices or a race)
+                    again = [eng.generate(e.prompt, images=e.images, sampling=sp, caption=e.captions).token_ids != ref
+                             for _ in range(REPEAT_ON_MISMATCH)]
+                    where.append({"prompt": k, **divergence(base, e, ref, o.token_ids),
+                                  "accepted_lengths": o.stats.accepted_lengths,
+                                  "target_forwards": o.stats.target_forwards,
+                                  "repeats_mismatching": f"{sum(again)}/{len(again)}"})
                 new += o.stats.new_tokens - 1
                 fwd += o.stats.target_forwards
             mismatches += bad
@@ -91,7 +101,9 @@ def run(n_prompts: int, device: str, seed: int = 0, trees=None, dtype=None, view
                 print(f"    prompt {w['prompt']} leaves AR at token {w['position']}: "
                       + (f"{w['ar_token']} vs {w['sd_token']}, target logits {w['logit_ar_token']:.7g} vs "
                          f"{w['logit_sd_token']:.7g} (top-2 gap {w['top2_gap']:.3g})" if "ar_token" in w
-                         else f"lengths {w['ar_len']} vs {w['sd_len']}"), flush=True)
+                         else f"lengths {w['ar_len']} vs {w['sd_len']}")
+                      + f"; blocks accepted {w['accepted_lengths']} over {w['target_forwards']} target forwards; "
+                        f"the same call again: {w['repeats_mismatching']} left AR's", flush=True)
             print(f"[{sc}] {vname:16s} {dname:11s} tau {new / max(fwd, 1):.3f}  mismatches {bad}", flush=True)
     mean = {k: sum(results[sc][k]["block_efficiency"] for sc in SCENARIOS) / len(SCENARIOS)
             for k in results[SCENARIOS[0]]}
