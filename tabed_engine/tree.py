@@ -7,8 +7,9 @@ One tree block, fixed shapes for (B, K, depth, width, branch), no host sync:
   and the root gets `width` children. At every later depth the `width` frontier nodes are
   fed, alone (the nodes fed before them are in the draft's cache already; the tree bits show
   each node only its ancestors), each gets `branch` children from its own mixture, and the
-  `width` children with the highest cumulative log q become the next frontier. Children are the top tokens of q (greedy) or a draw without replacement from q
-  (sampling: Gumbel-top-k, noise from a counter-based hash of a device seed and offset).
+  `width` children with the highest cumulative log q become the next frontier. Children are
+  the top tokens of q (greedy) or a draw without replacement from q (sampling: Gumbel-top-k,
+  noise from a counter-based hash of a device seed and offset).
   The tree holds every child drawn: N = 1 + width + (depth - 1) * width * branch nodes.
 * Verify (`tree_verify`, one CUDA graph): the target's forward over the N nodes under the
   tree mask, `verify_tree` (greedy walk, or recursive rejection sampling over siblings
