@@ -83,6 +83,8 @@ def model_path(x, w, gate):
 # after the gate/up product, down on the gated activations), and the config grid
 SWEEP_SHAPES = [("qkv", 12288, 4096, None), ("o", 4096, 4096, None), ("gate_up", 22016, 4096, "out"),
                 ("down", 4096, 11008, None), ("lm_head", 32064, 4096, None)]
+# --sweep --shapes draft_*: the draft's (LLaVA-68M shape) projections at the tree draft's rows
+DRAFT_SWEEP_SHAPES = [(name, N, K, gate) for name, N, K, gate, _ in DRAFT_ROWS]
 SWEEP_GRID = dict(BN=(16, 32, 64, 128), BK=(64, 128, 256, 512), warps=(2, 4, 8), stages=(2, 3, 4, 5), splits=(1,))
 SMOKE_SHAPES = [("small", 96, 130, None), ("small_glu", 64, 70, "out")]
 SMOKE_GRID = dict(BN=(16, 32), BK=(32,), warps=(2,), stages=(2,), splits=(1, 3))
@@ -164,7 +166,8 @@ def sweep(args, device, copy_gbs: float):
     default, the 16-row kernel and cuBLAS. Returns (JSON rows, {(N, K, BLOCK_M): config})."""
     shapes, grid = (SMOKE_SHAPES, SMOKE_GRID) if args.smoke else (SWEEP_SHAPES, SWEEP_GRID)
     grid = {k: getattr(args, f"grid_{k}") or v for k, v in grid.items()}
-    shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
+    if args.shapes:   # the draft's shapes only by name
+        shapes = [s for s in shapes + ([] if args.smoke else DRAFT_SWEEP_SHAPES) if s[0] in args.shapes]
     budget = 227 << 10  # sm_90's opt-in shared memory a block
     if device == "cuda":
         budget = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", budget)
@@ -249,7 +252,7 @@ def main(argv=None):
                     help="activation rows per sweep (default 16 32 64; --smoke: 6 20 40)")
     for k in SWEEP_GRID:
         ap.add_argument(f"--grid-{k}", type=int, nargs="+", default=None, help=f"--sweep: the grid's {k} values")
-    ap.add_argument("--shapes", nargs="+", default=None, help="--sweep: only these shapes (names)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="--sweep: only these shapes (names; draft_qkv, draft_o, ... are the draft's)")
     ap.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="threads compiling the sweep's configs")
     args = ap.parse_args(argv)
