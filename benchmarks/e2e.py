@@ -475,19 +475,28 @@ class Bench(E2EBench):
         return out
 
     def scenario_taus(self) -> dict:
-        """The chain's and each tree shape's tokens per target forward from a `tree_scenarios.py`
-        result (`--scenario-taus`; mean over scenarios, the K = 2 M+T view set), or {}."""
-        path = self.args.scenario_taus
-        if not path:
+        """The chain's and each tree shape's tokens per target forward from `tree_scenarios.py`
+        results (`--scenario-taus`; mean over scenarios, the K = 2 M+T view set; several runs,
+        e.g. seeds: the mean of their means), or {}."""
+        paths = self.args.scenario_taus
+        if not paths:
             return {}
-        with open(path) as fh:
-            means = json.load(fh)["mean_over_scenarios"]
         view_set = f"{self.args.policy}[M+T]"
-        trees = {name.split()[-1]: tau for name, tau in means.items()
-                 if name.startswith(view_set + " tree ") and name.split()[-1] in TREE_SHAPES}
-        if f"{view_set} chain" not in means or not trees:
-            raise ValueError(f"--scenario-taus {path}: no '{view_set} chain' and tree rows of {TREE_SHAPES}")
-        return {"source": path, "view_set": view_set, "chain": means[f"{view_set} chain"], "trees": trees}
+        runs = []
+        for path in paths:
+            with open(path) as fh:
+                means = json.load(fh)["mean_over_scenarios"]
+            trees = {name.split()[-1]: tau for name, tau in means.items()
+                     if name.startswith(view_set + " tree ") and name.split()[-1] in TREE_SHAPES}
+            if f"{view_set} chain" not in means or not trees:
+                raise ValueError(f"--scenario-taus {path}: no '{view_set} chain' and tree rows of {TREE_SHAPES}")
+            runs.append((means[f"{view_set} chain"], trees))
+        shapes = [t for t in runs[0][1] if all(t in trees for _, trees in runs)]
+        if not shapes:
+            raise ValueError(f"--scenario-taus: no tree shape of {TREE_SHAPES} in every file")
+        return {"source": paths if len(paths) > 1 else paths[0], "view_set": view_set,
+                "chain": sum(c for c, _ in runs) / len(runs),
+                "trees": {t: sum(trees[t] for _, trees in runs) / len(runs) for t in shapes}}
 
     def mix_graph_ms(self, K: int, eng) -> float:
         """One ensemble_mix at the draft loop's shape (1 request x K views, greedy), replayed
@@ -671,8 +680,9 @@ class Bench(E2EBench):
                              f"({f(r.get('block_vs_chain_block'), '.2f')}×) | " + " | ".join(cells) + " |")
             at = ts.get("at_scenario_tau")
             if at:
-                lines += ["", f"at the tokens per target forward of `{at['source']}` ({at['view_set']}, mean over "
-                          f"scenarios): chain SD τ={at['chain']['tau']:.2f} {at['chain']['ms_per_token']:.3f} "
+                src = at["source"] if isinstance(at["source"], str) else " ".join(at["source"])
+                lines += ["", f"at the tokens per target forward of `{src}` ({at['view_set']}, mean over "
+                          f"scenarios{'' if isinstance(at['source'], str) else ' and runs'}): chain SD τ={at['chain']['tau']:.2f} {at['chain']['ms_per_token']:.3f} "
                           "ms/token; " + "; ".join(f"tree {k} τ={v['tau']:.2f} {v['ms_per_token']:.3f} ms/token "
                                                    f"(**{v['speedup_vs_chain_sd']:.2f}×** chain SD)"
                                                    for k, v in at["trees"].items())]
@@ -719,9 +729,9 @@ def main(argv=None):
     ap.add_argument("--hf-static-compile", choices=("auto", "off"), default="auto",
                     help="auto: transformers' own torch.compile of static-cache decoding on CUDA (default); "
                          "off: static cache without compilation")
-    ap.add_argument("--scenario-taus", default=None, metavar="JSON",
-                    help="a tree_scenarios.py result: also time chain and tree SD at its measured tokens per "
-                         "target forward (the M+T view set)")
+    ap.add_argument("--scenario-taus", nargs="+", default=None, metavar="JSON",
+                    help="tree_scenarios.py results: also time chain and tree SD at their measured tokens per "
+                         "target forward (the M+T view set; several files: the mean of their means)")
     e2e_demo.add_args(ap)
     args = ap.parse_args(argv)
     if args.preset == e2e_demo.PRESET:

@@ -74,7 +74,7 @@ for stage in "$@"; do
       ;;
     e2e)
       timeout 540 $PY benchmarks/e2e.py --preset llava-1.5-7b --out "$OUT" \
-        --scenario-taus benchmarks/results/tree_scenarios_gpu_fp32.json 2>&1 | tail -60
+        --scenario-taus benchmarks/results/tree_scenarios_gpu_fp32{,_seed1,_seed2,_seed3}.json 2>&1 | tail -60
       ;;
     ttft)
       # time to first token: 616 / 1,800 tokens, AR and SD K=1/2/4, prefill graph vs eager,
