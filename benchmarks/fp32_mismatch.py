@@ -15,6 +15,10 @@ With the bundled demo pair in float32 on the procedural world's scenarios:
   adaptive off (no cost model), the draft views' prefill on the main stream, no block queued
   ahead (`timing=True`), no CUDA graphs, no programmatic dependent launch (TABED_PDL=0);
   with --poison, poisoned caches before every run.
+With --check-cache (poison, repeat) every speculative generation's target KV cache is compared
+with the AR engine's after the same prompt: the prompt's slots (the same prefill: equal bit for
+bit) and the slots of the tokens both generated (different kernels: within float rounding), so
+an output that leaves AR's also tells whether the cache it read was already wrong, and where.
 Writes fp32_mismatch_<mode>.json under --out.
 """
 from __future__ import annotations
@@ -80,6 +84,26 @@ def cpu_ar(args) -> list:
     return rows
 
 
+def cache_diff(ref_eng, eng, n_prompt: int, ref: list, got: list) -> dict:
+    """Target KV of `eng` against `ref_eng` (row 0, both just generated the same prompt): the
+    largest |difference| over the prompt's slots (and the first slot that differs), and the
+    largest relative one over the slots of the tokens both generated, but their last."""
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()    # a block queued ahead may still write (past these slots)
+    a, b = ref_eng.runner.tcache, eng.runner.tcache
+    out = {}
+    for name, x, y in (("k", a.k[:, 0], b.k[:, 0]), ("v", a.v[:, 0], b.v[:, 0])):
+        d = (x[:, :, :n_prompt] - y[:, :, :n_prompt]).abs().amax(dim=(0, 1, 3))      # [n_prompt]
+        bad = (d > 0).nonzero()
+        out[f"prompt_{name}_max_abs"] = d.max().item()
+        out[f"prompt_{name}_first_slot"] = int(bad[0]) if len(bad) else None
+        upto = n_prompt + min(first_difference(ref, got), len(ref) - 1, len(got) - 1)
+        if upto > n_prompt:
+            xs, ys = x[:, :, n_prompt:upto].double(), y[:, :, n_prompt:upto].double()
+            out[f"gen_{name}_max_rel"] = ((xs - ys).abs().max() / xs.abs().max().clamp_min(1e-30)).item()
+    return out
+
+
 def poison(eng, value: float):
     r = eng.runner
     r.allocate()
@@ -105,11 +129,15 @@ def poisoned(args) -> list:
                     poison(eng, args.poison or 1000.0)
                     o = eng.generate(ex.prompt, images=ex.images, sampling=sp, caption=ex.captions,
                                      **({"speculative": False} if name == "AR" else {}))
+                    cd = cache_diff(base, eng, o.stats.prompt_tokens, ref, o.token_ids) if args.check_cache else {}
+                    if cd and (cd["prompt_k_max_abs"] > 0 or cd["prompt_v_max_abs"] > 0
+                               or max(cd.get("gen_k_max_rel", 0), cd.get("gen_v_max_rel", 0)) > 1e-4):
+                        row.setdefault("cache_differs", {})[name] = cd
                     if o.token_ids != ref:
                         row["left_ar"][name] = dict(position=first_difference(ref, o.token_ids),
                                                     accepted_lengths=o.stats.accepted_lengths,
-                                                    target_forwards=o.stats.target_forwards)
-                if row["left_ar"]:
+                                                    target_forwards=o.stats.target_forwards, cache=cd)
+                if row["left_ar"] or "cache_differs" in row:
                     print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
@@ -124,6 +152,8 @@ def repeat(args) -> list:
         sp = SamplingParams(max_new_tokens=MAX_NEW[sc])
         ref = base.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
         for name in args.settings:
+            if args.check_cache:   # the reference cache: AR on this prompt just before each setting
+                base.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False)
             if name == "pdl0":
                 os.environ["TABED_PDL"] = "0"          # read at each launch: the graphs captured below
             try:
@@ -137,7 +167,9 @@ def repeat(args) -> list:
                     o = eng.generate(ex.prompt, images=ex.images, sampling=sp, caption=ex.captions)
                     if o.token_ids != ref:
                         left.append(dict(run=i, position=first_difference(ref, o.token_ids),
-                                         accepted_lengths=o.stats.accepted_lengths))
+                                         accepted_lengths=o.stats.accepted_lengths,
+                                         cache=cache_diff(base, eng, o.stats.prompt_tokens, ref, o.token_ids)
+                                         if args.check_cache else {}))
             finally:
                 os.environ.pop("TABED_PDL", None)
             row = dict(case=case, setting=name, runs=args.runs, left_ar=len(left), where=left[:8],
@@ -159,6 +191,8 @@ def main():
                     help="repeat: SCENARIO:SEED:PROMPT:TREE (TREE DxWxB or chain)")
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="repeat")
     ap.add_argument("--runs", type=int, default=24, help="repeat: generations per case and setting")
+    ap.add_argument("--check-cache", action="store_true",
+                    help="poison, repeat: compare each speculative run's target KV cache with AR's")
     ap.add_argument("--device", default="cuda", help="poison, repeat: cuda, or cpu (a smoke run of the script)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
