@@ -104,6 +104,12 @@ def cache_diff(ref_eng, eng, n_prompt: int, ref: list, got: list) -> dict:
     return out
 
 
+def graphs_of(eng) -> int:
+    """CUDA graphs the engine has captured so far (a generation that captures one runs it
+    eagerly once first)."""
+    return len(eng.runner.graphs) if eng.runner.graphs is not None else 0
+
+
 def poison(eng, value: float):
     r = eng.runner
     r.allocate()
@@ -127,6 +133,7 @@ def poisoned(args) -> list:
                 row = dict(seed=seed, scenario=sc, prompt=k, left_ar={})
                 for name, eng in [("AR", ar)] + list(engines.items()):
                     poison(eng, args.poison or 1000.0)
+                    before = graphs_of(eng)
                     o = eng.generate(ex.prompt, images=ex.images, sampling=sp, caption=ex.captions,
                                      **({"speculative": False} if name == "AR" else {}))
                     cd = cache_diff(base, eng, o.stats.prompt_tokens, ref, o.token_ids) if args.check_cache else {}
@@ -136,7 +143,8 @@ def poisoned(args) -> list:
                     if o.token_ids != ref:
                         row["left_ar"][name] = dict(position=first_difference(ref, o.token_ids),
                                                     accepted_lengths=o.stats.accepted_lengths,
-                                                    target_forwards=o.stats.target_forwards, cache=cd)
+                                                    target_forwards=o.stats.target_forwards, cache=cd,
+                                                    graphs_captured=graphs_of(eng) - before)
                 if row["left_ar"] or "cache_differs" in row:
                     print(json.dumps(row), flush=True)
                 rows.append(row)
