@@ -65,22 +65,28 @@ def prefill_logits(eng, ex, tokens) -> torch.Tensor:
     return eng.prefill_target(dataclasses.replace(prep, ids=prep.ids + list(tokens)))[1][0].double().cpu()
 
 
-def cpu_ar(args) -> list:
-    gpu, cpu = ar_engine("cuda"), ar_engine("cpu")
-    rows = []
+def each_example(args):
+    """(seed, scenario, prompt index, example, sampling) over --seeds x S1-S5 x --prompts."""
     for seed in args.seeds:
         for sc in SCENARIOS:
             sp = SamplingParams(max_new_tokens=MAX_NEW[sc])
             for k, ex in enumerate(examples(sc, args.prompts, seed=seed)):
-                tg = gpu.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
-                tc = cpu.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
-                row = dict(seed=seed, scenario=sc, prompt=k, same=tg == tc,
-                           prefill_max_abs_diff=(prefill_logits(gpu, ex, []) - prefill_logits(cpu, ex, []))
-                           .abs().max().item())
-                if tg != tc:
-                    row["position"] = first_difference(tc, tg)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                yield seed, sc, k, ex, sp
+
+
+def cpu_ar(args) -> list:
+    gpu, cpu = ar_engine("cuda"), ar_engine("cpu")
+    rows = []
+    for seed, sc, k, ex, sp in each_example(args):
+        tg = gpu.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
+        tc = cpu.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
+        row = dict(seed=seed, scenario=sc, prompt=k, same=tg == tc,
+                   prefill_max_abs_diff=(prefill_logits(gpu, ex, []) - prefill_logits(cpu, ex, []))
+                   .abs().max().item())
+        if tg != tc:
+            row["position"] = first_difference(tc, tg)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -125,29 +131,26 @@ def poisoned(args) -> list:
                 views=("M",), policy="uniform")
     engines = {t or "chain": sd_engine(base, t) for t in TREES}
     rows = []
-    for seed in args.seeds:
-        for sc in SCENARIOS:
-            sp = SamplingParams(max_new_tokens=MAX_NEW[sc])
-            for k, ex in enumerate(examples(sc, args.prompts, seed=seed)):
-                ref = base.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
-                row = dict(seed=seed, scenario=sc, prompt=k, left_ar={})
-                for name, eng in [("AR", ar)] + list(engines.items()):
-                    poison(eng, args.poison or 1000.0)
-                    before = graphs_of(eng)
-                    o = eng.generate(ex.prompt, images=ex.images, sampling=sp, caption=ex.captions,
-                                     **({"speculative": False} if name == "AR" else {}))
-                    cd = cache_diff(base, eng, o.stats.prompt_tokens, ref, o.token_ids) if args.check_cache else {}
-                    if cd and (cd["prompt_k_max_abs"] > 0 or cd["prompt_v_max_abs"] > 0
-                               or max(cd.get("gen_k_max_rel", 0), cd.get("gen_v_max_rel", 0)) > 1e-4):
-                        row.setdefault("cache_differs", {})[name] = cd
-                    if o.token_ids != ref:
-                        row["left_ar"][name] = dict(position=first_difference(ref, o.token_ids),
-                                                    accepted_lengths=o.stats.accepted_lengths,
-                                                    target_forwards=o.stats.target_forwards, cache=cd,
-                                                    graphs_captured=graphs_of(eng) - before)
-                if row["left_ar"] or "cache_differs" in row:
-                    print(json.dumps(row), flush=True)
-                rows.append(row)
+    for seed, sc, k, ex, sp in each_example(args):
+        ref = base.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
+        row = dict(seed=seed, scenario=sc, prompt=k, left_ar={})
+        for name, eng in [("AR", ar)] + list(engines.items()):
+            poison(eng, args.poison or 1000.0)
+            before = graphs_of(eng)
+            o = eng.generate(ex.prompt, images=ex.images, sampling=sp, caption=ex.captions,
+                             **({"speculative": False} if name == "AR" else {}))
+            cd = cache_diff(base, eng, o.stats.prompt_tokens, ref, o.token_ids) if args.check_cache else {}
+            if cd and (cd["prompt_k_max_abs"] > 0 or cd["prompt_v_max_abs"] > 0
+                       or max(cd.get("gen_k_max_rel", 0), cd.get("gen_v_max_rel", 0)) > 1e-4):
+                row.setdefault("cache_differs", {})[name] = cd
+            if o.token_ids != ref:
+                row["left_ar"][name] = dict(position=first_difference(ref, o.token_ids),
+                                            accepted_lengths=o.stats.accepted_lengths,
+                                            target_forwards=o.stats.target_forwards, cache=cd,
+                                            graphs_captured=graphs_of(eng) - before)
+        if row["left_ar"] or "cache_differs" in row:
+            print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
