@@ -46,8 +46,9 @@ class TreeConfig:
 
     The default, 10x3x2 (58 nodes), drafted the most tokens per unit of block time among the
     shapes measured: block efficiency on the procedural world
-    (benchmarks/results/tree_scenarios_cpu_deeper.md) over the block's cost on the H200 at the
-    LLaVA-1.5-7B shape (benchmarks/results/e2e_llava-1.5-7b_trees.md)."""
+    (benchmarks/results/tree_scenarios_cpu_deeper.md, tree_scenarios_cpu_fp32_{deep,shapes}.md)
+    over the block's cost on the H200 at the LLaVA-1.5-7B shape
+    (benchmarks/results/e2e_llava-1.5-7b_trees.md)."""
 
     depth: int = 10
     width: int = 3
