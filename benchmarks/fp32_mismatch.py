@@ -47,11 +47,13 @@ SETTINGS = {"default": {}, "no_adaptive": dict(adaptive=False), "no_overlap": {}
 
 
 def ar_engine(device):
+    """The bundled pair in float32, decoding autoregressively (the reference) or with the M view."""
     return Engine.from_pretrained(os.path.join(DEMO, "target"), os.path.join(DEMO, "draft"), device=device,
                                   views=("M",), policy="uniform", dtype=torch.float32)
 
 
 def sd_engine(base, tree, **kw):
+    """A speculative engine over `base`'s models: hedge over M and T, chains of 5 or `tree`."""
     return Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
                   views=("M", "T"), policy="hedge", gamma=5, tree=tree, **kw)
 
@@ -211,7 +213,8 @@ def main():
         sys.exit("fp32_mismatch.py needs a CUDA device (cpu-ar compares it with the CPU)")
     t0 = time.perf_counter()
     rows = {"cpu-ar": cpu_ar, "poison": poisoned, "repeat": repeat}[args.mode](args)
-    rep = {"provenance": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+    device = torch.cuda.get_device_name() if args.mode == "cpu-ar" or args.device == "cuda" else "cpu"
+    rep = {"provenance": {"device": device, "torch": torch.__version__,
                           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
                           "git": {"commit": git_commit()}, "wall_s": round(time.perf_counter() - t0, 1)},
