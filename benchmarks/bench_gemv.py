@@ -252,7 +252,8 @@ def main(argv=None):
                     help="activation rows per sweep (default 16 32 64; --smoke: 6 20 40)")
     for k in SWEEP_GRID:
         ap.add_argument(f"--grid-{k}", type=int, nargs="+", default=None, help=f"--sweep: the grid's {k} values")
-    ap.add_argument("--shapes", nargs="+", default=None, help="--sweep: only these shapes (names; draft_qkv, draft_o, ... are the draft's)")
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    help="--sweep: only these shapes (names; draft_qkv, draft_o, ... are the draft's)")
     ap.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="threads compiling the sweep's configs")
     args = ap.parse_args(argv)

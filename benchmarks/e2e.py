@@ -680,12 +680,12 @@ class Bench(E2EBench):
                              f"({f(r.get('block_vs_chain_block'), '.2f')}×) | " + " | ".join(cells) + " |")
             at = ts.get("at_scenario_tau")
             if at:
-                src = at["source"] if isinstance(at["source"], str) else " ".join(at["source"])
-                lines += ["", f"at the tokens per target forward of `{src}` ({at['view_set']}, mean over "
-                          f"scenarios{'' if isinstance(at['source'], str) else ' and runs'}): chain SD τ={at['chain']['tau']:.2f} {at['chain']['ms_per_token']:.3f} "
-                          "ms/token; " + "; ".join(f"tree {k} τ={v['tau']:.2f} {v['ms_per_token']:.3f} ms/token "
-                                                   f"(**{v['speedup_vs_chain_sd']:.2f}×** chain SD)"
-                                                   for k, v in at["trees"].items())]
+                one = isinstance(at["source"], str)
+                src, over = (at["source"], "scenarios") if one else (" ".join(at["source"]), "scenarios and runs")
+                lines += ["", f"at the tokens per target forward of `{src}` ({at['view_set']}, mean over {over}): "
+                          f"chain SD τ={at['chain']['tau']:.2f} {at['chain']['ms_per_token']:.3f} ms/token; "
+                          + "; ".join(f"tree {k} τ={v['tau']:.2f} {v['ms_per_token']:.3f} ms/token "
+                                      f"(**{v['speedup_vs_chain_sd']:.2f}×** chain SD)" for k, v in at["trees"].items())]
         ps = sec("prefill_split")
         if ps:
             lines += ["", "| prefill ms | host preprocess | vision tower | projector | target LM | draft views "
