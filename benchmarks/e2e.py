@@ -685,7 +685,8 @@ class Bench(E2EBench):
                 lines += ["", f"at the tokens per target forward of `{src}` ({at['view_set']}, mean over {over}): "
                           f"chain SD τ={at['chain']['tau']:.2f} {at['chain']['ms_per_token']:.3f} ms/token; "
                           + "; ".join(f"tree {k} τ={v['tau']:.2f} {v['ms_per_token']:.3f} ms/token "
-                                      f"(**{v['speedup_vs_chain_sd']:.2f}×** chain SD)" for k, v in at["trees"].items())]
+                                      f"(**{v['speedup_vs_chain_sd']:.2f}×** chain SD)"
+                                      for k, v in at["trees"].items())]
         ps = sec("prefill_split")
         if ps:
             lines += ["", "| prefill ms | host preprocess | vision tower | projector | target LM | draft views "
