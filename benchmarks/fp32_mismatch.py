@@ -1,7 +1,7 @@
 """Hunt for speculative outputs that leave the target's float32 greedy tokens on the GPU.
 
     python benchmarks/fp32_mismatch.py cpu-ar  [--prompts 8] [--seeds 0]
-    python benchmarks/fp32_mismatch.py poison  [--prompts 8] [--seeds 3 0]
+    python benchmarks/fp32_mismatch.py poison  [--prompts 8] [--seeds 3 0] [--check-cache] [--max-new 8]
     python benchmarks/fp32_mismatch.py repeat  [--runs 24] [--cases S5:3:1:10x3x2 S2:0:0:5x3x5]
 
 With the bundled demo pair in float32 on the procedural world's scenarios:
@@ -71,7 +71,7 @@ def each_example(args):
     """(seed, scenario, prompt index, example, sampling) over --seeds x S1-S5 x --prompts."""
     for seed in args.seeds:
         for sc in SCENARIOS:
-            sp = SamplingParams(max_new_tokens=MAX_NEW[sc])
+            sp = SamplingParams(max_new_tokens=min(MAX_NEW[sc], args.max_new or MAX_NEW[sc]))
             for k, ex in enumerate(examples(sc, args.prompts, seed=seed)):
                 yield seed, sc, k, ex, sp
 
@@ -198,6 +198,8 @@ def main():
     ap.add_argument("mode", choices=("cpu-ar", "poison", "repeat"))
     ap.add_argument("--prompts", type=int, default=8, help="cpu-ar, poison: prompts per scenario")
     ap.add_argument("--seeds", type=int, nargs="+", default=[3, 0], help="cpu-ar, poison: example seeds")
+    ap.add_argument("--max-new", type=int, default=None,
+                    help="cpu-ar, poison: cap on new tokens (e.g. 8: mostly the first block, many prompts)")
     ap.add_argument("--poison", type=float, default=None,
                     help="the value the caches are filled with (poison: default 1000; repeat: none unless given)")
     ap.add_argument("--cases", nargs="+", default=["S5:3:1:10x3x2", "S2:0:0:5x3x5"],
