@@ -15,6 +15,9 @@ With the bundled demo pair in float32 on the procedural world's scenarios:
   adaptive off (no cost model), the draft views' prefill on the main stream, no block queued
   ahead (`timing=True`), no CUDA graphs, no programmatic dependent launch (TABED_PDL=0);
   with --poison, poisoned caches before every run.
+With --emulate-graphs (poison, --device cpu) the CPU runs the speculative engines with the CUDA
+graphs' static buffers emulated and the cost model on (--random-blocks: kinds drawn at random):
+the host logic the GPU runs, without its streams and kernels.
 With --check-cache (poison, repeat) every speculative generation's target KV cache is compared
 with the AR engine's after the same prompt: the prompt's slots (the same prefill: equal bit for
 bit) and the slots of the tokens both generated (different kernels: within float rounding), so
@@ -28,6 +31,7 @@ import dataclasses
 import datetime
 import json
 import os
+import random
 import sys
 import time
 
@@ -127,11 +131,29 @@ def poison(eng, value: float):
             cache.v.fill_(-value)
 
 
+def emulate(eng, rng=None):
+    """The CPU run as the GPU's would be: the CUDA graphs' static buffers emulated
+    (`GraphCache(emulate=True)`), the prefill padded to its bucket, the cost model on; with
+    `rng`, each block's kind (AR, a chain length or the tree) drawn at random instead."""
+    from tabed_engine.graphs import GraphCache
+
+    eng.runner.graphs, eng.runner.prefill_graphs = GraphCache(emulate=True), True
+    cost = eng.scheduler.cost
+    cost.enabled = True
+    if rng is not None:
+        kinds = [0] + (list(range(1, eng.gamma + 1)) if eng.tree is None else [eng.gamma])
+        cost.choose = lambda b, counts: rng.choice(kinds)
+
+
 def poisoned(args) -> list:
     base = ar_engine(args.device)
     ar = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
                 views=("M",), policy="uniform")
     engines = {t or "chain": sd_engine(base, t) for t in TREES}
+    if args.emulate_graphs:
+        rng = None if args.random_blocks is None else random.Random(args.random_blocks)
+        for eng in engines.values():
+            emulate(eng, rng)
     rows = []
     for seed, sc, k, ex, sp in each_example(args):
         ref = base.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
@@ -153,6 +175,8 @@ def poisoned(args) -> list:
         if row["left_ar"] or "cache_differs" in row:
             print(json.dumps(row), flush=True)
         rows.append(row)
+    args.block_kinds = {name: {str(k): n for k, n in sorted(eng.scheduler.kinds.items())}
+                        for name, eng in engines.items()}
     return rows
 
 
@@ -208,6 +232,10 @@ def main():
     ap.add_argument("--runs", type=int, default=24, help="repeat: generations per case and setting")
     ap.add_argument("--check-cache", action="store_true",
                     help="poison, repeat: compare each speculative run's target KV cache with AR's")
+    ap.add_argument("--emulate-graphs", action="store_true",
+                    help="poison on the CPU: the CUDA graphs' buffers emulated, the cost model on")
+    ap.add_argument("--random-blocks", type=int, default=None, metavar="SEED",
+                    help="with --emulate-graphs: each block's kind drawn at random (seeded)")
     ap.add_argument("--device", default="cuda", help="poison, repeat: cuda, or cpu (a smoke run of the script)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
@@ -225,6 +253,7 @@ def main():
         names = ["AR"] + [t or "chain" for t in TREES]
         rep["outputs_per_decoder"] = len(rows)
         rep["left_ar"] = {n: sum(n in r["left_ar"] for r in rows) for n in names}
+        rep["block_kinds"] = args.block_kinds     # blocks run per engine: 0 AR, g a chain of g (trees: γ)
         print("outputs per decoder", len(rows), "left AR's tokens:", rep["left_ar"], flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"fp32_mismatch_{args.mode.replace('-', '_')}.json")

@@ -7,6 +7,10 @@ replay and the outputs are static tensors overwritten by the next replay. An inp
 the output of another graph of the same cache (the verification logits fed to the history
 update, say) is captured by reference: passing that same tensor again costs no copy.
 Lengths, positions and RNG seed/offset are device tensors, so a replay needs no host sync.
+
+`GraphCache(emulate=True)` keeps exactly these buffer semantics but runs each function
+eagerly instead of replaying a graph (any device): tests on the CPU use it to exercise the
+engine's handling of static buffers (blocks queued ahead, graphs fed each other's outputs).
 """
 from __future__ import annotations
 
@@ -16,46 +20,61 @@ import torch
 
 
 class CapturedFn:
-    def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool, static: frozenset = frozenset()):
+    def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool, static: frozenset = frozenset(),
+                 capture: bool = True):
         # inputs whose storage is another graph's output (`static` data pointers) are used in
         # place; everything else gets its own buffer, a normal tensor (not an inference one:
         # a graph captured under inference mode is fed outside it too)
         with torch.inference_mode(False):
             self.inputs = {k: v if v.data_ptr() in static else v.clone() for k, v in inputs.items()}
-        # warm up on a side stream (Triton compilation, cuBLAS handles), as capture requires
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        self.fn, self.graph = fn, None
+        if capture:
+            # warm up on a side stream (Triton compilation, cuBLAS handles), as capture requires
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                warm = fn(**self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+        else:                  # emulation: the same buffers, fn run eagerly on each call
             warm = fn(**self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
         # Outputs live OUTSIDE the shared pool: a graph captured later may be handed memory
         # that was internal to an earlier one, so an output inside the pool would be
         # overwritten when the earlier graph replays (seen: drafted tokens clobbered by the
         # verification graph). Intermediates are dead between replays and can share.
-        single = isinstance(warm, torch.Tensor)
+        self.single = isinstance(warm, torch.Tensor)
         with torch.inference_mode(False):
-            self.outputs = [torch.empty_like(t) for t in ((warm,) if single else warm)]
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            res = fn(**self.inputs)
-            for buf, t in zip(self.outputs, (res,) if single else res):
-                buf.copy_(t)
-        self.outputs = self.outputs[0] if single else tuple(self.outputs)
+            outputs = [torch.empty_like(t) for t in self._seq(warm)]
+        if capture:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                res = fn(**self.inputs)
+                for buf, t in zip(outputs, self._seq(res)):
+                    buf.copy_(t)
+        self.outputs = outputs[0] if self.single else tuple(outputs)
+
+    def _seq(self, out):
+        return (out,) if self.single else out
 
     def __call__(self, inputs: dict[str, torch.Tensor]):
         for k, v in inputs.items():
             buf = self.inputs[k]
             if v.data_ptr() != buf.data_ptr() or v.shape != buf.shape or v.stride() != buf.stride():
                 buf.copy_(v, non_blocking=True)
-        self.graph.replay()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for buf, t in zip(self._seq(self.outputs), self._seq(self.fn(**self.inputs))):
+                buf.copy_(t)
         return self.outputs
 
 
 class GraphCache:
-    """Lazily captured graphs by key; `run(key, fn, inputs)` captures on first use."""
+    """Lazily captured graphs by key; `run(key, fn, inputs)` captures on first use.
+    `emulate`: no capture, the same static buffers around eager calls (see the module)."""
 
-    def __init__(self):
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(self, emulate: bool = False):
+        self.emulate = emulate
+        self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.graphs: dict = {}
 
     def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor], shared: tuple = ()):
@@ -64,10 +83,9 @@ class GraphCache:
         place instead of copied into the graph's own."""
         g = self.graphs.get(key)
         if g is None:
-            static = frozenset(t.data_ptr() for c in self.graphs.values()
-                               for t in ((c.outputs,) if isinstance(c.outputs, torch.Tensor) else c.outputs))
+            static = frozenset(t.data_ptr() for c in self.graphs.values() for t in c._seq(c.outputs))
             static |= {t.data_ptr() for t in shared}
-            g = self.graphs[key] = CapturedFn(fn, inputs, self.pool, static)
+            g = self.graphs[key] = CapturedFn(fn, inputs, self.pool, static, capture=not self.emulate)
         return g(inputs)
 
     def __len__(self):

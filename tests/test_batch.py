@@ -11,6 +11,7 @@ import torch
 
 from realistic import image
 from tabed_engine import Engine, SamplingParams
+from tabed_engine.graphs import CapturedFn, GraphCache
 from tabed_engine.scheduler import CostModel
 from test_real_checkpoints import N_NEW, PROMPTS, images, loaded, reference
 from test_speculative import exact_dist  # noqa: F401  (fixture: the target's exact distribution)
@@ -254,6 +255,60 @@ def test_timing_times_each_phase_and_queues_nothing_ahead():
     st = out.stats
     assert queued and not any(queued)
     assert min(st.time_draft, st.time_verify, st.time_ensemble, st.time_other) > 0
+
+
+def emulated_graphs(eng, cache=None):
+    """`eng` with the GPU's CUDA-graph buffers emulated on the CPU (`GraphCache(emulate=True)`:
+    static inputs and outputs, graphs fed each other's outputs, every output overwritten by
+    the next call), the prefill padded to its bucket as its graphs run it, and every KV cache
+    slot poisoned (K +1000, V -1000: a read of a slot not yet written would show)."""
+    r = eng.runner
+    r.graphs, r.prefill_graphs = GraphCache(emulate=True) if cache is None else cache, True
+    r.allocate()
+    for c in (r.tcache, r.dcache):
+        c.k.fill_(1000.0)
+        c.v.fill_(-1000.0)
+    return eng
+
+
+class StaleInputs(GraphCache):
+    """Broken on purpose: each graph keeps the inputs of its first call (never refreshed)."""
+
+    def run(self, key, fn, inputs, shared=()):
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = CapturedFn(fn, inputs, None, capture=False)
+        return CapturedFn.__call__(g, {})
+
+
+@pytest.mark.parametrize("options,pattern", [
+    (dict(gamma=4), ("ar", 3, "ar", "ar", 2, 2, 4, "ar", 1, 4)),
+    (dict(tree="4x2x2"), ("sd", "ar", "sd", "sd", "ar", "ar")),
+])
+def test_emulated_graph_buffers_keep_switching_lossless(options, pattern):
+    """What only the GPU runs, on the CPU: the graphs' static buffers (emulated), the next
+    block queued ahead of each one, AR steps, chains of several lengths or a tree, requests
+    joining and leaving four slots: every request equals transformers' greedy decoding."""
+    eng = emulated_graphs(engine(max_batch=4, **options))
+    eng.scheduler.cost = Scripted(pattern, gamma=eng.gamma)
+    names, prompts, imgs, sps = batch_inputs()
+    outs = eng.generate(prompts, images=imgs, sampling=sps)
+    for name, out in zip(names, outs):
+        assert out.token_ids == expected(name), name
+    kinds = {k[0] for k in eng.runner.graphs.graphs}
+    assert {"ar", "draft", "verify", "prefill"} <= kinds, kinds
+    assert any(o.stats.accepted_lengths for o in outs)
+    assert any(o.stats.target_forwards > len(o.stats.accepted_lengths) for o in outs)
+
+
+def test_emulated_graphs_with_stale_inputs_leave_the_targets_tokens():
+    """The test above can fail: graphs that keep replaying their first call's inputs (a
+    static buffer never refreshed) decode other tokens."""
+    eng = emulated_graphs(engine(max_batch=4, gamma=4), StaleInputs(emulate=True))
+    eng.scheduler.cost = Scripted(("ar", 3, "ar", 4), gamma=4)
+    names, prompts, imgs, sps = batch_inputs()
+    outs = eng.generate(prompts, images=imgs, sampling=sps)
+    assert any(out.token_ids != expected(name) for name, out in zip(names, outs))
 
 
 def test_switches_between_ar_and_sd_discard_no_queued_block():
