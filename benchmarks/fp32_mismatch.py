@@ -2,6 +2,7 @@
 
     python benchmarks/fp32_mismatch.py cpu-ar  [--prompts 8] [--seeds 0]
     python benchmarks/fp32_mismatch.py poison  [--prompts 8] [--seeds 3 0] [--check-cache] [--max-new 8]
+                                               [--no-overlap]
     python benchmarks/fp32_mismatch.py repeat  [--runs 24] [--cases S5:3:1:10x3x2 S2:0:0:5x3x5]
 
 With the bundled demo pair in float32 on the procedural world's scenarios:
@@ -154,6 +155,9 @@ def poisoned(args) -> list:
         rng = None if args.random_blocks is None else random.Random(args.random_blocks)
         for eng in engines.values():
             emulate(eng, rng)
+    if args.no_overlap:           # the draft views' prefill on the main stream, after the target's
+        for eng in engines.values():
+            eng.runner.overlap_draft = False
     rows = []
     for seed, sc, k, ex, sp in each_example(args):
         ref = base.generate(ex.prompt, images=ex.images, sampling=sp, speculative=False).token_ids
@@ -232,6 +236,8 @@ def main():
     ap.add_argument("--runs", type=int, default=24, help="repeat: generations per case and setting")
     ap.add_argument("--check-cache", action="store_true",
                     help="poison, repeat: compare each speculative run's target KV cache with AR's")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="poison: the draft views' prefill on the main stream (no second stream)")
     ap.add_argument("--emulate-graphs", action="store_true",
                     help="poison on the CPU: the CUDA graphs' buffers emulated, the cost model on")
     ap.add_argument("--random-blocks", type=int, default=None, metavar="SEED",
