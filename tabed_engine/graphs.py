@@ -8,20 +8,47 @@ the output of another graph of the same cache (the verification logits fed to th
 update, say) is captured by reference: passing that same tensor again costs no copy.
 Lengths, positions and RNG seed/offset are device tensors, so a replay needs no host sync.
 
+Each cache warms up and captures on a stream of its own (`private_stream`): cuBLAS keeps one
+workspace per (handle, stream) and a captured GEMM keeps its workspace's address, so graphs
+captured on one stream (torch's default capture stream serves every capture in the process)
+share a workspace, and replaying two of them at once on two streams (the target's prefill on
+the main stream, the draft's vision tower beside it) would let their GEMMs race in it.
+
 `GraphCache(emulate=True)` keeps exactly these buffer semantics but runs each function
 eagerly instead of replaying a graph (any device): tests on the CPU use it to exercise the
 engine's handling of static buffers (blocks queued ahead, graphs fed each other's outputs).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
 
+_HELD: set = set()   # (device, stream handle) of the streams `private_stream` has handed out
+
+
+def private_stream(owner, device=None) -> "torch.cuda.Stream":
+    """A CUDA stream that no other holder of a `private_stream` has, kept until `owner` is
+    garbage-collected. torch hands streams out round-robin from pools of 32 (per priority),
+    so two `torch.cuda.Stream()` calls can return the same stream, and with it the same
+    cuBLAS workspace; work that may run at the same time must not share one. Past 64 held
+    streams (both pools) a held one is shared."""
+    stream = None
+    for priority in (0, -1):
+        for _ in range(32):
+            stream = torch.cuda.Stream(device, priority=priority)
+            key = (stream.device_index, stream.cuda_stream)
+            if key not in _HELD:
+                _HELD.add(key)
+                weakref.finalize(owner, _HELD.discard, key)
+                return stream
+    return stream
+
 
 class CapturedFn:
     def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool, static: frozenset = frozenset(),
-                 capture: bool = True):
+                 capture: bool = True, stream=None):
         # inputs whose storage is another graph's output (`static` data pointers) are used in
         # place; everything else gets its own buffer, a normal tensor (not an inference one:
         # a graph captured under inference mode is fed outside it too)
@@ -29,12 +56,12 @@ class CapturedFn:
             self.inputs = {k: v if v.data_ptr() in static else v.clone() for k, v in inputs.items()}
         self.fn, self.graph = fn, None
         if capture:
-            # warm up on a side stream (Triton compilation, cuBLAS handles), as capture requires
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            stream = stream or private_stream(self)
+            # warm up on the capture stream (Triton compilation, cuBLAS handles), as capture requires
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 warm = fn(**self.inputs)
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(stream)
         else:                  # emulation: the same buffers, fn run eagerly on each call
             warm = fn(**self.inputs)
         # Outputs live OUTSIDE the shared pool: a graph captured later may be handed memory
@@ -46,7 +73,7 @@ class CapturedFn:
             outputs = [torch.empty_like(t) for t in self._seq(warm)]
         if capture:
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
                 res = fn(**self.inputs)
                 for buf, t in zip(outputs, self._seq(res)):
                     buf.copy_(t)
@@ -75,6 +102,7 @@ class GraphCache:
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
+        self.stream = None if emulate else private_stream(self)   # warm-ups and captures
         self.graphs: dict = {}
 
     def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor], shared: tuple = ()):
@@ -85,7 +113,8 @@ class GraphCache:
         if g is None:
             static = frozenset(t.data_ptr() for c in self.graphs.values() for t in c._seq(c.outputs))
             static |= {t.data_ptr() for t in shared}
-            g = self.graphs[key] = CapturedFn(fn, inputs, self.pool, static, capture=not self.emulate)
+            g = self.graphs[key] = CapturedFn(fn, inputs, self.pool, static, capture=not self.emulate,
+                                              stream=self.stream)
         return g(inputs)
 
     def __len__(self):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .ensemble import EnsembleState, history_step
-from .graphs import GraphCache
+from .graphs import GraphCache, private_stream
 from .model import KVCache
 from .prompt import Prepared
 from .request import Request
@@ -337,8 +337,8 @@ class Runner:
         runs beside the target's prefill; the caller joins the streams before the rows are read."""
         side = None
         if self.overlap_draft and self.device.type == "cuda":
-            if self._side is None:
-                self._side = torch.cuda.Stream()
+            if self._side is None:       # a stream no graph cache holds (see graphs.py)
+                self._side = private_stream(self, self.device)
             side = self._side
             side.wait_event(after)
         K = self.K

@@ -275,3 +275,35 @@ def test_captured_target_forwards_are_deterministic(engine, dtype):
                         graph.replay()
                     differing += not torch.equal(out, first)
             assert differing == 0, (R, prefix, N, differing)
+
+
+def test_streams_that_may_run_at_once_are_distinct(engine):
+    """Streams whose work can overlap never coincide (torch's pools of 32 hand a stream out
+    again, and with it its cuBLAS workspace, which a captured GEMM keeps by address): after a
+    speculative generation with an image, the runner's draft-view stream, its graphs' capture
+    stream and the vision towers' capture streams are pairwise distinct; a held stream is not
+    handed out again while its owner lives, and is free again once the owner is gone."""
+    import gc
+
+    from tabed_engine import graphs
+    from tabed_engine.graphs import private_stream
+
+    _configure(engine, ("M", "T"), "hedge")
+    text, imgs = _prompt(1)
+    engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=8))
+    r = engine.runner
+    towers = [v for v in (engine.target.vision, engine.draft.vision) if getattr(v, "_graphs", None) is not None]
+    assert towers, "no vision tower ran as a graph"
+    held = [r._side.cuda_stream, r.graphs.stream.cuda_stream] + [v._graphs.stream.cuda_stream for v in towers]
+    assert len(set(held)) == len(held)
+
+    class Owner:
+        pass
+
+    free = 64 - len(graphs._HELD)            # both pools of 32, less what is held now
+    for _ in range(2):                       # the second round gets them only if the first let go
+        owners = [Owner() for _ in range(free)]
+        got = [private_stream(o).cuda_stream for o in owners]
+        assert len(set(got)) == free and not set(got) & set(held)
+        del owners
+        gc.collect()
