@@ -2,7 +2,7 @@
 
     python benchmarks/fp32_mismatch.py cpu-ar  [--prompts 8] [--seeds 0]
     python benchmarks/fp32_mismatch.py poison  [--prompts 8] [--seeds 3 0] [--check-cache] [--max-new 8]
-                                               [--no-overlap]
+                                               [--no-overlap] [--shared-capture-stream]
     python benchmarks/fp32_mismatch.py repeat  [--runs 24] [--cases S5:3:1:10x3x2 S2:0:0:5x3x5]
 
 With the bundled demo pair in float32 on the procedural world's scenarios:
@@ -146,7 +146,19 @@ def emulate(eng, rng=None):
         cost.choose = lambda b, counts: rng.choice(kinds)
 
 
+def share_capture_stream():
+    """Every graph cache warms up and captures on one stream (so its graphs share one cuBLAS
+    workspace), the draft views on another: the engine before 7439cd7, for an A/B."""
+    from tabed_engine import graphs
+
+    shared, private = torch.cuda.Stream(), graphs.private_stream
+    graphs.private_stream = lambda owner, device=None: (shared if isinstance(owner, graphs.GraphCache)
+                                                       else private(owner, device))
+
+
 def poisoned(args) -> list:
+    if args.shared_capture_stream:
+        share_capture_stream()
     base = ar_engine(args.device)
     ar = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
                 views=("M",), policy="uniform")
@@ -236,6 +248,8 @@ def main():
     ap.add_argument("--runs", type=int, default=24, help="repeat: generations per case and setting")
     ap.add_argument("--check-cache", action="store_true",
                     help="poison, repeat: compare each speculative run's target KV cache with AR's")
+    ap.add_argument("--shared-capture-stream", action="store_true",
+                    help="poison: all graphs captured on one stream, as before 7439cd7 (an A/B)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="poison: the draft views' prefill on the main stream (no second stream)")
     ap.add_argument("--emulate-graphs", action="store_true",
