@@ -288,6 +288,7 @@ def test_streams_that_may_run_at_once_are_distinct(engine):
     from tabed_engine import graphs
     from tabed_engine.graphs import private_stream
 
+    gc.collect()                             # earlier tests' engines let their streams go
     _configure(engine, ("M", "T"), "hedge")
     text, imgs = _prompt(1)
     engine.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=8))
