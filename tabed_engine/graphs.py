@@ -56,7 +56,8 @@ class CapturedFn:
             self.inputs = {k: v if v.data_ptr() in static else v.clone() for k, v in inputs.items()}
         self.fn, self.graph = fn, None
         if capture:
-            stream = stream or private_stream(self)
+            if stream is None:      # a cache passes its own; a lone graph takes one
+                stream = private_stream(self)
             # warm up on the capture stream (Triton compilation, cuBLAS handles), as capture requires
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
