@@ -2,6 +2,7 @@
 generate autoregressively or speculatively (TABED chain ensembles or draft trees)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import secrets
@@ -500,7 +501,8 @@ class Engine:
                     yield index[o.request_id], o.new_text
         return pieces()
 
-    def warmup(self, max_batch: Optional[int] = None, images: bool = True) -> float:
+    def warmup(self, max_batch: Optional[int] = None, images: bool = True,
+               sampling: Optional[SamplingParams] = None) -> float:
         """Decode a few tokens at every batch bucket up to `max_batch` (default: all the engine
         has), autoregressively and, with a draft, speculatively at every chain length the cost
         model may pick, and a speculative block after AR steps (the draft's catch-up), with one
@@ -509,7 +511,9 @@ class Engine:
         first requests at each new batch size). The target's prefill graphs of every
         prompt-length bucket are captured too (`Runner.capture_prefill`), and the draft views'
         prefill runs once per bucket (`Runner.warm_draft_prefill`). The cost model keeps the
-        block times it measured. Returns the seconds taken."""
+        block times it measured. `sampling`: the settings the block graphs are captured for
+        (greedy and each temperature are graphs of their own; default greedy); its token count
+        and stop settings are the warm-up's. Returns the seconds taken."""
         from PIL import Image
 
         from .runner import BUCKETS
@@ -522,7 +526,10 @@ class Engine:
         side = vc.get("image_size", 336)
         prompt = (getattr(self.processor, "image_token", "<image>") + "\n" if images else "") + "Describe it."
         img = [Image.new("RGB", (side, side), (127, 127, 127))] if images else None
-        sp = SamplingParams(max_new_tokens=2 * self.lookahead + 4, stop_at_eos=False)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sp = dataclasses.replace(sampling or SamplingParams(), max_new_tokens=2 * self.lookahead + 4,
+                                 stop_at_eos=False, stop=(), stop_token_ids=())
         cost = self.scheduler.cost
         # every kind of block the cost model may pick: AR and, speculating, each chain length
         kinds = [0] + ([] if self.draft is None else list(range(1, self.gamma + 1)) if cost.chains and cost.enabled

@@ -85,6 +85,8 @@ class Scripted(CostModel):
         self.pattern, self.i = pattern, 0
 
     def choose(self, b, counts):
+        if self.forced is not None:          # warm-up
+            return self.forced
         self.i += 1
         kind = self.pattern[(self.i - 1) % len(self.pattern)]
         return {"ar": 0, "sd": self.gamma}.get(kind, kind)
@@ -309,6 +311,27 @@ def test_emulated_graphs_with_stale_inputs_leave_the_targets_tokens():
     names, prompts, imgs, sps = batch_inputs()
     outs = eng.generate(prompts, images=imgs, sampling=sps)
     assert any(out.token_ids != expected(name) for name, out in zip(names, outs))
+
+
+@pytest.mark.parametrize("warm_sampled", [True, False])
+def test_warmup_with_the_requests_sampling_leaves_nothing_to_capture(warm_sampled):
+    """warmup(sampling=sp) captures every graph sampled requests like sp need (any block kind,
+    switches between AR and chains); warmed up greedy, the same requests capture more."""
+    eng = emulated_graphs(engine(max_batch=1, gamma=3))
+    eng.scheduler.cost = Scripted(("ar", "ar", 3, 1, "ar", 2, 3), gamma=3)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20)
+    eng.warmup(sampling=sp if warm_sampled else None)
+    keys = set(eng.runner.graphs.graphs)
+    names, prompts, imgs, _ = batch_inputs()
+    for i, (p, im) in enumerate(zip(prompts, imgs)):
+        eng.generate(p, images=im, sampling=dataclasses.replace(sp, seed=i))
+    new = set(eng.runner.graphs.graphs) - keys
+    assert not new if warm_sampled else new, new
+
+
+def test_warmup_rejects_sampling_that_is_not_sampling_params():
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine().warmup(sampling={"temperature": 0.8})
 
 
 def test_switches_between_ar_and_sd_discard_no_queued_block():
