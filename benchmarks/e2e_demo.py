@@ -10,8 +10,8 @@ The bundled trained pair (tabed_engine/assets/demo, whatever is installed there,
 normal loader) on the procedural world's scenarios S1-S5, `--prompts` examples each
 (`world.examples(sc, n, seed=0)`), greedy, gamma 5, stopping at EOS, with the
 engine's real acceptance (no `bench_accept_schedule`; checked before every scenario).
-Per scenario: engine AR, engine SD with the demo's views/policy (M+T, hedge) and with view
-M alone, and transformers `generate` greedy on the target (dynamic cache, no compilation).
+Per scenario: engine AR, engine SD with the demo's views/policy (M+T, hedge), with view
+M alone and with the default draft tree over M+T (`TreeConfig()`), and transformers `generate` greedy on the target (dynamic cache, no compilation).
 Every prompt is timed with its token budget and with 1 new token (medians of `repeats`
 interleaved passes after an untimed pass over all prompts that captures the graphs):
 decode ms/token = (sum t(budget) - sum t(1)) / sum (n - 1); real block efficiency tau =
@@ -92,8 +92,9 @@ def sha256_16(path: str) -> str:
 
 
 class DemoBench(E2EBench):
-    """Preset demo-pair: engine AR, engine SD (the demo's views/policy, and view M alone) and
-    transformers greedy generation on the bundled pair, per scenario S1-S5."""
+    """Preset demo-pair: engine AR, engine SD (the demo's views/policy, view M alone, the default
+    tree over the demo's views) and transformers greedy generation on the bundled pair, per
+    scenario S1-S5."""
 
     def __init__(self, args, preset: DemoPreset):
         super().__init__(args, preset, DEMO_METHOD)
@@ -105,7 +106,7 @@ class DemoBench(E2EBench):
         yield "all", self.overall
 
     def setup(self) -> dict:
-        from tabed_engine import Engine
+        from tabed_engine import Engine, TreeConfig
         from tabed_engine.demo import ASSETS
         from benchmarks.world.scenarios import SCENARIOS, examples
 
@@ -121,8 +122,13 @@ class DemoBench(E2EBench):
                                       policy=DEMO_POLICY, gamma=p.gamma, timing=False)
         single = Engine(base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=("M",),
                         policy="uniform", gamma=p.gamma, timing=False)    # shares the loaded weights
+        tree = TreeConfig()                 # the default tree, over the demo's ensemble
+        treed = Engine(base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=DEMO_VIEWS,
+                       policy=DEMO_POLICY, gamma=p.gamma, timing=False, tree=tree)
         self.ar_engine, self.target_lvlm, self.processor = base, base.target, base.processor
-        self.engines = {f"{DEMO_POLICY}[{'+'.join(DEMO_VIEWS)}]": base, "M": single}
+        name = f"{DEMO_POLICY}[{'+'.join(DEMO_VIEWS)}]"
+        self.engines = {name: base, "M": single,
+                        f"{name} tree {tree.depth}x{tree.width}x{tree.branch}": treed}
         self.check_no_override()
         self.examples = {sc: examples(sc, p.prompts, seed=0) for sc in SCENARIOS}
         self.hf = None
@@ -153,8 +159,10 @@ class DemoBench(E2EBench):
                 "prompts_per_scenario": p.prompts, "example_seeds": "world.examples(sc, n, seed=0)",
                 "max_new_tokens": self.max_new, "repeats": p.repeats,
                 "hf_repeats": None if self.args.skip_hf else p.hf_repeats,
-                "sd_configs": {k: {"views": list(e.views), "policy": e.ensemble.policy}
-                               for k, e in self.engines.items()},
+                "sd_configs": {k: {"views": list(e.views), "policy": e.ensemble.policy,
+                                   "tree": None if e.tree is None else
+                                   {"depth": e.tree.depth, "width": e.tree.width, "branch": e.tree.branch,
+                                    "nodes": e.tree.nodes}} for k, e in self.engines.items()},
                 "cpu_threads": torch.get_num_threads() if dev.type == "cpu" else None,
                 "hf_attn_implementation": None if self.hf is None else self.hf.config._attn_implementation}
 
