@@ -512,8 +512,9 @@ class Engine:
         prompt-length bucket are captured too (`Runner.capture_prefill`), and the draft views'
         prefill runs once per bucket (`Runner.warm_draft_prefill`). The cost model keeps the
         block times it measured. `sampling`: the settings the block graphs are captured for
-        (greedy and each temperature are graphs of their own; default greedy); its token count
-        and stop settings are the warm-up's. Returns the seconds taken."""
+        (greedy and sampled requests run graphs of their own, sampled ones per draft temperature
+        and top-k / top-p use; default greedy); its token count and stop settings are the
+        warm-up's. Returns the seconds taken."""
         from PIL import Image
 
         from .runner import BUCKETS
