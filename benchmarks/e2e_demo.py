@@ -11,7 +11,8 @@ normal loader) on the procedural world's scenarios S1-S5, `--prompts` examples e
 (`world.examples(sc, n, seed=0)`), greedy, gamma 5, stopping at EOS, with the
 engine's real acceptance (no `bench_accept_schedule`; checked before every scenario).
 Per scenario: engine AR, engine SD with the demo's views/policy (M+T, hedge), with view
-M alone and with the default draft tree over M+T (`TreeConfig()`), and transformers `generate` greedy on the target (dynamic cache, no compilation).
+M alone and with the default draft tree over M+T (`TreeConfig()`), and transformers
+`generate` greedy on the target (dynamic cache, no compilation).
 Every prompt is timed with its token budget and with 1 new token (medians of `repeats`
 interleaved passes after an untimed pass over all prompts that captures the graphs):
 decode ms/token = (sum t(budget) - sum t(1)) / sum (n - 1); real block efficiency tau =
