@@ -117,8 +117,18 @@ def add_serve_parser(sub):
     s.add_argument("--image-root", default=None, metavar="DIR",
                    help="accept local image paths only inside DIR (default: any file the server can read)")
     s.add_argument("--warmup", action="store_true",
-                   help="before serving, decode a few tokens at every batch size the engine has (captures the "
-                        "CUDA graphs and compiles the kernels the first requests would otherwise wait for)")
+                   help="before serving, decode a few tokens at every batch size the engine has, greedy and at "
+                        "the API's default sampling (captures the CUDA graphs and compiles the kernels the first "
+                        "requests would otherwise wait for)")
+
+
+def serve_warmup(engine) -> float:
+    """`engine.warmup()` for serving: greedy requests and the API's default sampling
+    (temperature 1, no top-k / top-p), which run graphs of their own. Returns the seconds."""
+    from . import SamplingParams
+    from .openai_protocol import parse_sampling
+
+    return engine.warmup(sampling=[SamplingParams(), SamplingParams(**parse_sampling({}, None))])
 
 
 def serve_main(args) -> int:
@@ -143,7 +153,7 @@ def serve_main(args) -> int:
     except (ValueError, TypeError, OSError) as e:
         return _error(e)
     if args.warmup:
-        print(f"warm-up done in {engine.warmup():.1f} s", file=sys.stderr, flush=True)
+        print(f"warm-up done in {serve_warmup(engine):.1f} s", file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(engine, host=args.host, port=args.port, model_name=name,
           default_max_tokens=args.max_tokens_default, image_root=args.image_root)

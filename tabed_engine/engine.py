@@ -502,7 +502,7 @@ class Engine:
         return pieces()
 
     def warmup(self, max_batch: Optional[int] = None, images: bool = True,
-               sampling: Optional[SamplingParams] = None) -> float:
+               sampling: "SamplingParams | Sequence[SamplingParams] | None" = None) -> float:
         """Decode a few tokens at every batch bucket up to `max_batch` (default: all the engine
         has), autoregressively and, with a draft, speculatively at every chain length the cost
         model may pick, and a speculative block after AR steps (the draft's catch-up), with one
@@ -511,10 +511,10 @@ class Engine:
         first requests at each new batch size). The target's prefill graphs of every
         prompt-length bucket are captured too (`Runner.capture_prefill`), and the draft views'
         prefill runs once per bucket (`Runner.warm_draft_prefill`). The cost model keeps the
-        block times it measured. `sampling`: the settings the block graphs are captured for
-        (greedy and sampled requests run graphs of their own, sampled ones per draft temperature
-        and top-k / top-p use; default greedy); its token count and stop settings are the
-        warm-up's. Returns the seconds taken."""
+        block times it measured. `sampling`: the settings (one or several) the block graphs
+        are captured for (greedy and sampled requests run graphs of their own, sampled ones per
+        draft temperature and top-k / top-p use; default greedy); their token counts and stop
+        settings are the warm-up's. Returns the seconds taken."""
         from PIL import Image
 
         from .runner import BUCKETS
@@ -527,17 +527,20 @@ class Engine:
         side = vc.get("image_size", 336)
         prompt = (getattr(self.processor, "image_token", "<image>") + "\n" if images else "") + "Describe it."
         img = [Image.new("RGB", (side, side), (127, 127, 127))] if images else None
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        sp = dataclasses.replace(sampling or SamplingParams(), max_new_tokens=2 * self.lookahead + 4,
-                                 stop_at_eos=False, stop=(), stop_token_ids=())
+        settings = [SamplingParams()] if sampling is None else \
+            list(sampling) if isinstance(sampling, (list, tuple)) else [sampling]
+        if not settings or not all(isinstance(x, SamplingParams) for x in settings):
+            raise TypeError("sampling must be a SamplingParams or a non-empty list of them, got "
+                            f"{sampling!r}")
+        sps = [dataclasses.replace(x, max_new_tokens=2 * self.lookahead + 4, stop_at_eos=False, stop=(),
+                                   stop_token_ids=()) for x in settings]
         cost = self.scheduler.cost
         # every kind of block the cost model may pick: AR and, speculating, each chain length
         kinds = [0] + ([] if self.draft is None else list(range(1, self.gamma + 1)) if cost.chains and cost.enabled
                        else [self.gamma])
         prior = cost.prior                   # a gray image's acceptance says nothing about real requests
         try:
-            for b in buckets:
+            for b, sp in itertools.product(buckets, sps):
                 for g in kinds:
                     cost.forced = g
                     self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=g > 0)

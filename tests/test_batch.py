@@ -330,8 +330,30 @@ def test_warmup_with_the_requests_sampling_leaves_nothing_to_capture(warm_sample
 
 
 def test_warmup_rejects_sampling_that_is_not_sampling_params():
-    with pytest.raises(TypeError, match="SamplingParams"):
-        engine().warmup(sampling={"temperature": 0.8})
+    for bad in ({"temperature": 0.8}, [], [SamplingParams(), 0.8]):
+        with pytest.raises(TypeError, match="SamplingParams"):
+            engine().warmup(sampling=bad)
+
+
+def test_serve_warmup_covers_greedy_and_the_apis_default_sampling():
+    """`serve --warmup` (cli.serve_warmup): neither greedy requests nor requests with the
+    OpenAI API's defaults (temperature 1) capture graphs afterwards; a greedy-only warm-up
+    leaves the latter to capture (so the check can fail)."""
+    from tabed_engine.cli import serve_warmup
+    from tabed_engine.openai_protocol import parse_sampling
+
+    api_default = SamplingParams(**{**parse_sampling({}, None), "max_new_tokens": 12})
+    for warm in (serve_warmup, lambda e: e.warmup()):
+        eng = emulated_graphs(engine(max_batch=1, gamma=3))
+        eng.scheduler.cost = Scripted(("ar", "ar", 3, 1, "ar", 2, 3), gamma=3)
+        assert warm(eng) > 0
+        keys = set(eng.runner.graphs.graphs)
+        names, prompts, imgs, _ = batch_inputs()
+        for i, (p, im) in enumerate(zip(prompts[:3], imgs[:3])):
+            eng.generate(p, images=im, sampling=SamplingParams(max_new_tokens=12))
+            eng.generate(p, images=im, sampling=dataclasses.replace(api_default, seed=i))
+        new = set(eng.runner.graphs.graphs) - keys
+        assert not new if warm is serve_warmup else new, new
 
 
 def test_switches_between_ar_and_sd_discard_no_queued_block():
