@@ -50,9 +50,11 @@ class Server:
         self.http = httpx.Client(base_url=url, timeout=60)
         self.openai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
-    def log(self) -> str:
+    def log(self, tail: int = 4000) -> str:
+        """The server's output: its last `tail` characters (None: all of it)."""
         with open(self.log_path) as f:
-            return f.read()[-4000:]
+            text = f.read()
+        return text if tail is None else text[-tail:]
 
     def metric(self, name: str) -> float:
         """One sample's value from GET /metrics (0 when it has none yet)."""
@@ -135,7 +137,7 @@ def chat(server, messages, max_tokens, **kw):
 
 def test_health_and_models(server):
     assert server.http.get("/health").json() == {"status": "ok"}
-    assert "warm-up done in" in server.log()            # --warmup ran before serving
+    assert "warm-up done in" in server.log(tail=None)   # --warmup ran before serving
     assert [m.id for m in server.openai.models.list().data] == [MODEL]
     assert server.openai.models.retrieve(MODEL).id == MODEL
 
