@@ -4,7 +4,8 @@
     TRITON_INTERPRET=1 python benchmarks/bench_silu_mul.py --smoke   # CPU, tiny, no claims
 
 Shapes: rows 6, 1 and 616 at the LLaVA-1.5-7B MLP width 11008 (verification, a decode row, a
-one-image prompt's prefill), 4 rows at the LLaVA-68M draft's 3072 (a 4-view draft step); bf16. Columns (per call, medians):
+one-image prompt's prefill), 4 rows at the LLaVA-68M draft's 3072 (a 4-view draft step); bf16.
+Columns (per call, medians):
   fused     tabed_engine.kernels.silu_mul (Triton)
   eager     the PyTorch reference (silu in float32, one rounding)
   model     what the decoder ran before: the torch.compile'd reference (dynamic shapes;

@@ -541,10 +541,13 @@ class Engine:
         prior = cost.prior                   # a gray image's acceptance says nothing about real requests
         try:
             for b, sp in itertools.product(buckets, sps):
-                for g in kinds:
+                # AR steps and the draft's catch-up run the same graphs whatever the sampling:
+                # once per bucket, with the first setting
+                first = sp is sps[0]
+                for g in kinds if first else kinds[1:]:
                     cost.forced = g
                     self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=g > 0)
-                if self.draft is not None:
+                if self.draft is not None and first:
                     # AR steps, then speculative blocks: the draft's catch-up forward (kernels
                     # compiled on first use) runs here, not at a real request's first probe
                     cost.forced = 0

@@ -20,6 +20,7 @@ engine's handling of static buffers (blocks queued ahead, graphs fed each other'
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Callable
 
@@ -33,7 +34,7 @@ def private_stream(owner, device=None) -> "torch.cuda.Stream":
     garbage-collected. torch hands streams out round-robin from pools of 32 (per priority),
     so two `torch.cuda.Stream()` calls can return the same stream, and with it the same
     cuBLAS workspace; work that may run at the same time must not share one. Past 64 held
-    streams (both pools) a held one is shared."""
+    streams (both pools) a held one is shared, with a warning."""
     stream = None
     for priority in (0, -1):
         for _ in range(32):
@@ -43,6 +44,9 @@ def private_stream(owner, device=None) -> "torch.cuda.Stream":
                 _HELD.add(key)
                 weakref.finalize(owner, _HELD.discard, key)
                 return stream
+    warnings.warn("more than 64 private CUDA streams held (engines and graph caches alive at once): one is "
+                  "shared, and graphs replayed at once on it may race in one cuBLAS workspace", RuntimeWarning,
+                  stacklevel=2)
     return stream
 
 

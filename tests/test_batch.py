@@ -313,20 +313,26 @@ def test_emulated_graphs_with_stale_inputs_leave_the_targets_tokens():
     assert any(out.token_ids != expected(name) for name, out in zip(names, outs))
 
 
-@pytest.mark.parametrize("warm_sampled", [True, False])
-def test_warmup_with_the_requests_sampling_leaves_nothing_to_capture(warm_sampled):
-    """warmup(sampling=sp) captures every graph sampled requests like sp need (any block kind,
-    switches between AR and chains); warmed up greedy, the same requests capture more."""
+def captured_after_warmup(warm, sampling: list) -> set:
+    """Graph keys that requests with each of `sampling` (three prompts each, seeded) capture
+    after `warm(engine)`, on emulated graphs with a scripted cost model (AR / chain switches)."""
     eng = emulated_graphs(engine(max_batch=1, gamma=3))
     eng.scheduler.cost = Scripted(("ar", "ar", 3, 1, "ar", 2, 3), gamma=3)
-    sp = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20)
-    eng.warmup(sampling=sp if warm_sampled else None)
+    assert warm(eng) > 0
     keys = set(eng.runner.graphs.graphs)
     names, prompts, imgs, _ = batch_inputs()
-    for i, (p, im) in enumerate(zip(prompts, imgs)):
-        eng.generate(p, images=im, sampling=dataclasses.replace(sp, seed=i))
-    new = set(eng.runner.graphs.graphs) - keys
-    assert not new if warm_sampled else new, new
+    for i, (p, im) in enumerate(zip(prompts[:3], imgs[:3])):
+        for sp in sampling:
+            eng.generate(p, images=im, sampling=dataclasses.replace(sp, max_new_tokens=12, seed=i))
+    return set(eng.runner.graphs.graphs) - keys
+
+
+def test_warmup_with_the_requests_sampling_leaves_nothing_to_capture():
+    """warmup(sampling=sp) captures every graph sampled requests like sp need (any block kind,
+    switches between AR and chains); warmed up greedy, the same requests capture more."""
+    sp = SamplingParams(temperature=0.8, top_k=20)
+    assert not captured_after_warmup(lambda e: e.warmup(sampling=sp), [sp])
+    assert captured_after_warmup(lambda e: e.warmup(), [sp])
 
 
 def test_warmup_rejects_sampling_that_is_not_sampling_params():
@@ -342,18 +348,9 @@ def test_serve_warmup_covers_greedy_and_the_apis_default_sampling():
     from tabed_engine.cli import serve_warmup
     from tabed_engine.openai_protocol import parse_sampling
 
-    api_default = SamplingParams(**{**parse_sampling({}, None), "max_new_tokens": 12})
-    for warm in (serve_warmup, lambda e: e.warmup()):
-        eng = emulated_graphs(engine(max_batch=1, gamma=3))
-        eng.scheduler.cost = Scripted(("ar", "ar", 3, 1, "ar", 2, 3), gamma=3)
-        assert warm(eng) > 0
-        keys = set(eng.runner.graphs.graphs)
-        names, prompts, imgs, _ = batch_inputs()
-        for i, (p, im) in enumerate(zip(prompts[:3], imgs[:3])):
-            eng.generate(p, images=im, sampling=SamplingParams(max_new_tokens=12))
-            eng.generate(p, images=im, sampling=dataclasses.replace(api_default, seed=i))
-        new = set(eng.runner.graphs.graphs) - keys
-        assert not new if warm is serve_warmup else new, new
+    requests = [SamplingParams(), SamplingParams(**parse_sampling({}, None))]
+    assert not captured_after_warmup(serve_warmup, requests)
+    assert captured_after_warmup(lambda e: e.warmup(), requests)
 
 
 def test_switches_between_ar_and_sd_discard_no_queued_block():
