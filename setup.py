@@ -103,6 +103,6 @@ setup(
         "test": ["pytest", "pytest-xdist", "pytest-benchmark", "scipy", "triton>=3.0", "sentencepiece", "protobuf",
                  "starlette", "uvicorn", "openai", "httpx"],
     },
-    entry_points={"console_scripts": ["tabed-engine=tabed_engine.cli:main"]},
+    entry_points={"console_scripts": ["tabed-engine=tabed_engine.serving.cli:main"]},
     **_extension_kwargs(),
 )

@@ -63,8 +63,8 @@ class BatchBench:
 
     def setup(self):
         from tabed_engine import Engine
-        from tabed_engine.loader import lvlm_from_hf
-        from tabed_engine.tiny import build_processor, random_image, words
+        from tabed_engine.models.loader import lvlm_from_hf
+        from tabed_engine.models.tiny import build_processor, random_image, words
 
         p, dev, dt = self.p, self.dev, self.dt
         vocab = p.target["vocab_size"]

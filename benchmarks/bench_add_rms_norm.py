@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  measured_row, write_result)
 from tabed_engine.kernels import add_rms_norm as _k  # noqa: E402
-from tabed_engine.model import rms_norm  # noqa: E402
+from tabed_engine.models.layers import rms_norm  # noqa: E402
 from tabed_engine.ops.add_rms_norm import add_rms_norm_reference  # noqa: E402
 
 EPS = 1e-5

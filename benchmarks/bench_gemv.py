@@ -51,7 +51,7 @@ from _common import copy_bandwidth_gbs, event_ms, graph_ms, median_ms, provenanc
 from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  print_row, time_variants, write_result)
 from tabed_engine.kernels import gemv as _k  # noqa: E402
-from tabed_engine.model import silu_mul  # noqa: E402
+from tabed_engine.models.layers import silu_mul  # noqa: E402
 from tabed_engine.ops.gemv import linear_reference  # noqa: E402
 
 # (name, N, K, SiLU gate on the input ("in", the one-row down projection; a silu_mul launch

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  print_row, time_variants, write_result)
-from tabed_engine.ensemble import HEDGE_CLIP, EnsembleConfig  # noqa: E402
+from tabed_engine.speculation.ensemble import HEDGE_CLIP, EnsembleConfig  # noqa: E402
 from tabed_engine.kernels import history_update as _k  # noqa: E402
 from tabed_engine.ops.history_update import (POLICY_DIV, POLICY_GRID, POLICY_HEDGE,  # noqa: E402
                                              history_update_reference)

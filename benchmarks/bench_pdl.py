@@ -42,7 +42,7 @@ def main(argv=None):
     import tabed_engine.kernels.tree_attention as k_attn
     import tabed_engine.ops.gemv as ops_gemv
     from tabed_engine.kernels._common import pdl
-    from tabed_engine.model import KVCache
+    from tabed_engine.models.decoder import KVCache
 
     launchers = (k_norm, k_gemv, k_rope, k_silu, k_attn)
     min_features = ops_gemv.MIN_FEATURES

@@ -39,7 +39,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, event_ms, graph_ms, median_ms, provenance  # noqa: E402
 from tabed_engine.kernels import rope_kv_write as _k  # noqa: E402
-from tabed_engine.model import apply_rope, rope_tables  # noqa: E402
+from tabed_engine.models.layers import apply_rope, rope_tables  # noqa: E402
 from tabed_engine.ops.rope_kv_write import rope_reference  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def model_path(*args):
 
 def prefill_unfused(rope, qkv, cos, sin, k_cache, v_cache, slot, H, KV):
     # the fresh prefill into cache row `slot` ([1] int64) without the kernel, as
-    # tabed_engine.model.sdpa_qkv runs it; returns SDPA's q [R, H, T, D] and new k, v [R, KV, T, D]
+    # tabed_engine.models.layers.sdpa_qkv runs it; returns SDPA's q [R, H, T, D] and new k, v [R, KV, T, D]
     R, T, _ = qkv.shape
     q, k, v = qkv.view(R, T, -1, k_cache.shape[-1]).split([H, KV, KV], dim=2)
     q, k = rope(q, cos, sin), rope(k, cos, sin)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rope_kv_write import (add_common_args, begin_table, compile_static, device_and_out,  # noqa: E402
                                  measured_row, write_result)
 from tabed_engine.kernels import silu_mul as _k  # noqa: E402
-from tabed_engine.model import fused_on_cuda  # noqa: E402
+from tabed_engine.models.layers import fused_on_cuda  # noqa: E402
 from tabed_engine.ops.gemv import silu_mul_reference  # noqa: E402
 
 model_silu_mul = fused_on_cuda(silu_mul_reference)

@@ -216,8 +216,8 @@ class Bench(E2EBench):
     # ------------------------------------------------------------------ setup
     def setup(self) -> dict:
         from tabed_engine import Engine
-        from tabed_engine.loader import lvlm_from_hf
-        from tabed_engine.tiny import build_processor, random_image, words
+        from tabed_engine.models.loader import lvlm_from_hf
+        from tabed_engine.models.tiny import build_processor, random_image, words
 
         p, dev, dt = self.p, self.device, self.dtype
         vocab = p.target["vocab_size"]
@@ -298,10 +298,10 @@ class Bench(E2EBench):
         return r
 
     def prefill_split(self) -> dict:
-        from tabed_engine.prompt import prepare
-        from tabed_engine.runner import cache_rows
-        from tabed_engine.speculative import prefill_draft
-        from tabed_engine.views import build_views
+        from tabed_engine.engine.prompt import prepare
+        from tabed_engine.models.decoder import cache_rows
+        from tabed_engine.speculation.chain import prefill_draft
+        from tabed_engine.speculation.views import build_views
 
         out = {}
         for K, eng in self.engines.items():

@@ -74,7 +74,7 @@ def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: in
 def build_lvlm(vision: dict, text: dict, device, dtype):
     """The engine's LVLM with random weights built on the device (std 0.02, seed 0; the
     transformers model it is loaded from is freed)."""
-    from tabed_engine.loader import lvlm_from_hf
+    from tabed_engine.models.loader import lvlm_from_hf
 
     hf = build_hf_llava(vision, text, device, dtype, 0.02, 0, 4)
     lvlm = lvlm_from_hf(hf)

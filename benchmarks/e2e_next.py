@@ -106,7 +106,7 @@ def build_next_processor(tokenizer, tile: int, patch: int, pinpoints):
     padding to the best fit), built offline."""
     from transformers import LlavaNextImageProcessor, LlavaNextProcessor
 
-    from tabed_engine.tiny import CHAT_TEMPLATE
+    from tabed_engine.models.tiny import CHAT_TEMPLATE
 
     ip = LlavaNextImageProcessor(size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
                                  image_grid_pinpoints=[list(p) for p in pinpoints], do_center_crop=True,
@@ -128,8 +128,8 @@ class NextBench(e2e.Bench):
     # ------------------------------------------------------------------ setup
     def setup(self) -> dict:
         from tabed_engine import Engine
-        from tabed_engine.loader import lvlm_from_hf
-        from tabed_engine.tiny import build_processor, build_tokenizer, random_image, words
+        from tabed_engine.models.loader import lvlm_from_hf
+        from tabed_engine.models.tiny import build_processor, build_tokenizer, random_image, words
 
         p, dev, dt = self.p, self.device, self.dtype
         vocab, tile, patch = p.target["vocab_size"], p.vision["image_size"], p.vision["patch_size"]
@@ -209,12 +209,12 @@ class NextBench(e2e.Bench):
                 "weight_floor_ms_per_token": wbytes / (gbs * 1e9) * 1e3}
 
     def prefill_split(self) -> dict:
-        from tabed_engine.anyres import pack
-        from tabed_engine.image_ops import device_pixels
-        from tabed_engine.prompt import pixels, prepare
-        from tabed_engine.runner import cache_rows
-        from tabed_engine.speculative import prefill_draft
-        from tabed_engine.views import build_views
+        from tabed_engine.models.anyres import pack
+        from tabed_engine.models.image_ops import device_pixels
+        from tabed_engine.engine.prompt import pixels, prepare
+        from tabed_engine.models.decoder import cache_rows
+        from tabed_engine.speculation.chain import prefill_draft
+        from tabed_engine.speculation.views import build_views
 
         out = {}
         dev = self.device

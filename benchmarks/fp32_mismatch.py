@@ -44,7 +44,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.scenarios import DEMO, MAX_NEW, git_commit  # noqa: E402
 from benchmarks.world.scenarios import SCENARIOS, examples  # noqa: E402
 from tabed_engine import Engine, SamplingParams  # noqa: E402
-from tabed_engine.prompt import prepare  # noqa: E402
+from tabed_engine.engine.prompt import prepare  # noqa: E402
 
 TREES = (None, "10x3x2", "5x3x5", "12x2x2")
 SETTINGS = {"default": {}, "no_adaptive": dict(adaptive=False), "no_overlap": {}, "no_queue": dict(timing=True),
@@ -136,7 +136,7 @@ def emulate(eng, rng=None):
     """The CPU run as the GPU's would be: the CUDA graphs' static buffers emulated
     (`GraphCache(emulate=True)`), the prefill padded to its bucket, the cost model on; with
     `rng`, each block's kind (AR, a chain length or the tree) drawn at random instead."""
-    from tabed_engine.graphs import GraphCache
+    from tabed_engine.engine.graphs import GraphCache
 
     eng.runner.graphs, eng.runner.prefill_graphs = GraphCache(emulate=True), True
     cost = eng.scheduler.cost
@@ -149,7 +149,7 @@ def emulate(eng, rng=None):
 def share_capture_stream():
     """Every graph cache warms up and captures on one stream (so its graphs share one cuBLAS
     workspace), the draft views on another: the engine before 7439cd7, for an A/B."""
-    from tabed_engine import graphs
+    from tabed_engine.engine import graphs as graphs
 
     shared, private = torch.cuda.Stream(), graphs.private_stream
     graphs.private_stream = lambda owner, device=None: (shared if isinstance(owner, graphs.GraphCache)

@@ -88,7 +88,7 @@ def build_tokenizer(vocab_size: int, image_token: int):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tabed_engine.tiny import CHAT_TEMPLATE
+    from tabed_engine.models.tiny import CHAT_TEMPLATE
 
     fixed = {0: "<unk>", 1: "<s>", 2: "</s>", 13: "\n", image_token: "<image>", image_token + 1: "<pad>",
              3: "user:", 4: "assistant:", 5: "image:"}
@@ -136,7 +136,7 @@ def save_sharded(model, out_dir: str, shards: int):
 
 
 def build_checkpoints(root: str, shape: str, device, dtype):
-    from tabed_engine.tiny import build_processor
+    from tabed_engine.models.tiny import build_processor
 
     vision, text, draft_text, image_token = SHAPES[shape]
     target_dir, draft_dir = os.path.join(root, "target"), os.path.join(root, "draft")
@@ -217,8 +217,8 @@ def hf_load(path, device, dtype):
 
 def run(args):
     from tabed_engine import Engine, SamplingParams
-    from tabed_engine.loader import load_lvlm
-    from tabed_engine.tiny import random_image
+    from tabed_engine.models.loader import load_lvlm
+    from tabed_engine.models.tiny import random_image
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

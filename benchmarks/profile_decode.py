@@ -40,7 +40,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    from tabed_engine.model import KVCache
+    from tabed_engine.models.decoder import KVCache
 
     pre = PRESETS["llava-1.5-7b"]
     dev, dtype = torch.device("cuda"), torch.bfloat16

@@ -23,10 +23,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import event_ms, provenance  # noqa: E402
 
-from tabed_engine.config import LMConfig  # noqa: E402
-from tabed_engine.graphs import GraphCache  # noqa: E402
-from tabed_engine.model import KVCache, LlamaLM  # noqa: E402
-from tabed_engine.runner import prefill_bucket, prefill_step  # noqa: E402
+from tabed_engine.models.config import LMConfig  # noqa: E402
+from tabed_engine.engine.graphs import GraphCache  # noqa: E402
+from tabed_engine.models.decoder import KVCache, LlamaLM  # noqa: E402
+from tabed_engine.engine.prefill import prefill_bucket, prefill_step  # noqa: E402
 
 LLAMA2_7B = LMConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                      num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=4096)

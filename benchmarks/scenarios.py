@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tabed_engine.config import SamplingParams  # noqa: E402
-from tabed_engine.engine import Engine  # noqa: E402
+from tabed_engine.engine.engine import Engine  # noqa: E402
 from benchmarks.world.scenarios import SCENARIOS, examples  # noqa: E402
 
 DEMO = os.path.join(ROOT, "tabed_engine", "assets", "demo")

@@ -6,7 +6,7 @@ ignored), AR and SD (at tau = 2.31 for 5-draft chains: `e2e.geometric_schedule` 
 `Engine.bench_accept_schedule`), each repeat runs:
 * direct: N `add_request`s at once, `step()` until done, the times taken when `step()` returns
   text for a request (where the server's engine thread hands on what becomes a content chunk);
-* HTTP: `tabed_engine.server.OpenAIServer` on that engine under uvicorn on 127.0.0.1 (a thread
+* HTTP: `tabed_engine.serving.server.OpenAIServer` on that engine under uvicorn on 127.0.0.1 (a thread
   of this process, as `serve` runs it), N streamed chat completions at once from an httpx
   client in a separate process (the image a data: URL), the times taken when each content
   chunk arrives; the tokens counted by the final usage chunk.
@@ -114,7 +114,7 @@ def served(engine):
     may step the engine itself afterwards."""
     import uvicorn
 
-    from tabed_engine.server import OpenAIServer
+    from tabed_engine.serving.server import OpenAIServer
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -28,8 +28,8 @@ sys.path.insert(0, ROOT)
 from benchmarks.scenarios import DEMO, MAX_NEW, git_commit  # noqa: E402
 from benchmarks.world.scenarios import SCENARIOS, examples  # noqa: E402
 from tabed_engine import Engine, SamplingParams  # noqa: E402
-from tabed_engine.prompt import prepare  # noqa: E402
-from tabed_engine.tree import parse_tree  # noqa: E402
+from tabed_engine.engine.prompt import prepare  # noqa: E402
+from tabed_engine.speculation.tree import parse_tree  # noqa: E402
 
 DECODERS = [("chain", None), ("tree 3x2x2", "3x2x2"), ("tree 5x2x2", "5x2x2"), ("tree 5x4x2", "5x4x2"),
             ("tree 6x4x2", "6x4x2"), ("tree 6x3x3", "6x3x3")]

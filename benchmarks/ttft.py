@@ -78,7 +78,7 @@ class Bench(E2EBench):
     def _prompt(self, n_images: int, tokens: int):
         """A prompt of n_images images and text words, `tokens` tokens long (or as near as the
         words make it) and its images."""
-        from tabed_engine.tiny import random_image, words
+        from tabed_engine.models.tiny import random_image, words
 
         vocab = self.p.target["vocab_size"]
         imgs = [random_image(i, self.p.vision["image_size"]) for i in range(n_images)]
@@ -93,8 +93,8 @@ class Bench(E2EBench):
 
     def setup(self) -> dict:
         from tabed_engine import Engine
-        from tabed_engine.loader import lvlm_from_hf
-        from tabed_engine.tiny import build_processor
+        from tabed_engine.models.loader import lvlm_from_hf
+        from tabed_engine.models.tiny import build_processor
 
         p, dev, dt = self.p, self.device, self.dtype
         t0 = time.perf_counter()
@@ -190,10 +190,10 @@ class Bench(E2EBench):
 
     def split(self) -> dict:
         from tabed_engine import SamplingParams
-        from tabed_engine.image_ops import device_pixels
-        from tabed_engine.runner import cache_rows
-        from tabed_engine.speculative import prefill_draft
-        from tabed_engine.views import build_views
+        from tabed_engine.models.image_ops import device_pixels
+        from tabed_engine.models.decoder import cache_rows
+        from tabed_engine.speculation.chain import prefill_draft
+        from tabed_engine.speculation.views import build_views
 
         out = {}
         sp = SamplingParams(max_new_tokens=1)
@@ -242,7 +242,8 @@ class Bench(E2EBench):
         return out
 
     def target_prefill(self) -> dict:
-        from tabed_engine.runner import cache_rows, prefill_bucket
+        from tabed_engine.engine.prefill import prefill_bucket
+        from tabed_engine.models.decoder import cache_rows
 
         out = {}
         run = self.engines[1].runner

@@ -63,7 +63,7 @@ def images(n: int, tiny: bool):
 def float_resize_pixels(imgs, plan, device):
     """The float alternative: interpolate(bicubic, antialias) on float pixels, same crop and
     normalisation (what the device path would give without fixed-point rounding)."""
-    from tabed_engine.image_ops import _crop_axis, _normalize, _resized_size
+    from tabed_engine.models.image_ops import _crop_axis, _normalize, _resized_size
 
     out = []
     for im in imgs:
@@ -106,9 +106,9 @@ def gemm_tflops(device, dtype) -> float | None:
 
 
 def run(args) -> dict:
-    from tabed_engine.image_ops import device_pixels, pixel_plan
-    from tabed_engine.loader import lvlm_from_hf
-    from tabed_engine.tiny import build_processor
+    from tabed_engine.models.image_ops import device_pixels, pixel_plan
+    from tabed_engine.models.loader import lvlm_from_hf
+    from tabed_engine.models.tiny import build_processor
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     from PIL import Image
 
-    from . import Engine, SamplingParams
+    from tabed_engine import Engine, SamplingParams
 
     views = tuple(v.strip() for v in args.views.split(","))
     bundled = _bundled()
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                                                 {"type": "text", "text": "describe the image ."}]}]
         source = "bundled synthetic-world pair"
     else:
-        from .tiny import build_tiny_llava, random_image
+        from tabed_engine.models.tiny import build_tiny_llava, random_image
 
         tmp = tempfile.mkdtemp(prefix="tabed_demo_")
         target, draft = os.path.join(tmp, "target"), os.path.join(tmp, "draft")

@@ -3,7 +3,7 @@ import os
 import shutil
 import tempfile
 
-from tabed_engine.tiny import build_tiny_llava
+from tabed_engine.models.tiny import build_tiny_llava
 
 # Odd sizes on purpose; each covers a different corner of the loader.
 CONFIGS = {

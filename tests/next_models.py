@@ -122,7 +122,7 @@ def _build(out_dir: str, tok_dir: str, spec: dict, vocab: int, ids: dict, *, nex
     import torch
     from transformers import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 
-    from tabed_engine.tiny import _rewrite_layout
+    from tabed_engine.models.tiny import _rewrite_layout
 
     cfg = _configs(spec, vocab, ids, next_)
     torch.manual_seed(spec["seed"])

@@ -27,7 +27,7 @@ import random
 import shutil
 import tempfile
 
-from tabed_engine.tiny import build_tiny_llava
+from tabed_engine.models.tiny import build_tiny_llava
 
 IMAGE_SIZE, PATCH_SIZE = 56, 14          # 4 x 4 patches: 16 image tokens per image
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2

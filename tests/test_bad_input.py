@@ -18,8 +18,8 @@ import torch
 
 from models import model_dir
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.cli import build_parser, engine_kwargs, main
-from tabed_engine.tiny import random_image
+from tabed_engine.serving.cli import build_parser, engine_kwargs, main
+from tabed_engine.models.tiny import random_image
 
 GOOD_TEXT = "<image>\n w1 w2 w3"
 GOOD_SP = SamplingParams(max_new_tokens=8)

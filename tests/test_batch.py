@@ -11,8 +11,8 @@ import torch
 
 from realistic import image
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.graphs import CapturedFn, GraphCache
-from tabed_engine.scheduler import CostModel
+from tabed_engine.engine.graphs import CapturedFn, GraphCache
+from tabed_engine.engine.scheduler import CostModel
 from test_real_checkpoints import N_NEW, PROMPTS, images, loaded, reference
 from test_speculative import exact_dist  # noqa: F401  (fixture: the target's exact distribution)
 
@@ -345,8 +345,8 @@ def test_serve_warmup_covers_greedy_and_the_apis_default_sampling():
     """`serve --warmup` (cli.serve_warmup): neither greedy requests nor requests with the
     OpenAI API's defaults (temperature 1) capture graphs afterwards; a greedy-only warm-up
     leaves the latter to capture (so the check can fail)."""
-    from tabed_engine.cli import serve_warmup
-    from tabed_engine.openai_protocol import parse_sampling
+    from tabed_engine.serving.cli import serve_warmup
+    from tabed_engine.serving.protocol import parse_sampling
 
     requests = [SamplingParams(), SamplingParams(**parse_sampling({}, None))]
     assert not captured_after_warmup(serve_warmup, requests)
@@ -534,7 +534,7 @@ def test_draft_view_prefill_is_padded_to_a_bucket(monkeypatch):
     """The draft views' eager prefill runs at a 64-token bucket, not at each prompt's length
     (per-shape costs are paid once per bucket, and warm-up pays them), and the tokens stay
     transformers'."""
-    import tabed_engine.runner as runner_mod
+    import tabed_engine.engine.prefill as runner_mod
 
     eng = engine()
     calls, prefill_draft = [], runner_mod.prefill_draft
@@ -698,7 +698,7 @@ def test_batch_on_the_gpu_equals_alone(speculative):
 def test_row_sampling_equals_each_rows_own_settings():
     """`target_probs` with per-row settings (RowSampling) gives every row what its own
     SamplingParams give it alone; greedy rows are one-hot at the argmax; lse per row."""
-    from tabed_engine.sampling import RowSampling, target_probs
+    from tabed_engine.speculation.sampling import RowSampling, target_probs
 
     g = torch.Generator().manual_seed(0)
     sps = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(), SamplingParams(temperature=1.3, top_p=0.6),
@@ -825,7 +825,7 @@ def test_greedy_requests_share_one_verification_graph_key():
     sampling settings go through per-row tensors, so their values key nothing."""
     from types import SimpleNamespace
 
-    from tabed_engine.sampling import sampling_key
+    from tabed_engine.speculation.sampling import sampling_key
 
     assert sampling_key(SamplingParams(top_k=5)) == sampling_key(SamplingParams(top_p=0.5)) == ("greedy",)
     eng = engine(max_batch=4)

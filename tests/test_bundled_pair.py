@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tabed_engine.config import SamplingParams
-from tabed_engine.engine import Engine
+from tabed_engine.engine.engine import Engine
 from benchmarks.world.scenarios import examples
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "tabed_engine", "assets", "demo")

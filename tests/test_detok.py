@@ -12,7 +12,7 @@ import torch
 
 from realistic import FIXTURES, checkpoint
 from tabed_engine.config import SamplingParams
-from tabed_engine.request import Request
+from tabed_engine.engine.request import Request
 
 _EXTRA = ["中", "文", "字", "😀", "🚲", "é", "ü", "ß", "\n", "\n\n", " ", "  ", "3", "42", ".", ",", "?",
           "'s"]

@@ -10,7 +10,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from models import CONFIGS, model_dir
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.tiny import random_image, words
+from tabed_engine.models.tiny import random_image, words
 
 
 def hf_greedy(path, text, images, n):
@@ -157,7 +157,7 @@ def test_legacy_config_style_loads_identically(tmp_path, engines):
 
 
 def test_cli_generate_json(tmp_path, capsys):
-    from tabed_engine.cli import main
+    from tabed_engine.serving.cli import main
 
     img = tmp_path / "img.png"
     random_image(4).save(img)

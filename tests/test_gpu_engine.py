@@ -7,7 +7,7 @@ import torch
 
 from models import model_dir
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.tiny import random_image, words
+from tabed_engine.models.tiny import random_image, words
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def assert_same_or_fp_tie(engine, text, imgs, a, b, tol=1e-4):
     if a == b:
         return
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    from tabed_engine.prompt import prepare
+    from tabed_engine.engine.prompt import prepare
 
     prep = prepare(engine.processor, text, imgs, engine.target.image_token_id, engine.tokens_per_image)
     prep.ids = prep.ids + a[:i]
@@ -137,8 +137,8 @@ def test_device_images_equal_processor_pixels(engine):
 def test_llava_7b_shaped_bf16_smoke():
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from tabed_engine.loader import lvlm_from_hf
-    from tabed_engine.tiny import build_processor
+    from tabed_engine.models.loader import lvlm_from_hf
+    from tabed_engine.models.tiny import build_processor
 
     vc = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                           num_attention_heads=16, image_size=336, patch_size=14, projection_dim=768)
@@ -164,7 +164,7 @@ def test_llava_7b_shaped_bf16_smoke():
     assert len(out.token_ids) == 16
     # our bf16 prefill logits: error w.r.t. the float32 reference at most ~2x that of
     # transformers' own bf16 run on the same weights
-    from tabed_engine.prompt import prepare
+    from tabed_engine.engine.prompt import prepare
 
     prep = prepare(proc, text, [img], 4, 576)
     with torch.inference_mode():
@@ -180,7 +180,7 @@ def test_ops_at_engine_shapes(V):
     """The ensemble ops exactly as the engine calls them (strided views of graph buffers,
     small vocabularies) against their references."""
     from tabed_engine.ops.window_divergence import window_divergence, window_divergence_reference
-    from tabed_engine.ensemble import EnsembleConfig
+    from tabed_engine.speculation.ensemble import EnsembleConfig
 
     torch.manual_seed(0)
     gamma, B, K = 4, 1, 2
@@ -232,7 +232,7 @@ def test_captured_target_forwards_are_deterministic(engine, dtype):
     # a captured decode step (1 row), chain verification (6) and tree verification (64 nodes)
     # over prefixes whose attention splits (arrival counters, partials) replayed hundreds of
     # times give the same bits: no race between programs or between launches (PDL)
-    from tabed_engine.model import KVCache
+    from tabed_engine.models.decoder import KVCache
 
     lm = engine.target.lm if dtype == torch.float32 else Engine.from_pretrained(
         model_dir("mha"), device="cuda", dtype=dtype).target.lm
@@ -279,8 +279,8 @@ def test_streams_that_may_run_at_once_are_distinct(engine):
     handed out again while its owner lives, and is free again once the owner is gone."""
     import gc
 
-    from tabed_engine import graphs
-    from tabed_engine.graphs import private_stream
+    from tabed_engine.engine import graphs as graphs
+    from tabed_engine.engine.graphs import private_stream
 
     gc.collect()                             # earlier tests' engines let their streams go
     _configure(engine, ("M", "T"), "hedge")

@@ -1,4 +1,4 @@
-"""Image preprocessing on the device (tabed_engine/image_ops.py) equals the checkpoint's image
+"""Image preprocessing on the device (tabed_engine/models/image_ops.py) equals the checkpoint's image
 processor bit for bit, CLIP (LLaVA-1.5) and LLaVA-NeXT any resolution: the processor installed
 here (PIL backend without torchvision), and the torchvision backend's arithmetic through a
 reference written out below (torch's uint8 resize, transformers' torchvision center crop, pad
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from PIL import Image
 
-from tabed_engine.image_ops import (PixelPlan, _fit_size, _resize_crop, device_inputs, device_pixels,
+from tabed_engine.models.image_ops import (PixelPlan, _fit_size, _resize_crop, device_inputs, device_pixels,
                                     grid_resolution, num_tiles, pixel_plan, supports)
-from tabed_engine.prompt import _to_pil
+from tabed_engine.engine.prompt import _to_pil
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 # llava-hf/llava-1.5-7b-hf's preprocessor_config.json
@@ -317,7 +317,7 @@ def test_anyres_writes_every_element_of_out():
 @pytest.mark.parametrize("mutation", ["last pinpoint", "floor fit", "pad top-left", "pad extra pixel first"])
 def test_anyres_mistakes_are_caught(monkeypatch, mutation):
     """The comparison fails for a wrong pinpoint, fit rounding or padding placement."""
-    import tabed_engine.image_ops as ops
+    import tabed_engine.models.image_ops as ops
 
     ip = next_processor(**NEXT_CONFIGS["five-pins"])
     imgs = NEXT_IMAGES[:5]
@@ -400,7 +400,7 @@ def test_anyres_unsupported_settings_refused(kw, why):
 
 def test_anyres_layout_must_match_the_model():
     """supports(ip, layout): the model's pinpoints and tile side, which its token counts follow."""
-    from tabed_engine.anyres import AnyRes
+    from tabed_engine.models.anyres import AnyRes
 
     ip = next_processor()
     pins = tuple(tuple(p) for p in PINS)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from tabed_engine.ensemble import EnsembleConfig, EnsembleState
+from tabed_engine.speculation.ensemble import EnsembleConfig, EnsembleState
 from tabed_engine.kernels import history_update as _k
 from tabed_engine.ops.history_update import (POLICY_DIV, POLICY_GRID, POLICY_HEDGE, history_update,
                                              history_update_reference)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tabed_engine.kernels import rope_kv_write as _k
-from tabed_engine.model import rope_tables
+from tabed_engine.models.layers import rope_tables
 from tabed_engine.ops.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_reference
 
 

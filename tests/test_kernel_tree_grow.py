@@ -7,7 +7,7 @@ import torch
 
 from tabed_engine import TreeConfig
 from tabed_engine.kernels import tree_grow as _k
-from tabed_engine.model import bits_to_mask
+from tabed_engine.models.decoder import bits_to_mask
 from tabed_engine.ops.tree_grow import TreeState, tree_grow, tree_grow_reference, tree_start_reference
 
 FIELDS = [f.name for f in dataclasses.fields(TreeState)]

@@ -17,10 +17,10 @@ from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
 from next_models import FIXTURES, checkpoint
 from realistic import greedy_new_tokens, image
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.anyres import AnyRes, pack
-from tabed_engine.loader import load_lvlm, load_processor, lvlm_from_hf
-from tabed_engine.prompt import prepare
-from tabed_engine.views import build_views, view_lengths
+from tabed_engine.models.anyres import AnyRes, pack
+from tabed_engine.models.loader import load_lvlm, load_processor, lvlm_from_hf
+from tabed_engine.engine.prompt import prepare
+from tabed_engine.speculation.views import build_views, view_lengths
 
 N_NEW = 16
 NEXT = ["vicuna", "mistral", "llama3"]          # LLaVA-NeXT targets with LLaVA-NeXT drafts
@@ -264,7 +264,7 @@ def test_device_images_prepare_like_the_processor(name):
     """With device_images the prompt is expanded from the tokenizer alone: the processor's ids and
     spans for every prompt; the pixels computed at prefill (target's, and the draft's own in the
     views) equal the processors' pixel_values."""
-    from tabed_engine.image_ops import device_inputs
+    from tabed_engine.models.image_ops import device_inputs
 
     eng, host = engine(name, device_images=True), engine(name)
     proc = transformers_model(checkpoint(name)[0])[0]
@@ -303,7 +303,7 @@ def test_full_strategy_refused_as_transformers_cannot_pack_it():
     """vision_feature_select_strategy="full" on a LLaVA-NeXT checkpoint is refused with a ValueError:
     there is no reference to equal, transformers' own get_image_features fails on it (tiles of
     g*g + 1 features viewed as g x g grids)."""
-    from tabed_engine.vision import VisionEncoder
+    from tabed_engine.models.vision import VisionEncoder
 
     proc, hf = transformers_model(checkpoint("vicuna")[0])
     enc = proc(text="<image>", images=images("wide"), return_tensors="pt")
@@ -316,7 +316,7 @@ def test_full_strategy_refused_as_transformers_cannot_pack_it():
 # ---------------------------------------------------------------------------- mixed pairs
 def test_from_pretrained_mixed_pair_and_cli(capsys, tmp_path):
     """from_pretrained loads the LLaVA-1.5 draft's own processor; the CLI runs the pair."""
-    from tabed_engine.cli import main as cli_main
+    from tabed_engine.serving.cli import main as cli_main
 
     target, draft = checkpoint("mixed")
     eng = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, views=("M", "T"))
@@ -371,7 +371,7 @@ def next_exact_dist():
     """The exact distribution of the first 3 sampled tokens of the vicuna fixture's target for
     the "wide" prompt, enumerated with transformers' model as the oracle (the processed
     distribution: `target_probs`, temperature and top-k)."""
-    from tabed_engine.sampling import target_probs
+    from tabed_engine.speculation.sampling import target_probs
 
     proc, hf = transformers_model(checkpoint("vicuna")[0])
     enc = encode(proc, PROMPTS["wide"][0], images("wide"))

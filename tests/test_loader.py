@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from models import CONFIGS, model_dir
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.loader import (StreamPlan, fuse_projections, load_lvlm, load_processor, lvlm_from_hf,
-                                 read_header, read_state_dict, split_keys, stream_file, stream_plan,
-                                 tower_fingerprint, weight_files)
-from tabed_engine.tiny import build_tiny_llava, random_image
+from tabed_engine.models.loader import (fuse_projections, load_lvlm, load_processor, lvlm_from_hf, split_keys,
+                                        tower_fingerprint)
+from tabed_engine.models.safetensors_io import (StreamPlan, read_header, read_state_dict, stream_file, stream_plan,
+                                                weight_files)
+from tabed_engine.models.tiny import build_tiny_llava, random_image
 
 
 def full_dict_reference(path, dtype):
@@ -303,7 +304,8 @@ def test_header_reader_rejects_inconsistent_offsets(tmp_path):
 
 _PEAK = textwrap.dedent("""
     import sys, torch
-    from tabed_engine.loader import fuse_projections, load_lvlm, read_state_dict, split_keys
+    from tabed_engine.models.loader import fuse_projections, load_lvlm, split_keys
+    from tabed_engine.models.safetensors_io import read_state_dict
     path, how, warm = sys.argv[1:4]
     def status(key):   # this process's resident set (VmRSS) and its peak (VmHWM), bytes
         with open("/proc/self/status") as f:

@@ -26,8 +26,8 @@ def test_pdl_switch(monkeypatch):
 
 @pytest.mark.gpu
 def test_pdl_on_and_off_give_identical_logits(monkeypatch):
-    from tabed_engine.config import LMConfig
-    from tabed_engine.model import KVCache, LlamaLM
+    from tabed_engine.models.config import LMConfig
+    from tabed_engine.models.decoder import KVCache, LlamaLM
 
     dev = torch.device("cuda")
     cfg = LMConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,

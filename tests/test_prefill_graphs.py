@@ -11,9 +11,9 @@ import torch
 
 from models import model_dir
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.model import KVCache
-from tabed_engine.runner import PREFILL_STEP, prefill_bucket, prefill_buckets, prefill_step
-from tabed_engine.tiny import random_image, words
+from tabed_engine.models.decoder import KVCache
+from tabed_engine.engine.prefill import PREFILL_STEP, prefill_bucket, prefill_buckets, prefill_step
+from tabed_engine.models.tiny import random_image, words
 
 
 # ------------------------------------------------------------------ the bucket rule (CPU)
@@ -83,7 +83,7 @@ def test_fused_prefill_equals_pytorch_chain(name, monkeypatch):
     3-row cache (slot=), a one-row fresh prefill and a fresh two-row batch (masked SDPA)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the kernel on CPU tensors through the interpreter (on a GPU the -m gpu tests cover it)")
-    import tabed_engine.model as model
+    import tabed_engine.models.layers as model
     import tabed_engine.ops.rope_kv_write as ops
     from tabed_engine.kernels import rope_kv_write as kernel
 
@@ -178,7 +178,7 @@ def test_graph_prefill_matches_eager(dtype):
     """Captured prefill graphs of several buckets, into slots 0, 1 and 3, against the eager
     prefill: float32 within GEMM rounding, bf16 within twice the eager bf16 error (against
     the float32 eager prefill). The same bucket's graph serves every slot."""
-    from tabed_engine.prompt import prepare
+    from tabed_engine.engine.prompt import prepare
 
     eng = _gpu_engine(dtype)
     ref_eng = _gpu_engine(torch.float32) if dtype != torch.float32 else None
@@ -208,7 +208,7 @@ def test_graph_prefill_matches_eager(dtype):
 @pytest.mark.gpu
 def test_prompt_longer_than_last_bucket_prefills_eagerly():
     """Above `prefill_graph_max` no graph is captured and the logits are the eager ones."""
-    from tabed_engine.prompt import prepare
+    from tabed_engine.engine.prompt import prepare
 
     eng = _gpu_engine()
     eng.runner.prefill_graph_max = 64

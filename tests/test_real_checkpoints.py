@@ -13,10 +13,10 @@ from transformers import AutoProcessor, AutoTokenizer, LlamaTokenizer, LlavaForC
 
 from realistic import FIXTURES, checkpoint, greedy_new_tokens, image
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.cli import main as cli_main
-from tabed_engine.loader import load_lvlm, load_processor
-from tabed_engine.prompt import prepare
-from tabed_engine.views import build_views, resolve_escape_token
+from tabed_engine.serving.cli import main as cli_main
+from tabed_engine.models.loader import load_lvlm, load_processor
+from tabed_engine.engine.prompt import prepare
+from tabed_engine.speculation.views import build_views, resolve_escape_token
 
 N_NEW = 16
 TOKENIZERS = ("llama", "mistral", "bytelevel", "nonewline")
@@ -187,7 +187,7 @@ def test_caption_view_equals_transformers(name):
 def test_prompts_tokenized_for_device_images_equal_the_processors(name):
     """with_pixels=False (images preprocessed on the device) tokenizes without the image processor and
     expands each placeholder itself: the same ids and spans as the processor, every prompt."""
-    from tabed_engine import image_ops
+    from tabed_engine.models import image_ops as image_ops
 
     _, _, processor = loaded(name)
     image_token = processor.tokenizer.convert_tokens_to_ids("<image>")

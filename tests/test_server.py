@@ -71,7 +71,7 @@ def server(tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "tabed_engine.cli", "serve", "--target", os.path.join(DEMO, "target"),
+    cmd = [sys.executable, "-m", "tabed_engine.serving.cli", "serve", "--target", os.path.join(DEMO, "target"),
            "--draft", os.path.join(DEMO, "draft"), "--device", "cpu", "--dtype", "float32",
            "--port", str(port), "--model-name", MODEL, "--max-batch", "8",    # 16 clients: some wait
            "--warmup"]

@@ -15,9 +15,9 @@ import realistic
 from models import model_dir
 from shards import merge_when_complete, shared_dir
 from tabed_engine import Engine, SamplingParams
-from tabed_engine.ensemble import POLICIES
-from tabed_engine.model import KVCache
-from tabed_engine.tiny import random_image, words
+from tabed_engine.speculation.ensemble import POLICIES
+from tabed_engine.models.decoder import KVCache
+from tabed_engine.models.tiny import random_image, words
 
 VOCAB = 173
 VIEW_SETS = [("M",), ("T",), ("M", "T"), ("M", "T", "P", "C")]
@@ -148,10 +148,10 @@ def test_sampled_tvd_weights_move_to_matching_view(twin):
 def test_first_block_weights_come_from_the_prefill_position(engine):
     """Before the first block, each view's KL from the target's distribution of the first
     token (free from the two prefills) is the history's first entry: kld weights ∝ 1/KL."""
-    from tabed_engine.prompt import prepare
-    from tabed_engine.runner import cache_rows
-    from tabed_engine.speculative import prefill_draft
-    from tabed_engine.views import build_views
+    from tabed_engine.engine.prompt import prepare
+    from tabed_engine.models.decoder import cache_rows
+    from tabed_engine.speculation.chain import prefill_draft
+    from tabed_engine.speculation.views import build_views
 
     eng = configure(engine, ("M", "T"), "kld", 2)
     text, imgs = prompt(1)
@@ -190,8 +190,8 @@ def test_bad_engine_options():
 # ---------------------------------------------------------------- sampling is lossless
 def exact_first_tokens(eng, text, imgs, sp, n_tok):
     """Exact target distribution of the first n_tok tokens (enumerating the top-k support)."""
-    from tabed_engine.prompt import prepare
-    from tabed_engine.sampling import target_probs
+    from tabed_engine.engine.prompt import prepare
+    from tabed_engine.speculation.sampling import target_probs
 
     prep = prepare(eng.processor, text, imgs, eng.target.image_token_id, eng.tokens_per_image)
     feats = eng.target.vision(prep.pixel_values)
@@ -322,7 +322,7 @@ def test_hedge_weights_exponentiate_clipped_kl_over_all_drafted_positions():
     """`hedge`: the first recorded position alone gives 1/KL weights; after a block every
     drafted position counts (also those after the first rejection) and the weights are
     softmax(-sum min(KL, 1)). Checked against KL computed here in float64."""
-    from tabed_engine.ensemble import HEDGE_CLIP, EnsembleConfig, EnsembleState
+    from tabed_engine.speculation.ensemble import HEDGE_CLIP, EnsembleConfig, EnsembleState
 
     gen = torch.Generator().manual_seed(3)
     B, K, P, V = 2, 3, 4, 37
@@ -349,7 +349,7 @@ def test_hedge_weights_exponentiate_clipped_kl_over_all_drafted_positions():
 def test_target_probs_writes_the_unrestricted_normaliser():
     """Sampling's verification takes the target normaliser for `tvd` from `target_probs`:
     logsumexp(logits / T) before top-k / top-p, the probabilities unchanged."""
-    from tabed_engine.sampling import target_probs
+    from tabed_engine.speculation.sampling import target_probs
 
     logits = 3 * torch.randn(2, 4, VOCAB, generator=torch.Generator().manual_seed(1))
     sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
@@ -363,7 +363,7 @@ def test_target_probs_writes_the_unrestricted_normaliser():
 def test_history_step_with_normalisers_matches_without(temperature):
     """`tvd` takes the rows' normalisers from the verification ([B, γ+1]) and the draft loop
     ([γ, B*K], one row per step): the same divergences and weights as computing them."""
-    from tabed_engine.ensemble import EnsembleConfig, EnsembleState, history_step
+    from tabed_engine.speculation.ensemble import EnsembleConfig, EnsembleState, history_step
 
     gen = torch.Generator().manual_seed(4)
     B, K, gamma, V = 2, 3, 4, 37
@@ -421,7 +421,7 @@ def test_draft_logits_in_bf16_change_no_result(bf16_engine, policy, temperature,
     """The draft loop keeps a bf16 draft's logits in bf16 (no conversion per step); every
     consumer (mixing, weights, divergences, acceptance) upcasts them exactly, so the tokens,
     the acceptance record and the weights equal those of the same run on float32 logits."""
-    from tabed_engine.model import LlamaLM
+    from tabed_engine.models.decoder import LlamaLM
 
     eng = configure(bf16_engine, ("M", "T", "P", "C"), policy, 3)
     text, imgs = prompt(1)
@@ -432,8 +432,8 @@ def test_draft_logits_in_bf16_change_no_result(bf16_engine, policy, temperature,
         return out.token_ids, out.stats.accepted_lengths, out.stats.weights
 
     def block():  # one sampled draft block of 4 views straight from an empty cache
-        from tabed_engine.model import KVCache
-        from tabed_engine.speculative import draft_block
+        from tabed_engine.models.decoder import KVCache
+        from tabed_engine.speculation.chain import draft_block
 
         lm = eng.draft.lm
         cache = KVCache(lm.cfg, 4, 32, "cpu", torch.bfloat16)
@@ -457,7 +457,7 @@ def test_view_trie_and_its_greedy_walk():
     """The views' chains merge their shared prefixes; verify_tree's walk over the merged tree
     finds the longest branch the target accepts, also when branches part late."""
     from tabed_engine.ops.verify_tree import verify_tree
-    from tabed_engine.speculative import view_trie
+    from tabed_engine.speculation.chain import view_trie
 
     drafted = torch.tensor([[5, 6, 7], [5, 6, 9], [3, 6, 9]])
     tokens, parents, node_of = view_trie(drafted)

@@ -10,12 +10,12 @@ import torch
 import realistic
 from models import model_dir
 from tabed_engine import Engine, SamplingParams, TreeConfig
-from tabed_engine.config import LMConfig
-from tabed_engine.ensemble import POLICIES
-from tabed_engine.model import KVCache, LlamaLM, bits_to_mask, mask_to_bits
-from tabed_engine.tiny import random_image, words
+from tabed_engine.models.config import LMConfig
+from tabed_engine.speculation.ensemble import POLICIES
+from tabed_engine.models.decoder import KVCache, LlamaLM, bits_to_mask, mask_to_bits
+from tabed_engine.models.tiny import random_image, words
 from tabed_engine.ops.mix_topk import hash_uniform
-from tabed_engine.tree import parse_tree, tree_bits_of, tree_draft, tree_verify
+from tabed_engine.speculation.tree import parse_tree, tree_bits_of, tree_draft, tree_verify
 
 VOCAB = 173
 
@@ -307,7 +307,7 @@ def one_tree_block(cfg, draft_tables, target_table, w, temperature, n, seed, ver
     tcache.k[0, :, 0, 0] = torch.tensor([float(CTX[0]), 0.0])
     tlens = torch.ones(n, dtype=torch.int32)
     uniforms = torch.rand(n, cfg.nodes + 1, generator=g)
-    from tabed_engine.sampling import target_probs
+    from tabed_engine.speculation.sampling import target_probs
 
     def verify():
         return tree_verify(target, tcache, dcache, tokens, parents, tlens, lens, fedpos, node_q, uniforms, sp=sp,
@@ -490,7 +490,7 @@ def test_cli_tree_equals_engine(tmp_path, capsys):
     """`--tree DxWxB` on the CLI: the same tokens as the engine's tree decoding (and as AR)."""
     import json
 
-    from tabed_engine.cli import main
+    from tabed_engine.serving.cli import main
 
     text, imgs = prompt(1)
     path = tmp_path / "image.png"

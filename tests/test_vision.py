@@ -1,4 +1,4 @@
-"""The vision tower (tabed_engine/vision.py): our compact CLIP encoder gives transformers'
+"""The vision tower (tabed_engine/models/vision.py): our compact CLIP encoder gives transformers'
 features in float32 (each checkpoint layout, feature layer and selection strategy), other
 towers run as transformers modules, and on CUDA the graph-replayed bf16 tower is as close
 to float32 as transformers' own bf16 tower; plus the vision benchmark's CPU smoke run."""
@@ -10,8 +10,8 @@ import torch
 
 from bench_scripts import load_benchmark
 from models import CONFIGS, model_dir
-from tabed_engine.loader import load_lvlm
-from tabed_engine.vision import VisionEncoder, hf_vision_tower
+from tabed_engine.models.loader import load_lvlm
+from tabed_engine.models.vision import VisionEncoder, hf_vision_tower
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 EPS32 = torch.finfo(torch.float32).eps

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ext
+from tabed_engine.ops import _ext
 
 __all__ = ["compact_kv", "compact_kv_reference"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ext
+from tabed_engine.ops import _ext
 
 __all__ = ["verify_tree", "verify_tree_reference"]
 

@@ -10,10 +10,10 @@ from typing import Any, Optional
 
 import torch
 
-from .config import SamplingParams
-from .detok import Detokenizer
-from .outputs import GenerationOutput, GenerationStats
-from .prompt import Prepared
+from tabed_engine.config import SamplingParams
+from tabed_engine.engine.outputs import GenerationOutput, GenerationStats
+from tabed_engine.engine.prompt import Prepared
+from tabed_engine.serving.detok import Detokenizer
 
 
 @dataclass

@@ -125,8 +125,8 @@ def add_serve_parser(sub):
 def serve_warmup(engine) -> float:
     """`engine.warmup()` for serving: greedy requests and the API's default sampling
     (temperature 1, no top-k / top-p), which run graphs of their own. Returns the seconds."""
-    from . import SamplingParams
-    from .openai_protocol import parse_sampling
+    from tabed_engine import SamplingParams
+    from tabed_engine.serving.protocol import parse_sampling
 
     return engine.warmup(sampling=[SamplingParams(), SamplingParams(**parse_sampling({}, None))])
 
@@ -136,10 +136,10 @@ def serve_main(args) -> int:
     import os
 
     try:
-        from .server import serve
+        from tabed_engine.serving.server import serve
     except ImportError as e:
         return _error(f"{e}: the server needs the serve extra (pip install 'tabed_engine[serve]')")
-    from . import Engine
+    from tabed_engine import Engine
 
     name = args.model_name or os.path.basename(os.path.normpath(args.target))
     kw = engine_kwargs(args)
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         return serve_main(args)
     from PIL import Image
 
-    from . import Engine, SamplingParams
+    from tabed_engine import Engine, SamplingParams
 
     try:
         images = [Image.open(p).convert("RGB") for p in args.image]

@@ -2,99 +2,31 @@
 generate autoregressively or speculatively (TABED chain ensembles or draft trees)."""
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import itertools
-import secrets
 import threading
 import time
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import torch
 
-from .config import SamplingParams, check_int, check_real
-from .ensemble import EnsembleConfig
-from .loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config
-from .outputs import GenerationOutput
-from .prompt import pixels, prepare
-from .request import Request, RequestOutput
-from .runner import Runner, cache_rows
-from .scheduler import CostModel, Scheduler
-from .tree import parse_tree
-from .views import _captions, resolve_escape_token, view_lengths
-
-VIEW_NAMES = ("M", "T", "P", "C")
-_KEEP = object()          # configure(): an option not given keeps its value
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+from tabed_engine.config import SamplingParams, check_int, check_real
+from tabed_engine.engine.intake import RequestIntake
+from tabed_engine.engine.options import (KEEP, check_options, check_same_tokenizer, is_batch, resolve_device,
+                                          resolve_dtype)
+from tabed_engine.engine.outputs import GenerationOutput
+from tabed_engine.engine.request import Request, RequestOutput
+from tabed_engine.engine.runner import Runner
+from tabed_engine.engine.scheduler import CostModel, Scheduler
+from tabed_engine.engine.warmup import run_warmup
+from tabed_engine.models.decoder import cache_rows
+from tabed_engine.models.loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config
+from tabed_engine.speculation.tree import parse_tree
+from tabed_engine.speculation.views import resolve_escape_token
 
 
-def resolve_device(device) -> torch.device:
-    """`device` (None, "cpu", "cuda", "cuda:N" or a torch.device) as a usable torch.device;
-    None = CUDA when a GPU is usable, else the CPU."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = (f"this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None
-                   else "this torch sees no CUDA GPU")
-            raise ValueError(f"device={device!r} but {why}; use device='cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
-    elif dev.type != "cpu":
-        raise ValueError(f"device must be 'cpu' or 'cuda' (the engine runs on nothing else), got {device!r}")
-    return dev
 
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """`dtype` (None, a torch.dtype or its name: "float32", "bfloat16", "float16", ...) as a
-    torch.dtype; None = bfloat16 on CUDA, float32 on the CPU."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        key = dtype.lower().removeprefix("torch.")
-        if key not in DTYPES:
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16' (or a torch.dtype), got {dtype!r}")
-        return DTYPES[key]
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__} {dtype!r}")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    return dtype
-
-
-def _check_options(gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size,
-                   captioner):
-    """The constructor arguments that need no model (checked before any checkpoint loads).
-    Returns (gamma, views, EnsembleConfig)."""
-    gamma = check_int("gamma", gamma, 1)
-    if isinstance(views, str):       # "M,T" as on the command line
-        views = [v.strip() for v in views.split(",") if v.strip()]
-    if not isinstance(views, (list, tuple)):
-        raise TypeError(f"views must be a tuple of view names from {VIEW_NAMES}, got {type(views).__name__}")
-    views = tuple(views)
-    if not views or any(v not in VIEW_NAMES for v in views) or len(set(views)) != len(views):
-        raise ValueError(f"views must be a non-empty subset of {VIEW_NAMES} without repeats, got {views}")
-    window = check_int("window", window, 0)
-    if weight_temperature is not None and check_real("weight_temperature", weight_temperature) <= 0:
-        raise ValueError(f"weight_temperature must be > 0, got {weight_temperature}")
-    check_real("grid_step", grid_step)
-    for name, value in (("max_len", max_len), ("pool_size", pool_size)):
-        if value is not None:
-            check_int(name, value, 1)
-    if captioner is not None and not callable(captioner):
-        raise TypeError(f"captioner must be a callable (PIL image -> caption string), got "
-                        f"{type(captioner).__name__}")
-    return gamma, views, EnsembleConfig(policy=policy, window=window, temperature=weight_temperature,
-                                        grid_step=grid_step, num_views=len(views))
-
-
-class Engine:
+class Engine(RequestIntake):
     """Speculative-decoding engine for LLaVA-family models.
 
     Use `Engine.from_pretrained(target_dir, draft_dir, ...)`; see `generate` and `stream`.
@@ -108,7 +40,7 @@ class Engine:
                  grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
                  adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None):
-        self.gamma, self.views, self.ensemble = _check_options(
+        self.gamma, self.views, self.ensemble = check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         check_int("max_batch", max_batch, 1)
         if not 0.0 < check_real("memory_fraction", memory_fraction) <= 1.0:
@@ -127,7 +59,7 @@ class Engine:
         # per request (`_draft_room`); the draft cache keeps max_len slots (the runner's layout)
         self.draft_len = (self.max_len if draft is None
                           else min(self.max_len, draft.lm.cfg.max_position_embeddings))
-        # dynamic draft trees (tabed_engine.tree) instead of chains: None, True, a TreeConfig,
+        # dynamic draft trees (tabed_engine.speculation.tree) instead of chains: None, True, a TreeConfig,
         # a dict of its fields or "DEPTHxWIDTHxBRANCH"
         self.tree = parse_tree(tree)
         # greedy first block with several views and a divergence policy: verify every view's
@@ -160,14 +92,14 @@ class Engine:
         self.eos_ids = self._eos_ids()
         # images preprocessed on the device (bit-exact with the processor, image_ops): by
         # default on the GPU when the processor's steps are ones image_ops reproduces
-        from .image_ops import supports
+        from tabed_engine.models.image_ops import supports
         if device_images is not None and not isinstance(device_images, bool):
             raise TypeError(f"device_images must be None or a bool, got {type(device_images).__name__}")
         can = (supports(processor.image_processor, target.vision.anyres)
                if hasattr(processor, "image_processor") else False)
         if device_images and not can:
             raise ValueError("device_images=True but the processor's image preprocessing is not one "
-                             "tabed_engine.image_ops reproduces (see image_ops.pixel_plan)")
+                             "tabed_engine.models.image_ops reproduces (see image_ops.pixel_plan)")
         self.device_images = can and self.device.type == "cuda" if device_images is None else device_images
         # a draft with its own processor (views.build_views) preprocesses on the device alike
         self.draft_device_images = (self.device_images and self.draft_processor is not None
@@ -204,7 +136,7 @@ class Engine:
             raise TypeError(f"Engine.from_pretrained: {e}") from None
         bound.apply_defaults()
         args = bound.arguments
-        _check_options(*(args[k] for k in ("gamma", "views", "policy", "window", "weight_temperature",
+        check_options(*(args[k] for k in ("gamma", "views", "policy", "window", "weight_temperature",
                                            "grid_step", "max_len", "pool_size", "captioner")))
         parse_tree(args["tree"])
 
@@ -249,43 +181,6 @@ class Engine:
         if given > limit:
             raise ValueError(f"max_len ({given}) exceeds the target's max_position_embeddings ({limit})")
         return given
-
-    def _draft_room(self, prep, caption, mask, sp: SamplingParams, room: int):
-        """A speculative request's draft views must hold their prompt, the new tokens and the
-        lookahead within `draft_len` (the draft's max_position_embeddings when it is shorter
-        than the target's cache). Returns (caption, room): the caption the C view will use and
-        the tokens both caches hold after the prompts. Raises ValueError naming the numbers."""
-        skip = frozenset(v for v, m in zip(self.views, mask or ()) if not m)
-        with self._prepare_lock:                      # (captions given: the tokenizer encodes them)
-            lengths = view_lengths(self, prep, caption, skip)
-        if None in lengths and self.draft_len < self.max_len:
-            # the C view's length needs its captions: the captioner runs now instead of at prefill
-            caption = _captions(self, prep, None)
-            with self._prepare_lock:
-                lengths = view_lengths(self, prep, caption, skip)
-        known = [n for n in lengths if n is not None]    # (None: the runner checks it at prefill)
-        if not known:
-            return caption, room
-        longest = max(known)
-        limit = (f"the draft's max_position_embeddings ({self.draft_len})" if self.draft_len < self.max_len
-                 else f"the cache length {self.max_len}")
-        droom = self._check_room(sp, self.draft_len - longest, f"a draft view of {longest} tokens", limit,
-                                 "shorten the prompt or decode without the draft (speculative=False)")
-        # (within the target's cache the runner fits max_new_tokens=None to the views at prefill)
-        return caption, min(room, droom) if self.draft_len < self.max_len else room
-
-    def _check_room(self, sp: SamplingParams, free: int, what: str, limit: str, advice: str) -> int:
-        """The new tokens a cache holds when `free` of its slots are left after `what` (the
-        prompt, or a draft view), less the draft lookahead; raises ValueError naming the numbers
-        when that is none, or fewer than sp.max_new_tokens."""
-        room = free - self.lookahead - 2
-        if sp.max_new_tokens is None and room < 1:
-            raise ValueError(f"{what} + draft lookahead ({self.lookahead} + 2) exceeds {limit} (no room for new "
-                             f"tokens): {advice}")
-        if sp.max_new_tokens is not None and sp.max_new_tokens > room:
-            raise ValueError(f"{what} + max_new_tokens ({sp.max_new_tokens}) + draft lookahead ({self.lookahead} "
-                             f"+ 2) exceeds {limit}: lower max_new_tokens (at most {max(room, 0)} here), {advice}")
-        return room
 
     def _pool_size(self, given: Optional[int]) -> Optional[int]:
         """The P view's pooled grid side: at most the draft's vision grid side."""
@@ -355,8 +250,8 @@ class Engine:
             return self._adaptive
         return self.runner.graphs is not None
 
-    def configure(self, *, views=None, policy=None, window=None, gamma=None, tree=_KEEP,
-                  weight_temperature=_KEEP, grid_step=None, view_tree=None, adaptive=_KEEP):
+    def configure(self, *, views=None, policy=None, window=None, gamma=None, tree=KEEP,
+                  weight_temperature=KEEP, grid_step=None, view_tree=None, adaptive=KEEP):
         """Change speculation options between generations (the loaded models stay; caches and
         graphs are rebuilt for the next request). Arguments as the constructor's; those not
         given keep their values (tree=None means chains). Raises RuntimeError while requests
@@ -365,15 +260,15 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("configure() needs an idle engine: requests are queued or running")
             ens = self.ensemble
-            gamma, views, ensemble = _check_options(
+            gamma, views, ensemble = check_options(
                 self.gamma if gamma is None else gamma, self.views if views is None else views,
                 ens.policy if policy is None else policy, ens.window if window is None else window,
-                ens.temperature if weight_temperature is _KEEP else weight_temperature,
+                ens.temperature if weight_temperature is KEEP else weight_temperature,
                 ens.grid_step if grid_step is None else grid_step, self.max_len, self.pool_size, self.captioner)
-            new_tree = self.tree if tree is _KEEP else parse_tree(tree)
+            new_tree = self.tree if tree is KEEP else parse_tree(tree)
             if view_tree is not None:
                 self.view_tree = bool(view_tree)
-            if adaptive is not _KEEP:
+            if adaptive is not KEEP:
                 if adaptive is not None and not isinstance(adaptive, bool):
                     raise TypeError(f"adaptive must be None or a bool, got {type(adaptive).__name__}")
                 self._adaptive = adaptive
@@ -461,7 +356,7 @@ class Engine:
         engine stays usable); a list call returns a failed request's output with
         finish_reason "error" while the others finish, a single call raises RuntimeError.
         """
-        batch = _is_batch(prompt)
+        batch = is_batch(prompt)
         reqs = self._requests(prompt, images, sampling, caption, captions, speculative, batch, views)
         for r in reqs:
             r.pieces = False              # the text once at the end, not a piece per block
@@ -481,7 +376,7 @@ class Engine:
         (`StopIteration.value`) is the `GenerationOutput`. The loop body runs outside the
         engine's inference mode. The engine is held until the stream ends: finish it or call
         its `close()`."""
-        if _is_batch(prompt):
+        if is_batch(prompt):
             raise ValueError("stream() takes one prompt; stream_batch() streams a list of prompts (with images, "
                              "sampling and captions one per prompt)")
         req = self._request(prompt, images, sampling, caption, speculative, views=views)
@@ -515,56 +410,10 @@ class Engine:
         are captured for (greedy and sampled requests run graphs of their own, sampled ones per
         draft temperature and top-k / top-p use; default greedy); their token counts and stop
         settings are the warm-up's. Returns the seconds taken."""
-        from PIL import Image
-
-        from .runner import BUCKETS
-
-        t0 = time.perf_counter()
-        n = self.runner.max_batch if max_batch is None else min(check_int("max_batch", max_batch, 1),
-                                                                 self.runner.max_batch)
-        buckets = sorted({b for b in BUCKETS if b < n} | {n})
-        vc = self.target.config.get("vision_config", {})
-        side = vc.get("image_size", 336)
-        prompt = (getattr(self.processor, "image_token", "<image>") + "\n" if images else "") + "Describe it."
-        img = [Image.new("RGB", (side, side), (127, 127, 127))] if images else None
-        settings = [SamplingParams()] if sampling is None else \
-            list(sampling) if isinstance(sampling, (list, tuple)) else [sampling]
-        if not settings or not all(isinstance(x, SamplingParams) for x in settings):
-            raise TypeError("sampling must be a SamplingParams or a non-empty list of them, got "
-                            f"{sampling!r}")
-        sps = [dataclasses.replace(x, max_new_tokens=2 * self.lookahead + 4, stop_at_eos=False, stop=(),
-                                   stop_token_ids=()) for x in settings]
-        cost = self.scheduler.cost
-        # every kind of block the cost model may pick: AR and, speculating, each chain length
-        kinds = [0] + ([] if self.draft is None else list(range(1, self.gamma + 1)) if cost.chains and cost.enabled
-                       else [self.gamma])
-        prior = cost.prior                   # a gray image's acceptance says nothing about real requests
-        try:
-            for b, sp in itertools.product(buckets, sps):
-                # AR steps and the draft's catch-up run the same graphs whatever the sampling:
-                # once per bucket, with the first setting
-                first = sp is sps[0]
-                for g in kinds if first else kinds[1:]:
-                    cost.forced = g
-                    self.generate([prompt] * b, images=[img] * b, sampling=sp, speculative=g > 0)
-                if self.draft is not None and first:
-                    # AR steps, then speculative blocks: the draft's catch-up forward (kernels
-                    # compiled on first use) runs here, not at a real request's first probe
-                    cost.forced = 0
-                    reqs = self._requests([prompt] * b, [img] * b, sp, None, None, True, True)
-                    for _ in self._drive(reqs):
-                        if len(reqs[0].tokens) >= 3:     # the first token and two AR steps'
-                            cost.forced = kinds[-1]
-        finally:
-            cost.forced, cost.prior = None, prior
-        with self._lock:              # idle (generate has returned): row 0 is free to scribble on
-            if not self.scheduler.has_unfinished():
-                self.runner.capture_prefill()
-                self.runner.warm_draft_prefill()
-        return time.perf_counter() - t0
+        return run_warmup(self, max_batch, images, sampling)
 
     def prefill_target(self, prep):
-        """Diagnostics and benchmarks: prefill a prepared prompt (`tabed_engine.prompt.prepare`)
+        """Diagnostics and benchmarks: prefill a prepared prompt (`tabed_engine.engine.prompt.prepare`)
         into slot 0 of an idle engine. Returns (the slot's cache, logits of the last prompt
         position [1, V], the target's selected image features or None)."""
         if self.scheduler.has_unfinished():
@@ -616,131 +465,3 @@ class Engine:
             self._holder = None
             self._lock.release()
 
-    def _requests(self, prompt, images, sampling, caption, captions, speculative, batch, views=None) -> list[Request]:
-        """Validate every request of a call before any work. Raises ValueError/TypeError naming
-        the prompt's index for a list call."""
-        if not batch:
-            if captions is not None:
-                raise TypeError("captions= is for a list of prompts; pass caption= with one prompt")
-            return [self._request(prompt, images, sampling, caption, speculative, views=views)]
-        if caption is not None:
-            raise TypeError("caption= is for one prompt; pass captions= (one per prompt) with a list of prompts")
-        prompts = list(prompt) if not isinstance(prompt, torch.Tensor) else [p for p in prompt]
-        n = len(prompts)
-
-        def per_prompt(name, value, single):
-            if value is None or single(value):
-                return [value] * n
-            if not isinstance(value, (list, tuple)) or len(value) != n:
-                raise ValueError(f"{name} must be one value for all prompts or a list of {n} (one per prompt)")
-            return list(value)
-        imgs = [None] * n if images is None else images
-        if not isinstance(imgs, (list, tuple)) or len(imgs) != n:
-            raise ValueError(f"images must be a list of {n} image lists (one per prompt, None or [] for none)")
-        sps = per_prompt("sampling", sampling, lambda v: isinstance(v, SamplingParams))
-        caps = per_prompt("captions", captions, lambda v: False)
-        vws = per_prompt("views", views, lambda v: isinstance(v, str) or all(isinstance(x, str) for x in v))
-        reqs = []
-        for i in range(n):
-            try:
-                reqs.append(self._request(prompts[i], imgs[i], sps[i], caps[i], speculative, views=vws[i]))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-        return reqs
-
-    def _request(self, prompt, images, sampling, caption, speculative, request_id=None, views=None) -> Request:
-        """Validate one request and tokenize it (no device work). Raises ValueError/TypeError."""
-        sp = SamplingParams() if sampling is None else sampling
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
-        if not isinstance(speculative, bool):
-            raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
-        if request_id is not None and not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-        with self._prepare_lock:
-            prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image,
-                           with_pixels=not self.device_images)
-        vocab = self.target.lm.cfg.vocab_size
-        if max(prep.ids) >= vocab:
-            raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")
-        bad = [t for t in sp.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the model's vocabulary ({vocab})")
-        room = self._check_room(sp, self.max_len - len(prep.ids), f"the prompt ({len(prep.ids)} tokens)",
-                                f"the cache length {self.max_len}",
-                                "shorten the prompt or build the engine with a larger max_len")
-        use_sd = speculative and self.draft is not None
-        mask = self._view_mask(views)
-        if use_sd and self.draft_processor is not None and prep.num_images and not self.draft_device_images:
-            with self._prepare_lock:
-                prep.draft_pixel_values = pixels(self.draft_processor, prep.images)
-        if caption is not None:
-            if not (isinstance(caption, str) or (isinstance(caption, (list, tuple))
-                                                 and all(isinstance(c, str) for c in caption))):
-                raise TypeError(f"caption must be a string or a list of strings (one per image), got "
-                                f"{type(caption).__name__}")
-            if not isinstance(caption, str) and len(caption) != prep.num_images:
-                raise ValueError(f"caption has {len(caption)} strings for {prep.num_images} image(s)")
-        elif (use_sd and "C" in self.views and (mask is None or mask[self.views.index("C")])
-              and self.captioner is None and prep.num_images > 0):
-            raise ValueError("view 'C' needs a caption per image: pass caption= to generate() / stream() "
-                             "(CLI: --caption) or give the engine a captioner")
-        if use_sd:
-            caption, room = self._draft_room(prep, caption, mask, sp, room)
-        # the request's own generator, seeded from the OS when unseeded: torch's global RNG
-        # (the user's) is neither reseeded nor advanced
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, prep, sp, caption, use_sd, gen, self.tokenizer, frozenset(self.eos_ids),
-                       max_new=room if sp.max_new_tokens is None else sp.max_new_tokens, view_mask=mask)
-
-    def _view_mask(self, views) -> Optional[tuple[bool, ...]]:
-        """A request's `views=` as a mask over the engine's views (None: all)."""
-        if views is None:
-            return None
-        if isinstance(views, str):
-            views = [v.strip() for v in views.split(",") if v.strip()]
-        if not isinstance(views, (list, tuple)) or not views or any(v not in self.views for v in views):
-            raise ValueError(f"views must be a non-empty subset of the engine's views {self.views}, got {views!r}")
-        mask = tuple(v in views for v in self.views)
-        if all(mask):
-            return None
-        if self.ensemble.policy in ("w-grid", "confidence"):
-            raise ValueError(f"per-request views need a policy of kld, tvd, hedge or uniform (the engine's is "
-                             f"{self.ensemble.policy!r})")
-        return mask
-
-
-# probe strings for check_same_tokenizer: spaces, digits, a newline, punctuation, non-ASCII
-_PROBES = ("USER: <image>\nWhat is shown in this photo? ASSISTANT:", " The 2 cats sat on 1,234 mats.\n\n",
-           "naïve café – ☕ 東京", "<s></s><pad> hello\tworld")
-
-
-def check_same_tokenizer(target_tok, draft_tok):
-    """Raise ValueError unless the two tokenizers have the same vocabulary (every token and
-    id) and encode the probe strings identically: speculative decoding compares token ids."""
-    why = None
-    if len(target_tok) != len(draft_tok):
-        why = f"{len(draft_tok)} tokens against the target's {len(target_tok)}"
-    elif target_tok.get_vocab() != draft_tok.get_vocab():
-        t, d = target_tok.get_vocab(), draft_tok.get_vocab()
-        diff = sorted((set(t.items()) ^ set(d.items())), key=lambda x: x[1])[:3]
-        why = f"the vocabularies differ (e.g. {diff})"
-    else:
-        bad = next((p for p in _PROBES if target_tok.encode(p) != draft_tok.encode(p)), None)
-        if bad is not None:
-            why = f"{bad!r} encodes as {draft_tok.encode(bad)} against the target's {target_tok.encode(bad)}"
-    if why is not None:
-        raise ValueError(f"the draft's tokenizer differs from the target's: {why}; the draft must share "
-                         "the target's tokenizer")
-
-
-def _is_batch(prompt) -> bool:
-    """Whether `prompt` is a list of prompts: a list of strings, of message lists or of token-id
-    lists, or a 2-D tensor with more than one row."""
-    if isinstance(prompt, torch.Tensor):
-        return prompt.dim() == 2 and prompt.shape[0] > 1
-    if not isinstance(prompt, (list, tuple)) or not prompt:
-        return False
-    return all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt)

@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from .request import Request, RequestOutput
-from .runner import Runner, bucket_of
+from tabed_engine.engine.request import Request, RequestOutput
+from tabed_engine.engine.runner import Runner, bucket_of
 
 ALPHA_PRIOR = 0.5   # per-draft acceptance assumed before any request has speculated
 

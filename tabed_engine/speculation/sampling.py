@@ -9,7 +9,7 @@ from typing import Union
 
 import torch
 
-from .config import SamplingParams
+from tabed_engine.config import SamplingParams
 
 
 @dataclass(frozen=True, eq=False)

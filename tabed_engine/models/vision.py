@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .anyres import AnyRes, pack
+from tabed_engine.models.anyres import AnyRes, pack
 
 # q, k, v rows of the fused projection, as the checkpoint names them
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -202,7 +202,7 @@ class VisionEncoder(nn.Module):
         if not (self.compact and self.use_graphs and pv.is_cuda):
             return self._features(pv)
         if self._graphs is None:
-            from .graphs import GraphCache
+            from tabed_engine.engine.graphs import GraphCache
 
             self._graphs = GraphCache()
         outs = [self._graphs.run(tuple(chunk.shape), self._features, {"pixel_values": chunk})

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .ensemble import confidence_weights
-from .ops.compact_kv import compact_kv
-from .ops.mix_topk import mix_topk
-from .ops.tree_grow import TreeState, tree_grow, tree_start
-from .ops.verify_tree import verify_tree
+from tabed_engine.ops.compact_kv import compact_kv
+from tabed_engine.ops.mix_topk import mix_topk
+from tabed_engine.ops.tree_grow import TreeState, tree_grow, tree_start
+from tabed_engine.ops.verify_tree import verify_tree
+from tabed_engine.speculation.ensemble import confidence_weights
 
 
 @dataclass(frozen=True)

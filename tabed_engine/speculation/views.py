@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .prompt import Prepared
+from tabed_engine.engine.prompt import Prepared
 
 
 @dataclass
@@ -79,7 +79,7 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
                 and draft.vision.strategy == target.vision.strategy)
         pixels = prep.draft_pixel_values if own else prep.pixel_values
         if own and pixels is None:     # the draft's own preprocessing, on the device (draft_device_images)
-            from .image_ops import device_pixels
+            from tabed_engine.models.image_ops import device_pixels
             pixels = prep.draft_pixel_values = device_pixels(prep.images, engine.draft_processor.image_processor,
                                                              engine.device)
         sel = target_sel if same and target_sel is not None else \

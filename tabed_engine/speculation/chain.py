@@ -1,6 +1,6 @@
 """The fixed-shape pieces of a speculative block (chain): batched multi-view drafting with an
 adaptive ensemble, one target verification of γ+1 tokens with lossless acceptance; the
-runner (`tabed_engine.runner`) strings them together for a batch. With greedy decoding,
+runner (`tabed_engine.engine.runner`) strings them together for a batch. With greedy decoding,
 several views and a divergence policy, a lone request's first block is a view tree instead
 (`view_tree_block`): every view's own chain verified in one target forward.
 
@@ -16,10 +16,10 @@ from functools import partial
 
 import torch
 
-from .ensemble import confidence_weights
-from .ops.chain_verify import chain_verify
-from .ops.ensemble_mix import ensemble_mix
-from .sampling import target_probs
+from tabed_engine.ops.chain_verify import chain_verify
+from tabed_engine.ops.ensemble_mix import ensemble_mix
+from tabed_engine.speculation.ensemble import confidence_weights
+from tabed_engine.speculation.sampling import target_probs
 
 
 def prefill_draft(eng, rows, cache, pad_to: int = 0):
@@ -146,8 +146,8 @@ def tree_verify_block(target_lm, cache, tok, pos, parents, mask, tlens, kv_len=N
     accepted path's KV next to the root. Padding nodes carry parent -1 (never visited) and
     see only themselves. Returns (target logits [1, N, V], path [1, N], accepted [1], next
     token [1])."""
-    from .ops.compact_kv import compact_kv
-    from .ops.verify_tree import verify_tree
+    from tabed_engine.ops.compact_kv import compact_kv
+    from tabed_engine.ops.verify_tree import verify_tree
 
     tlogits = target_lm(cache, pos, input_ids=tok, lengths=tlens, tree_mask=mask, kv_len=kv_len)
     path, n_acc, nxt = verify_tree(tok, parents, tlogits, greedy=True)

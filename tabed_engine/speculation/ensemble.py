@@ -24,6 +24,8 @@ its own chain, γ positions per view, before the first mixture is drafted.
 """
 from __future__ import annotations
 
+import copy
+
 import itertools
 from dataclasses import dataclass
 from typing import Optional
@@ -118,8 +120,8 @@ class EnsembleState:
         no common context). Idempotent in its inputs (rewrites the same slots), as graph warm-up requires.
         Two or three launches on the GPU: `window_divergence` (one pass for KL alone) and
         `history_update`."""
-        from .ops.history_update import POLICY_DIV, POLICY_GRID, POLICY_HEDGE, history_update
-        from .ops.window_divergence import window_divergence
+        from tabed_engine.ops.history_update import POLICY_DIV, POLICY_GRID, POLICY_HEDGE, history_update
+        from tabed_engine.ops.window_divergence import window_divergence
 
         if not self.adaptive:
             return self.uniform, cursor + p_logits.shape[1]
@@ -137,8 +139,8 @@ class EnsembleState:
         own chain and p_logits[:, k] are the target's logits along that chain. All P positions
         count for every view (each compares view k with the target on the same context).
         p_logits, q_logits: [B, K, P, V]. Divergence policies (kld, tvd, hedge) only."""
-        from .ops.history_update import POLICY_DIV, POLICY_HEDGE, history_update
-        from .ops.window_divergence import window_divergence
+        from tabed_engine.ops.history_update import POLICY_DIV, POLICY_HEDGE, history_update
+        from tabed_engine.ops.window_divergence import window_divergence
 
         if self.cfg.policy not in ("kld", "tvd", "hedge"):
             raise ValueError(f"per-view history needs a divergence policy, not {self.cfg.policy!r}")
@@ -175,3 +177,12 @@ def confidence_weights(logits: torch.Tensor, B: int, K: int, temperature: float)
     # scatter, not F.one_hot: one_hot validates its input with a host sync on CUDA, which a
     # CUDA-graph capture cannot contain
     return torch.zeros_like(conf).scatter_(1, conf.argmax(-1, keepdim=True), 1.0)
+
+
+def state_rows(state: EnsembleState, start: int, stop: int) -> EnsembleState:
+    """Rows [start, stop) of an ensemble history as a history sharing its memory."""
+    view = copy.copy(state)
+    view.B = stop - start
+    for name in ("valid", "div", "match", "gkl", "cursor", "uniform"):
+        setattr(view, name, getattr(state, name)[start:stop])
+    return view

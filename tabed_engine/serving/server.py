@@ -22,12 +22,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .config import SamplingParams
-from .metrics import ServerMetrics
-from .openai_protocol import (ApiError, ParsedRequest, check_model, chunk, completion_body, parse_chat,
+from tabed_engine.config import SamplingParams
+from tabed_engine.serving.metrics import ServerMetrics
+from tabed_engine.serving.protocol import (ApiError, ParsedRequest, check_model, chunk, completion_body, parse_chat,
                               parse_completion, parse_json)
 
-log = logging.getLogger("tabed_engine.server")
+log = logging.getLogger("tabed_engine.serving.server")
 SWITCH_INTERVAL = 2e-4   # seconds: the GIL hand-over interval while the server runs
 
 

@@ -1,0 +1,245 @@
+"""A request's prefill: its images through the vision tower, the target's prompt padded to a
+64-token bucket and replayed as that bucket's CUDA graph (eager on the CPU and above
+`PREFILL_GRAPH_MAX` tokens), and the draft's views prefilled beside it (on a second stream on
+the GPU; the first token is read without waiting for them)."""
+from __future__ import annotations
+
+import contextlib
+import time
+from functools import partial
+from typing import Optional
+
+import torch
+
+from tabed_engine.engine.graphs import private_stream
+from tabed_engine.engine.prompt import Prepared
+from tabed_engine.engine.request import Request
+from tabed_engine.models.decoder import KVCache, cache_rows
+from tabed_engine.speculation.chain import prefill_draft
+from tabed_engine.speculation.ensemble import state_rows
+from tabed_engine.speculation.sampling import pick_tokens
+from tabed_engine.speculation.views import ViewRow, build_views
+
+# prompts are padded to a multiple of 64 tokens for the prefill graphs: at most 63 wasted
+# tokens (about one image's worth over ten), and a graph per 64 tokens of cache stays few (each
+# bucket costs a capture and an attention plan at warm-up: results/ttft_llava-1.5-7b_16step.md)
+PREFILL_STEP = 64
+# longer prompts prefill eagerly: there the kernels outlast the host's launches, all a graph
+# removes, and the padding costs more (benchmarks/results/ttft_llava-1.5-7b.json, graph vs eager)
+PREFILL_GRAPH_MAX = 1664
+
+
+def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Optional[int]:
+    """The padded length P >= n a prompt of n tokens is prefilled at through the graph of
+    bucket P, or None when it prefills eagerly at its own length (n above `limit` or the
+    cache). P is n rounded up to a multiple of PREFILL_STEP, at most the cache length."""
+    if n < 1 or n > min(limit, max_len):
+        return None
+    return min(-(-n // PREFILL_STEP) * PREFILL_STEP, max_len)
+
+
+def prefill_buckets(max_len: int, limit: int = PREFILL_GRAPH_MAX) -> list[int]:
+    """Every bucket `prefill_bucket` can return for a cache of `max_len` slots, ascending."""
+    return sorted({prefill_bucket(n, max_len, limit) for n in range(1, min(limit, max_len) + 1)})
+
+
+def prefill_step(lm, cache: KVCache, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor,
+                 kv_len: Optional[int] = None) -> torch.Tensor:
+    """Causal prefill of one padded prompt into cache row `slot`; the captured graph of a
+    prompt-length bucket.
+
+    x: [1, P, hidden] embeddings, the prompt's n tokens first (the padding after them is never
+    attended to by a real token; its K/V lands in slots [n, P) of the row, past the row's
+    length, which the next forward overwrites or masks). slot: [1] int64 cache row; last:
+    [1, 1] int64, n - 1. Returns the logits of position `last` [1, V]. `kv_len` is unused (the
+    keys are the prompt's own)."""
+    pos = torch.arange(x.shape[1], device=x.device)[None]
+    return lm(cache, pos, embeds=x, logits_index=last, fresh=True, slot=slot)[:, -1]
+
+
+
+class PrefillSteps:
+    """`Runner`'s prefill side (a mixin: it reads the runner's caches, graphs and streams)."""
+
+    def embed(self, model, ids: list[int], spans, feats) -> torch.Tensor:
+        """Token embeddings [len(ids), hidden] with image features placed at each span."""
+        x = model.lm.embed_tokens(torch.tensor(ids, device=self.device))
+        for i, (start, n) in enumerate(spans):
+            if feats[i].shape[0] != n:
+                raise ValueError(f"image {i} has {feats[i].shape[0]} features for {n} image tokens")
+            x[start:start + n] = feats[i].to(x.dtype)
+        return x
+
+    def encode(self, prep: Prepared):
+        """The target's vision tower and projector: (pre-projector image features: per image, or
+        per tile of any-resolution images; projected features, one [n_i, D] per image), or
+        (None, None) for a text-only prompt."""
+        if prep.pixel_values is None:
+            return None, None
+        vision = self.target.vision
+        sel = vision.select_images(prep.pixel_values.to(self.device), prep.image_sizes)
+        return sel, vision.image_features(sel, prep.image_sizes)
+
+    def prefill_lm(self, prep: Prepared, feats, slot: int) -> torch.Tensor:
+        """Prefill the target's language model on the prompt into cache row `slot`; returns the
+        logits of the last prompt position [1, V] (with a graph, its output buffer: read it
+        before the next prefill of the same bucket)."""
+        n = len(prep.ids)
+        x = self.embed(self.target, prep.ids, prep.image_spans, feats)
+        P = prefill_bucket(n, self.max_len, self.prefill_graph_max) if self.prefill_graphs else None
+        if P is None:           # eager at the prompt's own length
+            pos = torch.arange(n, device=self.device)[None]
+            return self.target.lm(cache_rows(self.tcache, slot, slot + 1), pos, embeds=x[None],
+                                  logits_index=torch.tensor([[n - 1]], device=self.device),
+                                  kv_len=self.kv_bucket(n), fresh=True)[:, -1]
+        buf, slot_t, last_t = self._prefill_inputs()
+        buf[0, :n].copy_(x)
+        buf[0, n:P].zero_()
+        slot_t.fill_(slot)
+        last_t.fill_(n - 1)
+        return self._prefill_padded(P)
+
+    def _prefill_inputs(self):
+        """The padded prefill's static inputs, one set shared by every bucket's graph: embeddings
+        [1, max_len, hidden], cache row [1], last real position [1, 1]."""
+        if self._prefill_bufs is None:
+            with torch.inference_mode(False):
+                hidden = self.target.lm.cfg.hidden_size
+                self._prefill_bufs = (torch.zeros(1, self.max_len, hidden, device=self.device, dtype=self.dtype),
+                                      torch.zeros(1, dtype=torch.long, device=self.device),
+                                      torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        return self._prefill_bufs
+
+    def _prefill_padded(self, P: int) -> torch.Tensor:
+        buf, slot_t, last_t = self._prefill_bufs
+        fn = partial(prefill_step, self.target.lm, self.tcache)
+        inputs = dict(x=buf[:, :P], slot=slot_t, last=last_t)
+        if self.graphs is None:
+            return fn(**inputs)
+        return self.graphs.run(("prefill", P), fn, inputs, shared=(buf, slot_t, last_t))
+
+    def capture_prefill(self, buckets=None) -> int:
+        """Capture the target prefill graphs of `buckets` (default: every bucket of the cache
+        length up to `prefill_graph_max`) on an idle runner: each capture writes padding into
+        cache row 0. Returns how many were captured."""
+        if self.graphs is None or not self.prefill_graphs:
+            return 0
+        self.allocate()
+        buf, slot_t, last_t = self._prefill_inputs()
+        todo = [P for P in (buckets or prefill_buckets(self.max_len, self.prefill_graph_max))
+                if ("prefill", P) not in self.graphs.graphs]
+        buf.zero_()
+        slot_t.zero_()
+        for P in todo:
+            last_t.fill_(P - 1)
+            self._prefill_padded(P)
+        self.pending = None
+        return len(todo)
+
+    def warm_draft_prefill(self) -> int:
+        """Run the draft views' prefill once at every prompt-length bucket of the draft's cache
+        (on an idle runner: writes into slot 0's draft rows), so a request's first encounter of
+        a bucket pays no one-off costs. Returns how many buckets ran."""
+        if self.draft is None:
+            return 0
+        self.allocate()
+        rows = [ViewRow([0] * P, [], []) for P in prefill_buckets(self.dcache.max_len, self.dcache.max_len)]
+        for row in rows:
+            prefill_draft(self, [row] * self.K, cache_rows(self.dcache, 0, self.K))
+        self.pending = None
+        return len(rows)
+
+    def prefill_target(self, prep: Prepared, slot: int):
+        """Encode the images and prefill target cache row `slot`; returns (logits of the last
+        prompt position [1, V], pre-projector image features or None)."""
+        sel, feats = self.encode(prep)
+        return self.prefill_lm(prep, feats, slot), sel
+
+    def prefill(self, req: Request, slot: int):
+        """Prefill `req` into `slot` (target row and, speculating, its K draft rows) and pick
+        its first token. One host read (the first token)."""
+        self.allocate()
+        t0 = time.perf_counter()
+        req.stats.time_queued = t0 - req.arrival
+        req.slot = slot
+        sp, K = req.sp, self.K
+        v = self.to_device([1.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.greedy], torch.float32)
+        self.row_temp[slot:slot + 1].copy_(v[0:1])
+        self.row_top_k[slot:slot + 1].copy_(v[1:2])
+        self.row_top_p[slot:slot + 1].copy_(v[2:3])
+        self.row_greedy[slot:slot + 1].copy_(v[3:4])
+        if req.prep.num_images and req.prep.pixel_values is None:    # preprocessed here, on the device
+            from tabed_engine.models.image_ops import device_pixels
+            req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
+        sel, feats = self.encode(req.prep)
+        vision_done = self._record()         # where the draft's views may start (they share `sel`)
+        logits = self.prefill_lm(req.prep, feats, slot)
+        first = pick_tokens(logits, sp, req.generator)                         # [1]
+        host = self._host("first", (1,))
+        host.copy_(first, non_blocking=True)
+        ready = self._record()
+        if req.speculative:
+            first_q = self._prefill_views(req, sel, slot, vision_done)
+            # the slot's views, weights and history queued behind the target's prefill before the
+            # first token is read: their host work overlaps the device's, not the token's delivery
+            if self._side is not None:
+                torch.cuda.current_stream().wait_stream(self._side)   # later work reads the draft rows
+            self.state.reset_rows(slice(slot, slot + 1))
+            self.view_mask[slot].copy_(self.to_device(req.view_mask or (True,) * K, torch.float32))
+            self.w[slot] = 1.0 / K
+            if self.state.adaptive:
+                # the prefill already verified one position: the target's distribution of the
+                # first token. Each view's divergence there gives the first block adapted weights.
+                st = state_rows(self.state, slot, slot + 1)
+                w, cursor = st.step(logits[:, None], first_q.view(1, K, 1, -1), torch.zeros_like(first),
+                                    st.cursor, temperature=1.0 if sp.greedy else sp.temperature)
+                st.cursor.copy_(cursor)
+                self.w[slot] = w[0]
+            if req.view_mask is not None:
+                self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
+        self._wait(ready)                    # the first token: not behind the draft's views
+        req.append([int(host[0])])
+        req.stats.time_first_token = time.perf_counter() - req.arrival
+        self.pending = None               # the batch changed: the queued block is stale
+        req.stats.time_prefill = time.perf_counter() - t0
+
+    def _prefill_views(self, req: Request, sel, slot: int, after) -> torch.Tensor:
+        """Build `req`'s draft views and prefill them into the slot's K draft rows; returns each
+        view's logits of the first generated token [K, V]. With `overlap_draft` (CUDA) the work
+        is queued on a second stream from event `after` (the target's vision tower done), so it
+        runs beside the target's prefill; the caller joins the streams before the rows are read."""
+        side = None
+        if self.overlap_draft and self.device.type == "cuda":
+            if self._side is None:       # a stream no graph cache holds (see graphs.py)
+                self._side = private_stream(self, self.device)
+            side = self._side
+            side.wait_event(after)
+        K = self.K
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            skip = frozenset(v for v, m in zip(self.eng.views, req.view_mask or ()) if not m)
+            rows = build_views(self.eng, req.prep, sel, req.caption, skip)
+            longest = max(len(r.ids) for r in rows)
+            # (the engine checked the views it could count when the request was added; a C view
+            # captioned only now is checked here)
+            room = self.eng.draft_len - longest - self.eng.lookahead - 2
+            if req.sp.max_new_tokens is None and 1 <= room < req.max_new:  # "as many as fit": the views' too
+                req.max_new = room
+            if req.max_new > room:
+                raise ValueError(f"a draft view of {longest} tokens + max_new_tokens exceeds the draft's "
+                                 f"{self.eng.draft_len} positions")
+            # padded to a prompt-length bucket: the eager forward's per-shape costs (kernel
+            # selection and compilation on the GPU) are paid once per bucket, not per length
+            pad = prefill_bucket(longest, self.dcache.max_len, self.dcache.max_len) or 0
+            _, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K), pad)
+        if side is not None:
+            # the caching allocator must not hand these to the other stream while still in use
+            main = torch.cuda.current_stream()
+            for t in (sel, req.prep.pixel_values):
+                if t is not None and t.is_cuda:
+                    t.record_stream(side)
+            first_q.record_stream(main)
+        req.view_len = [len(r.ids) for r in rows]
+        req.prompt_tail = [r.ids[-1] for r in rows]
+        req.draft_valid = 0
+        return first_q
+
