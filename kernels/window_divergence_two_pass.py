@@ -13,6 +13,9 @@ from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, exp2, group_best_cols, group
 # The mixture loop works on q * 2^_MIX_SHIFT so that flush-to-zero MUFU ops lose nothing
 # that fp32 softmax keeps (q >= 2^-149); the shift is exact in log2 and cancels in argmax.
 _MIX_SHIFT = tl.constexpr(24.0)
+# the least positive fp32 probability (2^-149) in the shifted units: a mixture with no mass
+# where p has some gets a large finite KL (as ops.window_divergence.MIX_FLOOR), not inf
+_MIX_FLOOR = tl.constexpr(2.0 ** -125)
 
 
 @triton.jit
@@ -169,7 +172,7 @@ def _wd_div_kernel(
             take = mix > best  # strict: the earlier position wins ties
             best = tl.where(take, mix, best)
             bidx = tl.where(take, offs[None, :], bidx)
-            g_kl += pv * (c - log2(tl.where(ppos, mix, 1.0), FAST_MATH))
+            g_kl += pv * (c - log2(tl.where(ppos, tl.maximum(mix, _MIX_FLOOR), 1.0), FAST_MATH))
         blk_best = tl.max(best, axis=1)
         blk_idx = tl.min(tl.where(best == blk_best[:, None], bidx, BIG_IDX), axis=1)
         gl = tl.arange(0, G_BLOCK)

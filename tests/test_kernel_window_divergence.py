@@ -113,6 +113,27 @@ def test_grid_matches_reference(B, K, P, V, steps, temperature, dtype, atol, rto
     assert ref[2].any() and not ref[2].all()  # the case discriminates
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixture_without_mass_where_p_has_some(dtype, kernel_device):
+    """A draft fitted to a larger padded vocabulary (models/vocab.py): its views give the last
+    columns MISSING_LOGIT (probability exactly 0) where the target has mass. Every mixture's KL
+    is finite (its probability floored at float32's least positive value, as the reference's),
+    not inf for every weight vector."""
+    from tabed_engine.models.vocab import MISSING_LOGIT
+
+    B, K, P, V = 2, 3, 3, 300
+    p_logits, q_logits = _inputs(B, K, P, V, torch.float32, "cpu", noise=0.6, seed=4)
+    q_logits = q_logits.clone()
+    q_logits[..., V - 20:] = MISSING_LOGIT
+    p_logits, q_logits = p_logits.to(dtype).to(kernel_device), q_logits.to(dtype).to(kernel_device)
+    grid = simplex_grid(K, 2).to(kernel_device)
+    kl, tv, match, gkl = _k.window_divergence(p_logits, q_logits, grid=grid)
+    ref = window_divergence_reference(p_logits, q_logits, grid=grid)
+    assert torch.isfinite(gkl).all() and torch.isfinite(kl).all()
+    torch.testing.assert_close(gkl, ref[3], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(kl, ref[0], atol=1e-3, rtol=1e-4)
+
+
 def _engine_inputs(B, K, P, V, dtype, device, noise=0.6, seed=2):
     """The engine's layout: views in a [P, B*K, V] buffer seen as [B, K, P, V], the
     target a [P, B, V] buffer seen as [B, P, V]."""

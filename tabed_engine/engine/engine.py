@@ -12,15 +12,16 @@ import torch
 
 from tabed_engine.config import SamplingParams, check_int, check_real
 from tabed_engine.engine.intake import RequestIntake
-from tabed_engine.engine.options import (KEEP, check_options, check_same_tokenizer, is_batch, resolve_device,
-                                          resolve_dtype)
+from tabed_engine.engine.options import (KEEP, check_draft_vocab, check_options, check_same_tokenizer, is_batch,
+                                          resolve_device, resolve_dtype)
 from tabed_engine.engine.outputs import GenerationOutput
 from tabed_engine.engine.request import Request, RequestOutput
 from tabed_engine.engine.runner import Runner
 from tabed_engine.engine.scheduler import CostModel, Scheduler
 from tabed_engine.engine.warmup import run_warmup
 from tabed_engine.models.decoder import cache_rows
-from tabed_engine.models.loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config
+from tabed_engine.models.loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config, vocab_size
+from tabed_engine.models.vocab import fit_vocab
 from tabed_engine.speculation.tree import parse_tree
 from tabed_engine.speculation.views import resolve_escape_token
 
@@ -71,12 +72,23 @@ class Engine(RequestIntake):
         self.escape_token = self._escape_token(escape_token)
         self.tokens_per_image = self._tokens_per_image()
         self.pool_size = self._pool_size(pool_size)
+        shared = None          # a draft of another (padded) vocabulary size: the range both have
         if draft is not None:
-            if draft.lm.cfg.vocab_size != tcfg.vocab_size:
-                raise ValueError(f"draft vocabulary ({draft.lm.cfg.vocab_size}) differs from the "
-                                 f"target's ({tcfg.vocab_size})")
             if draft.image_token_id != target.image_token_id:
                 raise ValueError("draft and target use different image token ids")
+            if draft.lm.cfg.vocab_size != tcfg.vocab_size:
+                # published pairs pad to different row counts (152000 vs 152128): the tokenizers
+                # must agree on the shared range, then the draft's head and embedding are fitted
+                # to the target's vocabulary once, here (models/vocab.py)
+                if draft_processor is None:
+                    raise ValueError(f"the draft's vocabulary ({draft.lm.cfg.vocab_size}) differs from the "
+                                     f"target's ({tcfg.vocab_size}): pass draft_processor= (the draft "
+                                     "checkpoint's processor; from_pretrained loads it) so that their tokenizers "
+                                     "can be compared")
+                shared = min(tcfg.vocab_size, draft.lm.cfg.vocab_size)
+                check_draft_vocab(processor.tokenizer, draft_processor.tokenizer, tcfg.vocab_size,
+                                  draft.lm.cfg.vocab_size)
+                fit_vocab(draft.lm, tcfg.vocab_size)
         # a draft of another image layout (a LLaVA-1.5 draft for a LLaVA-NeXT target) sees its
         # own preprocessing: its processor's pixels, its own image-token counts in the M/P rows
         self.draft_processor = None
@@ -85,10 +97,10 @@ class Engine(RequestIntake):
                 raise ValueError(f"the draft's image layout {image_layout(draft.config)} differs from the "
                                  f"target's {image_layout(target.config)}: pass draft_processor= (the draft "
                                  "checkpoint's processor; from_pretrained loads it)")
-            check_same_tokenizer(processor.tokenizer, draft_processor.tokenizer)
+            check_same_tokenizer(processor.tokenizer, draft_processor.tokenizer, shared)
             self.draft_processor = draft_processor
         elif draft_processor is not None:
-            check_same_tokenizer(processor.tokenizer, draft_processor.tokenizer)
+            check_same_tokenizer(processor.tokenizer, draft_processor.tokenizer, shared)
         self.eos_ids = self._eos_ids()
         # images preprocessed on the device (bit-exact with the processor, image_ops): by
         # default on the GPU when the processor's steps are ones image_ops reproduces
@@ -157,10 +169,15 @@ class Engine(RequestIntake):
         # before gigabytes of weights are read
         raw = {path: read_config(path) for path in (target_dir, draft_dir) if path}
         processor = load_processor(target_dir)
-        if draft_dir and image_layout(raw[draft_dir]) != image_layout(raw[target_dir]):
-            if kwargs.get("draft_processor") is None:     # its own image preprocessing
+        if draft_dir and (image_layout(raw[draft_dir]) != image_layout(raw[target_dir])
+                          or vocab_size(raw[draft_dir]) != vocab_size(raw[target_dir])):
+            if kwargs.get("draft_processor") is None:     # its own image preprocessing, or its tokenizer
                 kwargs["draft_processor"] = load_processor(draft_dir)
-            check_same_tokenizer(processor.tokenizer, kwargs["draft_processor"].tokenizer)   # before the weights
+            dtok = kwargs["draft_processor"].tokenizer    # checked before the weights load
+            if vocab_size(raw[draft_dir]) != vocab_size(raw[target_dir]):
+                check_draft_vocab(processor.tokenizer, dtok, vocab_size(raw[target_dir]), vocab_size(raw[draft_dir]))
+            else:
+                check_same_tokenizer(processor.tokenizer, dtok)
         target = load("target", lambda p: load_lvlm(p, device, dtype), target_dir)
         draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
         return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)

@@ -83,14 +83,17 @@ _PROBES = ("USER: <image>\nWhat is shown in this photo? ASSISTANT:", " The 2 cat
            "naïve café – ☕ 東京", "<s></s><pad> hello\tworld")
 
 
-def check_same_tokenizer(target_tok, draft_tok):
+def check_same_tokenizer(target_tok, draft_tok, shared=None):
     """Raise ValueError unless the two tokenizers have the same vocabulary (every token and
-    id) and encode the probe strings identically: speculative decoding compares token ids."""
+    id; with `shared`, every token whose id is below it) and encode the probe strings
+    identically: speculative decoding compares token ids."""
     why = None
-    if len(target_tok) != len(draft_tok):
+    t, d = target_tok.get_vocab(), draft_tok.get_vocab()
+    if shared is not None:
+        t, d = ({k: i for k, i in v.items() if i < shared} for v in (t, d))
+    if shared is None and len(target_tok) != len(draft_tok):
         why = f"{len(draft_tok)} tokens against the target's {len(target_tok)}"
-    elif target_tok.get_vocab() != draft_tok.get_vocab():
-        t, d = target_tok.get_vocab(), draft_tok.get_vocab()
+    elif t != d:
         diff = sorted((set(t.items()) ^ set(d.items())), key=lambda x: x[1])[:3]
         why = f"the vocabularies differ (e.g. {diff})"
     else:
@@ -98,8 +101,22 @@ def check_same_tokenizer(target_tok, draft_tok):
         if bad is not None:
             why = f"{bad!r} encodes as {draft_tok.encode(bad)} against the target's {target_tok.encode(bad)}"
     if why is not None:
-        raise ValueError(f"the draft's tokenizer differs from the target's: {why}; the draft must share "
+        where = "" if shared is None else f" in the shared token range [0, {shared})"
+        raise ValueError(f"the draft's tokenizer differs from the target's{where}: {why}; the draft must share "
                          "the target's tokenizer")
+
+
+def check_draft_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int):
+    """A draft whose vocabulary size differs from the target's: both tokenizers' ids lie below
+    both vocabularies (the rows past them are padding) and the tokenizers agree on that shared
+    range (`check_same_tokenizer`). ValueError otherwise."""
+    from tabed_engine.models.vocab import check_covers_tokenizer
+
+    shared = min(target_vocab, draft_vocab)
+    who = "target" if target_vocab <= draft_vocab else "draft"
+    check_covers_tokenizer(target_tok, shared, who, "the target's tokenizer")
+    check_covers_tokenizer(draft_tok, shared, who, "the draft's tokenizer")
+    check_same_tokenizer(target_tok, draft_tok, shared=shared)
 
 
 def is_batch(prompt) -> bool:

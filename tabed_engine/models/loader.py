@@ -50,6 +50,11 @@ def image_layout(raw: dict) -> tuple:
     return family_of(raw).image_layout(raw)
 
 
+def vocab_size(raw: dict) -> int:
+    """The language model's vocabulary (embedding rows) of a checkpoint's config dict."""
+    return family_of(raw).lm_config(raw).vocab_size
+
+
 def _auto_config(path: str):
     from transformers import AutoConfig
 

@@ -7,6 +7,10 @@ of the mixture sum_k g_k q_k match the target argmax, and KL(p || mixture_g).
 import torch
 
 _GRID_CHUNK = 16  # weight vectors per step of the reference: bounds B*16*P*V memory
+# a mixture's probability is floored at float32's least positive value in its KL: a mixture
+# with no mass where p has some (a draft fitted to a larger padded vocabulary, models/vocab.py)
+# gets a large finite KL, not inf for every weight vector (which hid w-grid's tie-break)
+MIX_FLOOR = 2.0 ** -149
 
 
 def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=None, tv=True, p_lse=None,
@@ -33,7 +37,7 @@ def window_divergence_reference(p_logits, q_logits, *, temperature=1.0, grid=Non
     for g in grid.float().split(_GRID_CHUNK):
         mix = torch.einsum("gk,bkpv->bgpv", g, q)                        # [B, g, P, V]
         match.append(mix.argmax(dim=-1) == p_arg)
-        gkl.append(torch.where(p4 > 0, p4 * (logp[:, None] - mix.log()), 0.0).sum(-1))
+        gkl.append(torch.where(p4 > 0, p4 * (logp[:, None] - mix.clamp_min(MIX_FLOOR).log()), 0.0).sum(-1))
     return kl, tv, torch.cat(match, dim=1), torch.cat(gkl, dim=1)
 
 
