@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import threading
 import time
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
@@ -20,6 +21,7 @@ from tabed_engine.engine.runner import Runner
 from tabed_engine.engine.scheduler import CostModel, Scheduler
 from tabed_engine.engine.warmup import run_warmup
 from tabed_engine.models.decoder import cache_rows
+from tabed_engine.models.safetensors_io import read_json
 from tabed_engine.models.loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config, vocab_size
 from tabed_engine.models.vocab import fit_vocab
 from tabed_engine.speculation.tree import parse_tree
@@ -70,6 +72,9 @@ class Engine(RequestIntake):
         self.timing = timing
         self.captioner = captioner
         self.escape_token = self._escape_token(escape_token)
+        # (a vision side whose image grids follow the processor's settings takes them: Qwen2.5-VL's
+        # min / max pixels)
+        target.vision.bind_processor(getattr(processor, "image_processor", None))
         self.tokens_per_image = self._tokens_per_image()
         self.pool_size = self._pool_size(pool_size)
         shared = None          # a draft of another (padded) vocabulary size: the range both have
@@ -101,6 +106,8 @@ class Engine(RequestIntake):
             self.draft_processor = draft_processor
         elif draft_processor is not None:
             check_same_tokenizer(processor.tokenizer, draft_processor.tokenizer, shared)
+        if draft is not None:
+            draft.vision.bind_processor(getattr(self.draft_processor or processor, "image_processor", None))
         self.eos_ids = self._eos_ids()
         # images preprocessed on the device (bit-exact with the processor, image_ops): by
         # default on the GPU when the processor's steps are ones image_ops reproduces
@@ -222,21 +229,26 @@ class Engine(RequestIntake):
 
     def _tokens_per_image(self):
         """The target's image-token count: an int for a fixed grid (LLaVA-1.5), else (any
-        resolution: LLaVA-NeXT) a function of a request's PIL images returning one count per
+        resolution: LLaVA-NeXT; dynamic resolution: Qwen2.5-VL) a function of a request's PIL images returning one count per
         image, as the processor expands them (`prepare` takes either)."""
         vision = self.target.vision
-        if vision.anyres is not None:
+        if vision.fixed_tokens is None:
             return lambda images: vision.tokens_per_image([(im.height, im.width) for im in images])
-        return vision.tokens_per_image([(0, 0)])[0]
+        return vision.fixed_tokens
 
     def _eos_ids(self) -> set[int]:
+        """The tokenizer's EOS, the text config's, and generation_config.json's (where
+        transformers' `generate` reads its stop ids: Qwen2.5-VL lists <|im_end|> and
+        <|endoftext|> there)."""
         ids = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
-        eos = self.target.config.get("text_config", {}).get("eos_token_id")
-        for e in (eos if isinstance(eos, list) else [eos]):
-            if e is not None:
-                ids.add(int(e))
+        gen = os.path.join(self.target.path, "generation_config.json")
+        gen_eos = read_json(gen).get("eos_token_id") if os.path.isfile(gen) else None
+        for eos in (self.target.config.get("text_config", {}).get("eos_token_id"), gen_eos):
+            for e in (eos if isinstance(eos, list) else [eos]):
+                if e is not None:
+                    ids.add(int(e))
         return ids
 
     def _max_batch(self, given: int, fraction: float) -> int:

@@ -44,7 +44,7 @@ def prefill_buckets(max_len: int, limit: int = PREFILL_GRAPH_MAX) -> list[int]:
 
 
 def prefill_step(lm, cache: KVCache, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor,
-                 kv_len: Optional[int] = None) -> torch.Tensor:
+                 kv_len: Optional[int] = None, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal prefill of one padded prompt into cache row `slot`; the captured graph of a
     prompt-length bucket.
 
@@ -52,11 +52,10 @@ def prefill_step(lm, cache: KVCache, x: torch.Tensor, slot: torch.Tensor, last: 
     attended to by a real token; its K/V lands in slots [n, P) of the row, past the row's
     length, which the next forward overwrites or masks). slot: [1] int64 cache row; last:
     [1, 1] int64, n - 1. Returns the logits of position `last` [1, V]. `kv_len` is unused (the
-    keys are the prompt's own)."""
-    pos = torch.arange(x.shape[1], device=x.device)[None]
+    keys are the prompt's own). pos: M-RoPE ids [3, 1, P] (default: the slots)."""
+    if pos is None:
+        pos = torch.arange(x.shape[1], device=x.device)[None]
     return lm(cache, pos, embeds=x, logits_index=last, fresh=True, slot=slot)[:, -1]
-
-
 
 class PrefillSteps:
     """`Runner`'s prefill side (a mixin: it reads the runner's caches, graphs and streams)."""
@@ -86,9 +85,13 @@ class PrefillSteps:
         before the next prefill of the same bucket)."""
         n = len(prep.ids)
         x = self.embed(self.target, prep.ids, prep.image_spans, feats)
+        # M-RoPE ids of a prompt with images (None: its slots); the row's later positions follow
+        # its cache slots shifted by the offset
+        pos3 = self.target.vision.positions(prep.ids, prep.image_spans, prep.image_sizes)
+        self.tcache.pos_offset[slot] = 0 if pos3 is None else int(pos3.max()) + 1 - n
         P = prefill_bucket(n, self.max_len, self.prefill_graph_max) if self.prefill_graphs else None
         if P is None:           # eager at the prompt's own length
-            pos = torch.arange(n, device=self.device)[None]
+            pos = torch.arange(n, device=self.device)[None] if pos3 is None else pos3[:, None].to(self.device)
             return self.target.lm(cache_rows(self.tcache, slot, slot + 1), pos, embeds=x[None],
                                   logits_index=torch.tensor([[n - 1]], device=self.device),
                                   kv_len=self.kv_bucket(n), fresh=True)[:, -1]
@@ -97,6 +100,9 @@ class PrefillSteps:
         buf[0, n:P].zero_()
         slot_t.fill_(slot)
         last_t.fill_(n - 1)
+        if self._prefill_pos is not None:       # (padding: ids past the prompt, never attended to)
+            self._prefill_pos[:, 0, :P].copy_(torch.arange(P).expand(3, P) if pos3 is None else
+                                              torch.cat([pos3, torch.arange(n, P).expand(3, P - n)], 1))
         return self._prefill_padded(P)
 
     def _prefill_inputs(self):
@@ -108,15 +114,21 @@ class PrefillSteps:
                 self._prefill_bufs = (torch.zeros(1, self.max_len, hidden, device=self.device, dtype=self.dtype),
                                       torch.zeros(1, dtype=torch.long, device=self.device),
                                       torch.zeros(1, 1, dtype=torch.long, device=self.device))
+                if self.target.lm.cfg.mrope_section is not None:   # M-RoPE ids, an input of the graphs
+                    self._prefill_pos = torch.arange(self.max_len, device=self.device).repeat(3, 1, 1)
         return self._prefill_bufs
 
     def _prefill_padded(self, P: int) -> torch.Tensor:
         buf, slot_t, last_t = self._prefill_bufs
         fn = partial(prefill_step, self.target.lm, self.tcache)
         inputs = dict(x=buf[:, :P], slot=slot_t, last=last_t)
+        shared = (buf, slot_t, last_t)
+        if self._prefill_pos is not None:
+            inputs["pos"] = self._prefill_pos[:, :, :P]
+            shared += (self._prefill_pos,)
         if self.graphs is None:
             return fn(**inputs)
-        return self.graphs.run(("prefill", P), fn, inputs, shared=(buf, slot_t, last_t))
+        return self.graphs.run(("prefill", P), fn, inputs, shared=shared)
 
     def capture_prefill(self, buckets=None) -> int:
         """Capture the target prefill graphs of `buckets` (default: every bucket of the cache

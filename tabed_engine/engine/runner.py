@@ -60,6 +60,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
         # CUDA: the draft's view prefill on a second stream, overlapping the target's prefill
         self.overlap_draft = self.device.type == "cuda"
         self._prefill_bufs = None
+        self._prefill_pos = None          # M-RoPE targets: the padded prefill's ids [3, 1, max_len]
         self._side = None
         self._views: dict = {}
         self._host_bufs: dict = {}

@@ -24,6 +24,9 @@ class LMConfig:
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies split into (temporal, height, width) sections
+    # rotated by three position ids; None = one position id (1-D RoPE)
+    mrope_section: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -33,6 +36,10 @@ class LMConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if self.mrope_section is not None and (len(self.mrope_section) != 3
+                                               or sum(self.mrope_section) != self.head_dim // 2):
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 sections adding up to "
+                             f"head_dim / 2 = {self.head_dim // 2}")
 
     @classmethod
     def from_text_config(cls, tc: dict, top: Optional[dict] = None) -> "LMConfig":

@@ -19,13 +19,22 @@ from tabed_engine.models.layers import DecoderLayer, Linear, RMSNorm, rope_table
 
 
 class KVCache:
-    """Static cache `k, v: [L, rows, kv_heads, S_max, head_dim]` plus per-row lengths."""
+    """Static cache `k, v: [L, rows, kv_heads, S_max, head_dim]` plus per-row lengths and
+    per-row position offsets.
+
+    `pos_offset` [rows] int64: what a row's RoPE positions add to its cache slots after the
+    prompt. Zero but for M-RoPE rows (Qwen2.5-VL) whose prompt holds images: their prompt's
+    positions (`mrope.rope_index`) end at max + 1 != the prompt's length, and every later token
+    (decode, verification, drafts, tree nodes: three equal ids, 1-D RoPE) sits at its slot +
+    that delta. Written by the prefill; read by every forward that is not a fresh prefill.
+    """
 
     def __init__(self, cfg: LMConfig, rows: int, max_len: int, device, dtype):
         shape = (cfg.num_layers, rows, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(rows, device=device, dtype=torch.int32)  # [rows]
+        self.pos_offset = torch.zeros(rows, device=device, dtype=torch.int64)  # [rows]
         self.max_len = max_len
 
     @property
@@ -38,6 +47,7 @@ def cache_rows(cache: KVCache, start: int, stop: int) -> KVCache:
     call, so graphs captured on a view stay valid)."""
     view = copy.copy(cache)
     view.k, view.v, view.lengths = cache.k[:, start:stop], cache.v[:, start:stop], cache.lengths[start:stop]
+    view.pos_offset = cache.pos_offset[start:stop]
     return view
 
 
@@ -153,6 +163,7 @@ class LlamaLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, parallel="column")
         self._rope = None
         self._ropes_outgrown = []   # CUDA graphs captured with an earlier table read it by address
+        self._mrope_index = None
 
     def rope(self, max_pos: int, device):
         """[P, 2 * head_dim] float32: the cos table, then the sin table, per position (one
@@ -163,6 +174,25 @@ class LlamaLM(nn.Module):
             self._rope = torch.cat(rope_tables(self.cfg, max(max_pos, 256), device), dim=-1)
         return self._rope
 
+    def rope_rows(self, positions: torch.Tensor, max_pos: int, device) -> torch.Tensor:
+        """The rope table's rows [R, T, 2 * head_dim] at positions [R, T], or, with M-RoPE, at
+        3-D positions [3, R, T] (temporal, height, width): each frequency takes its section's
+        position id (`mrope_section` splits the head_dim / 2 frequencies, in the cos half and
+        the sin half alike), as transformers' Qwen2.5-VL rotary embedding does."""
+        table = self.rope(max_pos, device)
+        if positions.dim() == 2:
+            return table[positions]
+        section = self.cfg.mrope_section
+        if section is None or positions.shape[0] != 3:
+            raise ValueError(f"positions of shape {tuple(positions.shape)}: 3-D positions [3, R, T] need an "
+                             "M-RoPE model (mrope_section)")
+        if self._mrope_index is None or self._mrope_index.device != table.device:
+            half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+            self._mrope_index = torch.cat([half, half, half, half]).to(table.device)   # cos | sin
+        rows = table[positions]                                                   # [3, R, T, 2D]
+        idx = self._mrope_index.expand(1, *rows.shape[1:])
+        return rows.gather(0, idx)[0]
+
     def forward(self, cache: KVCache, positions: torch.Tensor, *, input_ids=None, embeds=None,
                 tree_mask: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
                 kv_len: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
@@ -171,7 +201,9 @@ class LlamaLM(nn.Module):
         """Run T new tokens per row; returns logits in float32 (in the model's dtype with
         `float_logits=False`: no conversion kernel, for consumers that read any float dtype).
 
-        positions: [R, T] RoPE positions. input_ids: [R, T] or embeds: [R, T, hidden].
+        positions: [R, T] RoPE positions, or [3, R, T] M-RoPE ids (temporal, height, width) for a
+        fresh prefill of an M-RoPE model; a call that is not a fresh prefill adds each row's
+        `cache.pos_offset` to its [R, T] positions (M-RoPE models only). input_ids: [R, T] or embeds: [R, T, hidden].
         tree_mask: [R, T, T] bool (node i sees node j) or None for causal; or tree_bits: the
         same packed, [R, T] int64 with bit j of row i set (any strides; the CUDA kernels read it
         without a conversion).
@@ -187,7 +219,9 @@ class LlamaLM(nn.Module):
         depth by depth feeds only its new nodes).
         """
         x = self.embed_tokens(input_ids) if embeds is None else embeds
-        R, T = positions.shape
+        R, T = positions.shape[-2:]
+        if not fresh and self.cfg.mrope_section is not None:
+            positions = positions + cache.pos_offset[:, None]   # slot -> M-RoPE position: one add
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
         ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot, tree_bits, tree_offset)
@@ -195,7 +229,7 @@ class LlamaLM(nn.Module):
         # limit (it has the target's length); a request's draft rows stay within the limit
         # (`Engine._draft_room`, checked when it is added), and only the slots drafted past a
         # request's end in the block it finishes (tokens that are dropped) may go beyond it
-        cs = self.rope(max(self.cfg.max_position_embeddings, cache.max_len), x.device)[positions]  # [R, T, 2D]
+        cs = self.rope_rows(positions, max(self.cfg.max_position_embeddings, cache.max_len), x.device)  # [R, T, 2D]
         D = self.cfg.head_dim
         cos, sin = cs[:, :, None, :D], cs[:, :, None, D:]
         delta = None

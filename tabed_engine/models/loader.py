@@ -196,7 +196,7 @@ def _allocate(lm: LlamaLM, vision: VisionEncoder, device, dtype):
 
 
 def _finish(path: str, raw: dict, lm: LlamaLM, vision: VisionEncoder, family: Family) -> LoadedLVLM:
-    _init_buffers(vision.tower)
+    vision.reset_buffers()
     lm.eval().requires_grad_(False)
     vision.eval().requires_grad_(False)
     return LoadedLVLM(path, lm, vision, family.image_token_id(raw), raw, tower_fingerprint(vision.tower), family)
@@ -276,7 +276,10 @@ def load_processor(path: str):
     """The checkpoint's processor (tokenizer + image processor), offline."""
     from transformers import AutoProcessor
 
+    family = family_of(read_config(path), repr(path))
     try:
+        if family.load_processor is not None:
+            return family.load_processor(path)
         return AutoProcessor.from_pretrained(path, local_files_only=True)
     except Exception as e:   # tokenizers/transformers raise many types for unreadable files
         raise ValueError(f"could not load the tokenizer/processor from {path!r}: {e}; check that "

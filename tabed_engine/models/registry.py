@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 # the modules under tabed_engine.models that register a family, in lookup order
-FAMILY_MODULES = ("llava", "llava_next")
+FAMILY_MODULES = ("llava", "llava_next", "qwen2_5_vl")
 
 _FAMILIES: list["Family"] = []
 _imported = False
@@ -31,6 +31,8 @@ class Family:
     have. image_layout(config) -> a hashable summary of what its image preprocessing depends
     on (a draft whose layout differs from the target's gets its own processor).
     image_token_id(config) -> the token id of an image placeholder.
+    load_processor(path) -> the checkpoint's processor, for a family whose transformers
+    processor cannot be loaded as it is (None: `AutoProcessor`).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Family:
     canonical_key: Callable[[str], Optional[tuple[str, str]]]
     image_layout: Callable[[dict], tuple]
     image_token_id: Callable[[dict], Optional[int]]
+    load_processor: Optional[Callable[[str], object]] = None
 
     def matches(self, config: dict) -> bool:
         archs = config.get("architectures") or []

@@ -152,6 +152,8 @@ class VisionEncoder(nn.Module):
         self.feature_layer = feature_layer
         self.strategy = strategy
         self.compact = getattr(vc, "model_type", None) == "clip_vision_model"
+        # CLIP towers put a CLS token first ("full" keeps it); SigLIP (OneVision) has none
+        self.keeps_cls = strategy == "full" and str(getattr(vc, "model_type", "")).startswith("clip")
         self.grid = vc.image_size // vc.patch_size                 # feature grid side of one tile
         if self.compact:
             self.tower = CLIPTower(vc, _layer_indices(feature_layer, vc.num_hidden_layers))
@@ -167,13 +169,36 @@ class VisionEncoder(nn.Module):
             # "full" has no reference to equal: transformers' pack_image_features views each tile's
             # g*g + 1 features as a g x g grid, which fails (or, where g*g divides the hidden size,
             # mixes channels across positions and then fails at the newline concat)
-            if strategy != "default":
-                raise ValueError(f"LLaVA-NeXT checkpoints need vision_feature_select_strategy 'default' (the "
-                                 f"tiles' grids are packed without CLS; transformers cannot pack 'full' "
-                                 f"either), got {strategy!r}")
+            if self.keeps_cls:
+                raise ValueError(f"LLaVA-NeXT checkpoints with a CLIP tower need vision_feature_select_strategy "
+                                 f"'default' (the tiles' grids are packed without CLS; transformers cannot pack "
+                                 f"'full' either), got {strategy!r}")
             self.image_newline = nn.Parameter(torch.empty(hf_config.text_config.hidden_size))
         self.use_graphs = True
         self._graphs = None
+
+    @property
+    def default_pool(self) -> int:
+        """The P view's pooled grid side by default: half the tower's."""
+        return max(self.grid // 2, 1)
+
+    @property
+    def fixed_tokens(self) -> Optional[int]:
+        """Every image's token count when it does not depend on the image (None: any resolution)."""
+        return None if self.anyres is not None else self.grid ** 2 + self.keeps_cls
+
+    def bind_processor(self, image_processor):
+        """Nothing to take: the token counts follow from the config (see `QwenVision`)."""
+
+    def positions(self, ids, spans, sizes, pool: int = 0) -> None:
+        """1-D RoPE: a prompt's positions are its slots (see `QwenVision.positions`)."""
+        return None
+
+    def reset_buffers(self):
+        """Rebuild the tower's non-persistent buffers after loading."""
+        from tabed_engine.models.loader import _init_buffers
+
+        _init_buffers(self.tower)
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Canonical vision key (`loader.canonical_key`) -> the tensor of the tower it fills."""
@@ -213,12 +238,13 @@ class VisionEncoder(nn.Module):
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         return self.projector(feats)
 
-    def tokens_per_image(self, sizes) -> list[int]:
+    def tokens_per_image(self, sizes, pool: int = 0) -> list[int]:
         """Image tokens of each image of sizes [(height, width), ...], as the processor expands
-        them: the fixed grid (+ CLS with "full") per image, or any-resolution counts."""
+        them: the fixed grid (+ CLS with "full") per image, or any-resolution counts; pool > 0:
+        the P view's, every grid pooled to pool x pool."""
         if self.anyres is not None:
-            return [self.anyres.num_tokens(s) for s in sizes]
-        return [self.grid ** 2 + (self.strategy == "full")] * len(sizes)
+            return [self.anyres.num_tokens(s, grid=pool or None) for s in sizes]
+        return [(pool or self.grid) ** 2 + self.keeps_cls] * len(sizes)
 
     @torch.no_grad()
     def select_images(self, pixel_values: torch.Tensor, sizes=None) -> torch.Tensor:
@@ -239,7 +265,7 @@ class VisionEncoder(nn.Module):
         pool > 0 first average-pools every grid (each tile's and the base's; the CLS kept) to
         pool x pool; any-resolution images are then packed from their pooled tiles."""
         if pool:
-            sel = pool_features(sel, pool, self.strategy == "full")
+            sel = pool_features(sel, pool, self.keeps_cls)
         feats = self.project(sel)
         if self.anyres is None:
             return list(feats)

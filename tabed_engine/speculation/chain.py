@@ -33,11 +33,33 @@ def prefill_draft(eng, rows, cache, pad_to: int = 0):
     x = torch.zeros(len(rows), Tm, draft.lm.cfg.hidden_size, device=dev, dtype=eng.dtype)
     for i, r in enumerate(rows):
         x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.feats)
-    pos = torch.arange(Tm, device=dev)[None].expand(len(rows), Tm)
+    pos, offsets = prompt_positions([r.positions for r in rows], lens, Tm)
+    pos = pos.to(dev)
+    cache.pos_offset.copy_(torch.tensor(offsets))
     lens = torch.tensor(lens, device=dev)
     logits = draft.lm(cache, pos, embeds=x, logits_index=(lens - 1)[:, None], kv_len=eng.kv_bucket(Tm),
                       fresh=True)[:, 0]
     return lens, logits
+
+
+def prompt_positions(positions, lens, T: int):
+    """RoPE positions of prompts prefilled as rows of one batch, padded to T: [R, T] slots when
+    no row has M-RoPE ids, else [3, R, T] (rows without them: three equal ids = slots; the
+    padding continues from each row's end), and each row's `KVCache.pos_offset`: its largest
+    id + 1 - its length (0 for a row without M-RoPE ids)."""
+    R = len(lens)
+    slots = torch.arange(T)[None].expand(R, T)
+    if all(p is None for p in positions):
+        return slots, [0] * R
+    pos = slots[None].repeat(3, 1, 1)
+    offsets = []
+    for i, (p, n) in enumerate(zip(positions, lens)):
+        delta = 0 if p is None else int(p.max()) + 1 - n
+        if p is not None:
+            pos[:, i, :n] = p
+            pos[:, i, n:] += delta
+        offsets.append(delta)
+    return pos, offsets
 
 
 def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, gamma: int,

@@ -4,7 +4,8 @@ M  multimodal: the draft's own image features at the image tokens.
 T  text-only: each image's token run replaced by one escape token: the tokenizer's newline
    token (`resolve_escape_token`), or, for a tokenizer without one, nothing (the image's
    tokens are dropped).
-P  image-pooled: the draft's vision feature grid average-pooled (24×24 -> 12×12 default).
+P  image-pooled: the draft's vision feature grid average-pooled (24×24 -> 12×12 default;
+   Qwen2.5-VL: each image's merged grid over 2×2 windows, with its M-RoPE ids on the pooled grid).
    Any-resolution (LLaVA-NeXT) drafts pool every tile's grid and the base tile's grid alike
    (g×g -> s×s), then pack the pooled tiles as the model packs full ones (anyres.py: unpadded
    to the image's aspect ratio at the pooled resolution, the newline after each pooled row,
@@ -32,6 +33,7 @@ class ViewRow:
     ids: list[int]
     spans: list[tuple[int, int]]            # image-token runs in `ids`
     feats: list[torch.Tensor]               # projected features per span
+    positions: Optional[torch.Tensor] = None   # M-RoPE ids [3, len(ids)]; None: the slots
 
 
 def resolve_escape_token(tokenizer) -> Optional[int]:
@@ -89,10 +91,10 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
     for v in engine.views:
         v = "T" if v in skip else v
         if v in ("M", "P") and sel is not None:
-            pool = 0 if v == "M" else engine.pool_size or max(draft.vision.grid // 2, 1)
+            pool = 0 if v == "M" else engine.pool_size or draft.vision.default_pool
             feats = draft.vision.image_features(sel, prep.image_sizes, pool=pool)
             ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats])
-            rows.append(ViewRow(ids, spans, feats))
+            rows.append(ViewRow(ids, spans, feats, draft.vision.positions(ids, spans, prep.image_sizes, pool)))
         elif v == "T" and sel is not None:
             escape = [] if engine.escape_token is None else [engine.escape_token]
             ids, _ = _replace_images(prep, [escape] * prep.num_images)
@@ -122,9 +124,7 @@ def view_lengths(engine, prep: Prepared, caption, skip: frozenset = frozenset())
         if v == "M":
             per = sum(vision.tokens_per_image(sizes))
         elif v == "P":
-            pool = engine.pool_size or max(vision.grid // 2, 1)
-            per = (sum(vision.anyres.num_tokens(s, grid=pool) for s in sizes) if vision.anyres is not None
-                   else n * (pool * pool + (vision.strategy == "full")))
+            per = sum(vision.tokens_per_image(sizes, pool=engine.pool_size or vision.default_pool))
         elif v == "T":
             per = 0 if engine.escape_token is None else n
         elif caption is None and engine.captioner is not None:

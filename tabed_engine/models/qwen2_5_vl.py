@@ -1,0 +1,135 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): a Qwen2 decoder (q/k/v bias, GQA, rope θ
+1e6) with M-RoPE (`rope_scaling` {type: mrope / default, mrope_section}), the Qwen2.5-VL vision
+transformer with its patch merger (qwen2_5_vl_vision.py) and dynamic resolution.
+
+config.json holds the text fields at its top level (as the Hub's checkpoints were saved) or
+under `text_config` (later transformers); both are read. Both key layouts load: the published
+one (`model.*` language model, `visual.*` vision tower, `lm_head.*`) and the one of
+transformers 4.5x's save_pretrained (`model.language_model.*`, `model.visual.*`, `lm_head.*`).
+
+transformers' `Qwen2_5_VLProcessor` cannot be built without torchvision (its video processor),
+so the family's processor is `QwenVLProcessor`: the checkpoint's tokenizer, its PIL image
+processor and chat template, expanding each `<|image_pad|>` to the image's token count as the
+published processor does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from tabed_engine.models.config import LMConfig
+from tabed_engine.models.decoder import LlamaLM
+from tabed_engine.models.qwen2_5_vl_vision import QwenVision
+from tabed_engine.models.registry import Family, register
+
+_VISION_KEYS = ("text_config", "vision_config")
+
+
+def text_config(config: dict) -> dict:
+    """The text fields of a config dict: its top level, overridden by `text_config` if any."""
+    return {**{k: v for k, v in config.items() if k not in _VISION_KEYS}, **(config.get("text_config") or {})}
+
+
+def lm_config(config: dict) -> LMConfig:
+    """The decoder's shape, with M-RoPE's sections (ValueError for a RoPE type or a sliding
+    window the decoder does not run)."""
+    tc = text_config(config)
+    rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("mrope", "default"):
+        raise ValueError(f"unsupported Qwen2.5-VL RoPE type {rope_type!r} (supported: mrope, default)")
+    if tc.get("use_sliding_window"):
+        raise ValueError("Qwen2.5-VL checkpoints with use_sliding_window=true are not supported")
+    theta = rope.get("rope_theta", tc.get("rope_theta", 1000000.0))
+    plain = {**tc, "model_type": "qwen2", "rope_scaling": None, "rope_parameters": {"rope_theta": theta}}
+    cfg = LMConfig.from_text_config(plain, config)
+    section = rope.get("mrope_section")
+    return dataclasses.replace(cfg, mrope_section=None if section is None else tuple(section))
+
+
+def canonical_key(key: str) -> Optional[tuple[str, str]]:
+    """(part, key) of a checkpoint tensor in either layout: "lm" with `LlamaLM`'s names,
+    "vision" with the vision tower's (merger included); None if not Qwen2.5-VL's."""
+    if key.startswith("lm_head."):
+        return "lm", key
+    for prefix in ("model.visual.", "visual."):
+        if key.startswith(prefix):
+            return "vision", key[len(prefix):]
+    for prefix in ("model.language_model.", "model."):
+        if key.startswith(prefix):
+            return "lm", key[len(prefix):]
+    return None
+
+
+def build_vision(hf_config, config: dict) -> QwenVision:
+    return QwenVision(hf_config)
+
+
+def image_layout(config: dict) -> tuple:
+    """What the image preprocessing and token counts depend on in config.json: the patch,
+    temporal patch and merge sizes."""
+    vc = config.get("vision_config") or {}
+    return vc.get("patch_size", 14), vc.get("temporal_patch_size", 2), vc.get("spatial_merge_size", 2)
+
+
+def image_token_id(config: dict) -> Optional[int]:
+    token = config.get("image_token_id", 151655)
+    return None if token is None else int(token)
+
+
+class QwenVLProcessor:
+    """Tokenizer + image processor + chat template of a Qwen2.5-VL checkpoint, with the call
+    the engine's prompt path uses: `processor(text=..., images=..., return_tensors="pt")`
+    expands every `<|image_pad|>` to its image's grid_t * grid_h * grid_w / merge² tokens."""
+
+    image_token = "<|image_pad|>"
+    video_token = "<|video_pad|>"
+
+    def __init__(self, tokenizer, image_processor, chat_template: Optional[str] = None):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+
+    def apply_chat_template(self, messages, **kwargs):
+        """The chat template rendered by the tokenizer (text with one `<|image_pad|>` per image)."""
+        if self.chat_template is None:
+            raise ValueError("the checkpoint has no chat template (chat_template.json or the tokenizer's)")
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, **kwargs)
+
+    def __call__(self, text: str, images=None, return_tensors: str = "pt"):
+        out = {}
+        if images:
+            out = dict(self.image_processor(images, return_tensors=return_tensors))
+            pieces = text.split(self.image_token)
+            if len(pieces) - 1 != len(images):
+                raise ValueError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} "
+                                 "image(s) were given")
+            merge = self.image_processor.merge_size ** 2
+            counts = [int(g.prod()) // merge for g in out["image_grid_thw"]]
+            text = pieces[0] + "".join(self.image_token * n + p for n, p in zip(counts, pieces[1:]))
+        out.update(self.tokenizer(text, return_tensors=return_tensors))
+        return out
+
+
+def load_processor(path: str) -> QwenVLProcessor:
+    """The checkpoint's tokenizer, PIL image processor (preprocessor_config.json as published:
+    min / max pixels) and chat template, offline, without torchvision."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    template = None
+    tpl_file = os.path.join(path, "chat_template.json")
+    if os.path.isfile(tpl_file):
+        with open(tpl_file) as f:
+            template = json.load(f).get("chat_template")
+    return QwenVLProcessor(tok, image_processor, template)
+
+
+FAMILY = register(Family(
+    name="qwen2_5_vl", architectures=("Qwen2_5_VLForConditionalGeneration",), model_types=("qwen2_5_vl",),
+    lm_config=lm_config, build_lm=LlamaLM, build_vision=build_vision, canonical_key=canonical_key,
+    image_layout=image_layout, image_token_id=image_token_id, load_processor=load_processor))
