@@ -116,6 +116,11 @@ def add_serve_parser(sub):
                         "as OpenAI's API does)")
     s.add_argument("--image-root", default=None, metavar="DIR",
                    help="accept local image paths only inside DIR (default: any file the server can read)")
+    s.add_argument("--data-parallel", type=int, default=1, metavar="M",
+                   help="serve M engine replicas behind this one HTTP front, one process each (on CUDA replica "
+                        "i on GPU i, or on GPU group i with tensor parallelism; pick the GPUs with "
+                        "CUDA_VISIBLE_DEVICES), each request routed to the least-loaded replica (default 1: "
+                        "the engine in this process)")
     s.add_argument("--warmup", action="store_true",
                    help="before serving, decode a few tokens at every batch size the engine has, greedy and at "
                         "the API's default sampling (captures the CUDA graphs and compiles the kernels the first "
@@ -142,11 +147,15 @@ def serve_main(args) -> int:
     from tabed_engine import Engine
 
     name = args.model_name or os.path.basename(os.path.normpath(args.target))
+    if args.data_parallel < 1:
+        return _error(f"--data-parallel must be a positive int, got {args.data_parallel}")
     kw = engine_kwargs(args)
     if args.max_batch is not None:
         kw["max_batch"] = args.max_batch
     if args.memory_fraction is not None:
         kw["memory_fraction"] = args.memory_fraction
+    if args.data_parallel != 1:
+        return _serve_replicas(args, name, kw)
     try:
         engine = Engine.from_pretrained(args.target, args.draft,
                                         log=lambda s: print(s, end="", file=sys.stderr, flush=True), **kw)
@@ -157,6 +166,37 @@ def serve_main(args) -> int:
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(engine, host=args.host, port=args.port, model_name=name,
           default_max_tokens=args.max_tokens_default, image_root=args.image_root)
+    return 0
+
+
+def _serve_replicas(args, name: str, kw: dict) -> int:
+    """`serve --data-parallel M` (M > 1): M replica processes behind one front; this process
+    owns them (started here, stopped on exit, error or Ctrl-C)."""
+    import functools
+    import os
+
+    from tabed_engine.serving.data_parallel import ReplicaPool
+    from tabed_engine.serving.replica import NO_MULTICAST_ENV, load_engine, plan_replicas
+    from tabed_engine.serving.server import serve
+
+    os.environ.update(NO_MULTICAST_ENV)      # the replicas inherit it too
+    kw = dict(kw)
+    try:
+        plans = plan_replicas(args.data_parallel, kw.pop("device"), getattr(args, "tensor_parallel", None) or 1)
+    except ValueError as e:
+        return _error(e)
+    pool = ReplicaPool(functools.partial(load_engine, args.target, args.draft, kw, args.warmup), plans)
+    try:
+        try:
+            pool.start_processes(say=lambda s: print(s, end="", file=sys.stderr, flush=True))
+        except RuntimeError as e:
+            return _error(e)
+        print(f"serving {name!r} on http://{args.host}:{args.port}/v1 with {len(plans)} replicas",
+              file=sys.stderr, flush=True)
+        serve(None, host=args.host, port=args.port, model_name=name, default_max_tokens=args.max_tokens_default,
+              image_root=args.image_root, backend=pool)
+    finally:
+        pool.close()
     return 0
 
 

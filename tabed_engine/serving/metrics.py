@@ -1,7 +1,13 @@
-"""The server's Prometheus metrics, written in the text exposition format (no dependency)."""
+"""The server's Prometheus metrics, written in the text exposition format (no dependency).
+
+With data-parallel replicas every metric a replica produces is reported twice over: the total
+(no label, as a single-engine server reports it: dashboards need not change) and once per
+replica (label `replica="i"`); the totals are the sums of the replicas' series. Rejections
+(`tabed_rejected_requests_total`) happen at the front, most before a replica is chosen: total only."""
 from __future__ import annotations
 
 import bisect
+import copy
 from collections import defaultdict
 
 
@@ -15,11 +21,17 @@ class Counter:
     def inc(self, amount: float = 1.0, value: str = ""):
         self.values[value] += amount
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+    def add(self, other: "Counter"):
+        """Add another counter's counts (a replica's) to this one."""
+        for v, n in other.values.items():
+            self.values[v] += n
+
+    def render(self, extra: str = "", header: bool = True) -> list[str]:
+        """The exposition lines; `extra`: one more label (`replica="0"`) on every sample."""
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"] if header else []
         for v, n in sorted(self.values.items()) or [("", 0.0)]:
-            labels = f'{{{self.label}="{v}"}}' if self.label and v else ""
-            lines.append(f"{self.name}{labels} {n:g}")
+            labels = ",".join(filter(None, [f'{self.label}="{v}"' if self.label and v else "", extra]))
+            lines.append(f"{self.name}{{{labels}}} {n:g}" if labels else f"{self.name} {n:g}")
         return lines
 
 
@@ -39,13 +51,20 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+    def add(self, other: "Histogram"):
+        """Add another histogram's observations (a replica's, same buckets) to this one."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.sum += other.sum
+
+    def render(self, extra: str = "", header: bool = True) -> list[str]:
+        """The exposition lines; `extra`: one more label (`replica="0"`) on every sample."""
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"] if header else []
+        pre, braces = (extra + ",", f"{{{extra}}}") if extra else ("", "")
         total = 0
         for le, n in zip(self.buckets + [float("inf")], self.counts):
             total += n
-            lines.append(f'{self.name}_bucket{{le="{"+Inf" if le == float("inf") else f"{le:g}"}"}} {total}')
-        lines += [f"{self.name}_sum {self.sum:g}", f"{self.name}_count {total}"]
+            lines.append(f'{self.name}_bucket{{{pre}le="{"+Inf" if le == float("inf") else f"{le:g}"}"}} {total}')
+        lines += [f"{self.name}_sum{braces} {self.sum:g}", f"{self.name}_count{braces} {total}"]
         return lines
 
 
@@ -53,9 +72,11 @@ _SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class ServerMetrics:
-    """Everything /metrics reports. Updated from the event loop's thread only."""
+    """Everything /metrics reports. Updated from the event loop's thread only. `replicas`: the
+    number of data-parallel replicas, each with a ServerMetrics of its own in `self.replicas`
+    (their front's own series then count only rejections)."""
 
-    def __init__(self):
+    def __init__(self, replicas: int = 0):
         self.requests = Counter("tabed_requests_total", "Finished requests by finish reason.", "finish_reason")
         self.rejected = Counter("tabed_rejected_requests_total", "Requests refused with an HTTP error, "
                                 "by status.", "status")
@@ -76,6 +97,16 @@ class ServerMetrics:
         self.step_outputs = Histogram("tabed_step_requests", "Requests that got tokens or finished per "
                                       "engine step (about the batch size).", [1, 2, 4, 8, 16, 32, 64, 128])
         self.running = 0
+        self.replicas = [ServerMetrics() for _ in range(replicas)]
+        self.routed = Counter("tabed_replica_requests_total", "Requests handed to each replica (those it "
+                              "accepted).", "replica")
+        for i in range(replicas):
+            self.routed.values[str(i)] = 0.0
+        self.up = {i: 1 for i in range(replicas)}       # replica -> 1 serving, 0 dead
+
+    def _per_replica(self) -> tuple:
+        return (self.requests, self.prompt_tokens, self.completion_tokens, self.ttft, self.itl, self.latency,
+                self.accepted, self.tau, self.step_outputs)
 
     def finished(self, out, arrival: float, first: float | None, last: float):
         """Record one finished request (`out`: its GenerationOutput; times from perf_counter)."""
@@ -95,9 +126,32 @@ class ServerMetrics:
             self.tau.observe(s.block_efficiency)
 
     def render(self) -> str:
+        if self.replicas:
+            return self._render_replicas()
         lines = ["# HELP tabed_requests_running Requests in the engine now.",
                  "# TYPE tabed_requests_running gauge", f"tabed_requests_running {self.running}"]
         for m in (self.requests, self.rejected, self.prompt_tokens, self.completion_tokens, self.ttft,
                   self.itl, self.latency, self.accepted, self.tau, self.step_outputs):
             lines += m.render()
+        return "\n".join(lines) + "\n"
+
+    def _render_replicas(self) -> str:
+        """Each metric's total (the sum over the replicas) and then its per-replica series."""
+        label = [f'replica="{i}"' for i in range(len(self.replicas))]
+        running = [r.running for r in self.replicas]
+        lines = ["# HELP tabed_requests_running Requests in the engines now.", "# TYPE tabed_requests_running gauge",
+                 f"tabed_requests_running {sum(running)}"]
+        lines += [f"tabed_requests_running{{{lab}}} {n}" for lab, n in zip(label, running)]
+        lines += ["# HELP tabed_replica_up Whether each data-parallel replica serves (1) or died (0).",
+                  "# TYPE tabed_replica_up gauge"] + [f"tabed_replica_up{{{lab}}} {self.up[i]}"
+                                                      for i, lab in enumerate(label)]
+        lines += self.routed.render()
+        lines += self.rejected.render()
+        for k, total in enumerate(self._per_replica()):
+            total = copy.deepcopy(total)
+            for rep in self.replicas:
+                total.add(rep._per_replica()[k])
+            lines += total.render()
+            for rep, lab in zip(self.replicas, label):
+                lines += rep._per_replica()[k].render(extra=lab, header=False)
         return "\n".join(lines) + "\n"

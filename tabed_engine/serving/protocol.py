@@ -236,6 +236,19 @@ def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
     return _stream_options(body, req)
 
 
+def submit_to_engine(engine, rid: str, req: ParsedRequest) -> None:
+    """Queue a parsed request on `engine` under the id `rid` (the single-engine server and every
+    data-parallel replica go through here). Input the engine refuses (ValueError / TypeError)
+    becomes an ApiError (400) with the engine's message on one line."""
+    from tabed_engine.config import SamplingParams
+
+    try:
+        engine.add_request(req.prompt, images=req.images or None, sampling=SamplingParams(**req.sampling),
+                           caption=req.caption, request_id=rid)
+    except (ValueError, TypeError) as e:
+        raise ApiError(" ".join(str(e).split())) from None
+
+
 def usage(out) -> dict:
     """OpenAI's usage block from a GenerationOutput."""
     p, c = out.stats.prompt_tokens, len(out.token_ids)

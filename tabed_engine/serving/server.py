@@ -22,10 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tabed_engine.config import SamplingParams
 from tabed_engine.serving.metrics import ServerMetrics
 from tabed_engine.serving.protocol import (ApiError, ParsedRequest, check_model, chunk, completion_body, parse_chat,
-                              parse_completion, parse_json)
+                              parse_completion, parse_json, submit_to_engine)
 
 log = logging.getLogger("tabed_engine.serving.server")
 SWITCH_INTERVAL = 2e-4   # seconds: the GIL hand-over interval while the server runs
@@ -81,12 +80,7 @@ class EngineLoop:
             raise ApiError(f"the engine failed: {self.failure}", status=503, kind="server_error")
         track = self._tracked[rid] = _Tracked(asyncio.Queue())   # before the engine can answer
         try:
-            sampling = SamplingParams(**req.sampling)
-            await asyncio.to_thread(self.engine.add_request, req.prompt, images=req.images or None,
-                                    sampling=sampling, caption=req.caption, request_id=rid)
-        except (ValueError, TypeError) as e:
-            del self._tracked[rid]
-            raise ApiError(" ".join(str(e).split())) from None
+            await asyncio.to_thread(submit_to_engine, self.engine, rid, req)
         except BaseException:
             del self._tracked[rid]
             raise
@@ -100,6 +94,13 @@ class EngineLoop:
         if track is not None and not track.finished:
             self.engine.abort(rid)
             self._wake.set()
+
+    def health(self) -> tuple[dict, int]:
+        """GET /health's body and status: ok (200) while the engine loop runs, error (503) after
+        it failed."""
+        if self.failure is not None:
+            return {"status": "error", "error": self.failure}, 503
+        return {"status": "ok"}, 200
 
     def _run(self):
         while not self._stop.is_set():
@@ -156,13 +157,23 @@ def _finish_error(out) -> ApiError:
 
 
 class OpenAIServer:
-    """The ASGI app: routes, request handling and the engine loop's lifetime."""
+    """The ASGI app: routes, request handling and the engine loop's lifetime.
+
+    `engine` is served through an `EngineLoop` (a thread of this process); or, with `backend`
+    (and engine None), requests go to that backend instead: any object with EngineLoop's
+    `metrics`, `start`, `stop`, `submit`, `abort` and `health` (the data-parallel front,
+    `serving.data_parallel.ReplicaPool`)."""
 
     def __init__(self, engine, model_name: str, default_max_tokens: Optional[int] = None,
-                 image_root: Optional[str] = None):
+                 image_root: Optional[str] = None, backend=None):
+        if (engine is None) == (backend is None):
+            raise ValueError("OpenAIServer takes an engine or a backend, not both or neither")
         self.model, self.default_max_tokens, self.image_root = model_name, default_max_tokens, image_root
-        self.metrics = ServerMetrics()
-        self.loop = EngineLoop(engine, self.metrics)
+        if backend is None:
+            self.metrics = ServerMetrics()
+            self.loop = EngineLoop(engine, self.metrics)
+        else:
+            self.metrics, self.loop = backend.metrics, backend
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -264,10 +275,10 @@ class OpenAIServer:
         return JSONResponse(self._card())
 
     async def health(self, request: Request) -> Response:
-        """GET /health: 200 while the engine loop runs, 503 after it failed."""
-        if self.loop.failure is not None:
-            return JSONResponse({"status": "error", "error": self.loop.failure}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        """GET /health: 200 while the engine loop runs (with replicas: while one does), 503 after
+        it failed."""
+        body, status = self.loop.health()
+        return JSONResponse(body, status_code=status)
 
     async def prometheus(self, request: Request) -> Response:
         """GET /metrics in the Prometheus text format."""
