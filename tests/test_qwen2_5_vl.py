@@ -283,3 +283,23 @@ def test_sampling_is_lossless(dirs, hf):
             accepted += sum(out.stats.accepted_lengths)
     assert accepted > n * 0.15
     check_lossless(counts, dist, n, shift=0.04)
+
+
+def test_padded_vocabularies_pair(dirs, tmp_path):
+    """A target whose embedding rows are padded past the draft's (as the published 7B's 152064
+    rows over the 3B's 151936): the draft is fitted to the target's vocabulary, SD == transformers."""
+    import shutil
+
+    padded = str(tmp_path / "padded")          # the target with 10 padding rows (head and embedding)
+    hf_padded = Qwen2_5_VLForConditionalGeneration.from_pretrained(dirs["target"], dtype=torch.float32).eval()
+    hf_padded.resize_token_embeddings(hf_padded.config.text_config.vocab_size + 10, mean_resizing=False)
+    hf_padded.save_pretrained(padded)
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "chat_template.json"):
+        shutil.copy(f"{dirs['target']}/{name}", padded)
+    eng = Engine.from_pretrained(padded, dirs["draft"], device="cpu", dtype=torch.float32, views=("M", "T"),
+                                 gamma=3, adaptive=False)
+    assert eng.draft.lm.cfg.vocab_size == eng.target.lm.cfg.vocab_size == len(eng.tokenizer) + 10
+    text, images = chat(eng, "two images")
+    out = eng.generate(text, images=images, sampling=SP)
+    assert out.token_ids == reference(hf_padded, eng.processor, text, images)
+    assert sum(out.stats.accepted_lengths) > 0
