@@ -17,8 +17,12 @@ stats (time_first_token is taken at the request's prefill, before the other pref
 step, so with N > 1 it inflates the direct ITL) are kept as *_stats. Throughput = all tokens /
 (last output - first submission). The HTTP overhead ratio is HTTP / direct median ITL (goal:
 <= 1.05 at N = 16).
+With --data-parallel M (M > 1) a third side, http_dp: the same HTTP streams through
+`tabed-engine serve --data-parallel M`'s front (`serving.data_parallel.ReplicaPool`: M replica
+processes, one per GPU, each building this engine on its GPU, started once per mode), after the
+other two; dp_throughput_ratio = http_dp / http tokens per second (goal: >= 1.9 at N = 16, M = 2).
 
-    python benchmarks/serve.py --out DIR [--preset tiny]
+    python benchmarks/serve.py --out DIR [--preset tiny] [--data-parallel 2]
 """
 from __future__ import annotations
 
@@ -107,11 +111,29 @@ class _NoSpeculation:
         return getattr(self._engine, name)
 
 
+def _bench_replica(args, mode: str, index: int, device: str):
+    """A data-parallel replica's engine (run in the replica's process): this benchmark's engine
+    on `device`, the same seed as the in-process one, SD at TAU or AR on every request."""
+    import torch
+    from batch import BatchBench
+    from e2e import geometric_schedule
+
+    torch.manual_seed(0)
+    bb = BatchBench(argparse.Namespace(preset=args.preset, device=device, max_len=args.max_len,
+                                       max_batch=max(args.streams), out=args.out, batches=list(args.streams)))
+    bb.setup()
+    if mode == "sd":
+        bb.eng.bench_accept_schedule = geometric_schedule(TAU, bb.p.gamma)
+        return bb.eng
+    return _NoSpeculation(bb.eng)
+
+
 @contextlib.contextmanager
-def served(engine):
-    """`engine` behind the OpenAI server (uvicorn in a thread) on a free loopback port; yields
-    the base URL. A fresh server each time: its engine thread is joined on exit, so the caller
-    may step the engine itself afterwards."""
+def served(engine, backend=None):
+    """`engine` (or a `backend`: a ReplicaPool) behind the OpenAI server (uvicorn in a thread)
+    on a free loopback port; yields the base URL. A fresh server each time: its engine thread
+    is joined on exit, so the caller may step the engine itself afterwards (a pool's replicas
+    are stopped on exit)."""
     import uvicorn
 
     from tabed_engine.serving.server import OpenAIServer
@@ -119,7 +141,7 @@ def served(engine):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(OpenAIServer(engine, MODEL).app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(OpenAIServer(engine, MODEL, backend=backend).app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     while not server.started:
@@ -252,8 +274,31 @@ class ServeBench:
         wall = max(r["times"][-1] for r in res["requests"]) - res["t0"]
         return {"tokens_per_s": n * n_new / wall, "requests": reqs}
 
-    def one(self, n: int, mode: str) -> dict:
-        """Direct and HTTP runs of N streams, interleaved over the repeats (after a warm-up of each)."""
+    @contextlib.contextmanager
+    def replicas(self, mode: str):
+        """With --data-parallel M > 1: M replica processes (one per GPU) behind a front of
+        their own for this mode; yields its URL (None without)."""
+        if self.args.data_parallel == 1:
+            yield None
+            return
+        import functools
+
+        from e2e_common import log
+        from tabed_engine.serving.data_parallel import ReplicaPool
+        from tabed_engine.serving.replica import plan_replicas
+
+        plans = plan_replicas(self.args.data_parallel, self.bb.dev.type)   # replica i on GPU i
+        pool = ReplicaPool(functools.partial(_bench_replica, self.args, mode), plans)
+        try:
+            self.R.setdefault("replicas", {})[mode] = pool.start_processes(say=lambda s: log(s.rstrip()))
+            with served(None, backend=pool) as url:
+                yield url
+        finally:
+            pool.close()
+
+    def one(self, n: int, mode: str, dp_url: str | None = None) -> dict:
+        """Direct and HTTP runs of N streams, interleaved over the repeats (after a warm-up of
+        each); then, with `dp_url`, the data-parallel front's runs."""
         from e2e import geometric_schedule
 
         spec = mode == "sd"
@@ -268,6 +313,9 @@ class ServeBench:
                     self.http(url, n, 16)                       # warm-up
                 runs["http"].append(self.http(url, n, self.n_new))
         self.eng.bench_accept_schedule = None
+        if dp_url is not None:
+            self.http(dp_url, n, 16)                            # warm-up
+            runs["http_dp"] = [self.http(dp_url, n, self.n_new) for _ in range(self.args.repeats)]
         row = {}
         for side, rs in runs.items():
             reqs = [q for r in rs for q in r["requests"]]
@@ -283,6 +331,8 @@ class ServeBench:
         row["gap_itl_overhead_ratio"] = h["gap_itl_ms"]["median"] / d["gap_itl_ms"]["median"]
         row["ttft_added_ms_median"] = h["ttft_ms"]["median"] - d["ttft_ms"]["median"]
         row["throughput_ratio"] = h["tokens_per_s"] / d["tokens_per_s"]
+        if dp_url is not None:
+            row["dp_throughput_ratio"] = row["http_dp"]["tokens_per_s"] / h["tokens_per_s"]
         # same prompts, greedy: a differing text means the batch's numerics differed (requests
         # arrive over HTTP at slightly different steps), not necessarily a bug
         row["texts_equal_direct"] = sum(a["text"] == b["text"] for r, s in zip(runs["direct"], runs["http"])
@@ -300,17 +350,22 @@ class ServeBench:
         self.R["results"] = res = {"ar": {}, "sd": {}}
         try:
             for mode in ("ar", "sd"):
-                for n in self.args.streams:
-                    res[mode][f"N={n}"] = row = self.one(n, mode)
-                    log(f"{mode} N={n}: ITL direct {row['direct']['itl_ms']['median']:.3f} ms, HTTP "
-                        f"{row['http']['itl_ms']['median']:.3f} ms (x{row['itl_overhead_ratio']:.3f})")
-                    self.save()
+                with self.replicas(mode) as dp_url:
+                    for n in self.args.streams:
+                        res[mode][f"N={n}"] = row = self.one(n, mode, dp_url)
+                        log(f"{mode} N={n}: ITL direct {row['direct']['itl_ms']['median']:.3f} ms, HTTP "
+                            f"{row['http']['itl_ms']['median']:.3f} ms (x{row['itl_overhead_ratio']:.3f})"
+                            + (f"; DP={self.args.data_parallel} x{row['dp_throughput_ratio']:.2f} tok/s"
+                               if dp_url else ""))
+                        self.save()
         finally:
             with contextlib.suppress(OSError):     # the client may be gone already
                 self.conn.send(None)
             self.client.join(10)
         top = f"N={max(self.args.streams)}"
         self.R["goal_itl_overhead_le_1.05"] = {m: res[m][top]["itl_overhead_ratio"] <= 1.05 for m in res}
+        if self.args.data_parallel > 1:
+            self.R["goal_dp_throughput_ge_1.9"] = {m: res[m][top]["dp_throughput_ratio"] >= 1.9 for m in res}
         self.R["total_s"] = time.perf_counter() - t0
         self.save()
         self.table()
@@ -328,6 +383,14 @@ class ServeBench:
                       f"{d['ttft_ms']['median']:>13.2f}{h['ttft_ms']['median']:>11.2f}"
                       f"{d['tokens_per_s']:>14.0f}{h['tokens_per_s']:>12.0f}")
         print(f"goal ITL HTTP/direct <= 1.05 at N={max(self.args.streams)}: {self.R['goal_itl_overhead_le_1.05']}")
+        if self.args.data_parallel > 1:
+            m = self.args.data_parallel
+            for mode, rows in self.R["results"].items():
+                print(f"{mode} DP={m}: " + ", ".join(f"{key} {r['http_dp']['tokens_per_s']:.0f} tok/s "
+                                                      f"(x{r['dp_throughput_ratio']:.2f} one engine)"
+                                                      for key, r in rows.items()))
+            print(f"goal DP={m} / one engine >= 1.9 at N={max(self.args.streams)}: "
+                  f"{self.R['goal_dp_throughput_ge_1.9']}")
 
 
 def _cell(s: dict) -> str:
@@ -352,9 +415,15 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
     ap.add_argument("--new-tokens", type=int, default=None, help="default: the preset's (128; tiny 32)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--data-parallel", type=int, default=1, metavar="M",
+                    help="also measure the HTTP streams through M replica processes (one per GPU) behind one "
+                         "front (default 1: not)")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or min(args.streams) < 1:
-        ap.error("--repeats and --streams must be >= 1")
+    if args.repeats < 1 or min(args.streams) < 1 or args.data_parallel < 1:
+        ap.error("--repeats, --streams and --data-parallel must be >= 1")
+    from tabed_engine.serving.replica import NO_MULTICAST_ENV
+
+    os.environ.update(NO_MULTICAST_ENV)     # machine rule, for this process and every one it starts
     import torch
 
     torch.manual_seed(0)
