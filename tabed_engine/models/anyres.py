@@ -9,22 +9,33 @@ tile) plus the tiles of the best-fitting `image_grid_pinpoints` resolution (rows
 aspect ratio cut off ("unpadded"), one `image_newline` embedding after each feature row:
 g*g + h_u * (w_u + 1) tokens. `pack` works for any grid side g, so the P view packs tiles
 pooled to a smaller side the same way (views.py).
+
+LLaVA-OneVision ("anyres_max_N", `vision_aspect_ratio`) adds a budget: when the unpadded grid
+holds more than 1.1² · N tiles' features, it is scaled down bilinearly by that ratio (each
+side to int(side // ratio)) before the newlines, as transformers' `LlavaOnevisionModel.
+pack_image_features` does it and `LlavaOnevisionProcessor` counts it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
 class AnyRes:
     """The any-resolution layout of a checkpoint: `pinpoints` ((height, width) pairs, each a
-    multiple of `tile`), the tower's input side `tile` and its grid side `grid` (tile / patch)."""
+    multiple of `tile`), the tower's input side `tile` and its grid side `grid` (tile / patch);
+    `max_tiles`: OneVision's "anyres_max_N" feature budget (None: no budget, LLaVA-NeXT)."""
 
     pinpoints: tuple[tuple[int, int], ...]
     tile: int
     grid: int
+    max_tiles: Optional[int] = None
 
     def __post_init__(self):
         if not self.pinpoints:
@@ -38,7 +49,8 @@ class AnyRes:
     def from_config(cls, hf_config) -> "AnyRes":
         vc = hf_config.vision_config
         return cls(tuple(tuple(int(x) for x in p) for p in hf_config.image_grid_pinpoints),
-                   vc.image_size, vc.image_size // vc.patch_size)
+                   vc.image_size, vc.image_size // vc.patch_size,
+                   max_tiles_of(getattr(hf_config, "vision_aspect_ratio", None)))
 
     def tile_grid(self, size: tuple[int, int]) -> tuple[int, int]:
         """(rows, cols) of tiles for an image of size (height, width)."""
@@ -57,8 +69,29 @@ class AnyRes:
         tower's)."""
         g = self.grid if grid is None else grid
         rows, cols = self.tile_grid(size)
-        h, w = unpadded_size(rows * g, cols * g, size)
+        h, w = self.budget(*unpadded_size(rows * g, cols * g, size), g)
         return g * g + h * (w + 1)
+
+    def budget(self, h: int, w: int, g: int) -> tuple[int, int]:
+        """The (height, width) an unpadded h x w grid of tiles of side g is scaled down to under
+        the anyres_max budget (unchanged without one, or within 1.1 times it)."""
+        ratio = self._ratio(h, w, g)
+        return (h, w) if ratio is None else (int(h // ratio), int(w // ratio))
+
+    def _ratio(self, h: int, w: int, g: int) -> Optional[float]:
+        if self.max_tiles is None:
+            return None
+        ratio = math.sqrt(h * w / (self.max_tiles * g ** 2))
+        return ratio if ratio > 1.1 else None
+
+
+def max_tiles_of(aspect_ratio: Optional[str]) -> Optional[int]:
+    """N of OneVision's `vision_aspect_ratio` "anyres_max_N"; None for none."""
+    if not aspect_ratio:
+        return None
+    if not aspect_ratio.startswith("anyres_max_") or not aspect_ratio[len("anyres_max_"):].isdigit():
+        raise ValueError(f"unsupported vision_aspect_ratio {aspect_ratio!r} (supported: anyres_max_N)")
+    return int(aspect_ratio[len("anyres_max_"):])
 
 
 def unpadded_size(height: int, width: int, size: tuple[int, int]) -> tuple[int, int]:
@@ -78,7 +111,7 @@ def pack(feats: torch.Tensor, size: tuple[int, int], layout: AnyRes, newline: to
 
     feats: [1 + rows*cols, g*g, C] (the base tile first, then the tiles row by row, any
     square grid side g); size: the original (height, width); newline: [C].
-    Returns [g*g + h_u * (w_u + 1), C]."""
+    Returns [g*g + h_u * (w_u + 1), C] (h_u, w_u after the anyres_max budget)."""
     n, gg, C = feats.shape
     g = int(round(gg ** 0.5))
     rows, cols = layout.tile_grid(size)
@@ -89,5 +122,8 @@ def pack(feats: torch.Tensor, size: tuple[int, int], layout: AnyRes, newline: to
     h, w = unpadded_size(rows * g, cols * g, size)
     top, left = (rows * g - h) // 2, (cols * g - w) // 2
     x = x[:, top:top + h, left:left + w]                                   # [C, h, w]
+    if layout.budget(h, w, g) != (h, w):                                   # anyres_max: scaled down
+        h, w = layout.budget(h, w, g)
+        x = F.interpolate(x[None], [h, w], mode="bilinear")[0]
     x = torch.cat([x, newline.to(x)[:, None, None].expand(C, h, 1)], dim=2)  # a newline after each row
     return torch.cat([feats[0], x.reshape(C, h * (w + 1)).t()], dim=0)

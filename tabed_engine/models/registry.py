@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 # the modules under tabed_engine.models that register a family, in lookup order
-FAMILY_MODULES = ("llava", "llava_next", "qwen2_5_vl")
+FAMILY_MODULES = ("llava", "llava_next", "llava_onevision", "qwen2_5_vl")
 
 _FAMILIES: list["Family"] = []
 _imported = False
