@@ -14,6 +14,10 @@ mistral  Mistral LM (GQA 4/1, head_dim 16 != hidden/heads, 3 layers), 30-px tile
 llama3   Llama LM (MHA, 2 layers) with a Llama-3-style byte-level BPE tokenizer ("\n" is one
          token), 42-px tiles of 14-px patches (3x3 grid), pinpoints up to 3x1 tiles, today's
          key names in one file.
+yi       llava-v1.6-34b's shape: a Llama LM with 7 query heads to 1 KV head (Yi-34B's 56 : 8),
+         five pinpoints, legacy key names, sharded.
+qwen     llava-next-72b / -110b's shape: a Qwen2 (Qwen1.5) LM with q/k/v bias and as many KV heads
+         as query heads (the 72B's 64 / 64), RoPE θ 1e6, a Qwen2 byte-level BPE with `<image>`.
 mixed    the vicuna target with a LLaVA-1.5-style draft (`LlavaForConditionalGeneration`,
          CLIP preprocessing at 28 px: 16 image tokens an image, the target's tower).
 
@@ -31,7 +35,8 @@ import realistic
 
 # realistic.py's recipes: its "llama" SentencePiece and its "bytelevel" BPE
 TOKENIZERS = {"sentencepiece": dict(vocab=700, corpus_seed=0, legacy=False, tokenizer_json=True),
-              "bytelevel": dict(vocab=800, corpus_seed=2, newline=True)}
+              "bytelevel": dict(vocab=800, corpus_seed=2, newline=True),
+              "qwen": dict(vocab=600, specials=["<image>"])}      # tiny_bpe's (see _write_qwen_tokenizer)
 FIXTURES = {
     "vicuna": dict(text="llama", hidden=48, layers=2, heads=4, kv_heads=2, head_dim=None, intermediate=83,
                    vision_hidden=32, vision_layers=2, tile=28, patch=7,
@@ -47,6 +52,19 @@ FIXTURES = {
                    pinpoints=[[42, 84], [84, 42], [84, 84], [126, 42]], feature_layer=-2, layout="current",
                    shard_bytes=None, seed=23, draft="next", draft_tower_seed=None, tokenizer="bytelevel"),
 }
+# the large published checkpoints' shapes at tiny sizes: llava-v1.6-34b (Yi-34B: a Llama LM with 56
+# query heads to 8 KV heads, 7 : 1) and llava-next-72b / -110b (Qwen1.5 = a Qwen2 LM: q/k/v bias,
+# as many KV heads as query heads on the 72B; a ChatML byte-level BPE)
+FIXTURES["yi"] = dict(text="llama", hidden=56, layers=2, heads=7, kv_heads=1, head_dim=None, intermediate=90,
+                      vision_hidden=32, vision_layers=2, tile=28, patch=7,
+                      pinpoints=[[28, 56], [56, 28], [56, 56], [84, 28], [28, 84]], feature_layer=-2,
+                      layout="legacy", shard_bytes=60000, seed=24, draft="next", draft_tower_seed=None,
+                      tokenizer="sentencepiece")
+FIXTURES["qwen"] = dict(text="qwen2", hidden=48, layers=2, heads=4, kv_heads=4, head_dim=None, intermediate=83,
+                        vision_hidden=32, vision_layers=2, tile=28, patch=7,
+                        pinpoints=[[28, 56], [56, 28], [56, 56], [84, 28], [28, 84]], feature_layer=-2,
+                        layout="current", shard_bytes=None, seed=25, draft="next", draft_tower_seed=None,
+                        tokenizer="qwen")
 FIXTURES["mixed"] = {**FIXTURES["vicuna"], "draft": "llava"}
 DRAFT_PERTURB = 0.03
 INIT_STD = 0.3           # larger than HF's 0.02: decisive, varied greedy tokens (0.2: loops of one token)
@@ -97,7 +115,7 @@ def write_processor_files(out_dir: str, spec: dict, next_: bool):
 
 
 def _configs(spec: dict, vocab: int, ids: dict, next_: bool):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaNextConfig, MistralConfig
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaNextConfig, MistralConfig, Qwen2Config
 
     vc = CLIPVisionConfig(hidden_size=spec["vision_hidden"], intermediate_size=spec["vision_hidden"] * 2 + 3,
                           num_hidden_layers=spec["vision_layers"], num_attention_heads=4,
@@ -107,7 +125,12 @@ def _configs(spec: dict, vocab: int, ids: dict, next_: bool):
                 num_key_value_heads=spec["kv_heads"], vocab_size=vocab, max_position_embeddings=1024,
                 bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
                 tie_word_embeddings=False, **({"head_dim": spec["head_dim"]} if spec["head_dim"] else {}))
-    tc = MistralConfig(sliding_window=None, **text) if spec["text"] == "mistral" else LlamaConfig(**text)
+    if spec["text"] == "mistral":
+        tc = MistralConfig(sliding_window=None, **text)
+    elif spec["text"] == "qwen2":
+        tc = Qwen2Config(use_sliding_window=False, rope_theta=1e6, **text)
+    else:
+        tc = LlamaConfig(**text)
     common = dict(vision_config=vc, text_config=tc, image_token_index=ids["image"], pad_token_id=ids["pad"],
                   vision_feature_layer=spec["feature_layer"], vision_feature_select_strategy="default",
                   tie_word_embeddings=False)
@@ -153,6 +176,23 @@ def _build(out_dir: str, tok_dir: str, spec: dict, vocab: int, ids: dict, *, nex
     return model
 
 
+def _write_qwen_tokenizer(tok_dir: str) -> int:
+    """A Qwen2-style byte-level BPE (tiny_bpe) with `<image>` after the Qwen2 specials, as
+    llava-next-72b-hf's; returns its length."""
+    from tabed_engine.models.tiny_bpe import build_bpe_tokenizer
+
+    spec = TOKENIZERS["qwen"]
+    return len(build_bpe_tokenizer(spec["vocab"], specials=tuple(spec["specials"]), out_dir=tok_dir))
+
+
+def _qwen_ids(tok_dir: str) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    return {"image": tok.convert_tokens_to_ids("<image>"), "pad": pad, "bos": pad, "eos": tok.eos_token_id}
+
+
 def checkpoint(name: str) -> tuple[str, str]:
     """(target_dir, draft_dir) of the named fixture, built on first use."""
     spec = FIXTURES[name]
@@ -164,9 +204,11 @@ def checkpoint(name: str) -> tuple[str, str]:
         tok_dir = os.path.join(tmp, "tokenizer")
         if spec["tokenizer"] == "sentencepiece":
             n = realistic.write_sentencepiece_tokenizer(tok_dir, **TOKENIZERS["sentencepiece"])
+        elif spec["tokenizer"] == "qwen":
+            n = _write_qwen_tokenizer(tok_dir)
         else:
             n = realistic.write_byte_level_tokenizer(tok_dir, **TOKENIZERS["bytelevel"])
-        ids = realistic._ids(tok_dir)
+        ids = _qwen_ids(tok_dir) if spec["tokenizer"] == "qwen" else realistic._ids(tok_dir)
         vocab = -(-n // 64) * 64
         target = _build(os.path.join(tmp, "target"), tok_dir, spec, vocab, ids, next_=True, perturb=0.0)
         _build(os.path.join(tmp, "draft"), tok_dir, spec, vocab, ids, next_=spec["draft"] == "next",

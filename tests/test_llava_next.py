@@ -23,7 +23,7 @@ from tabed_engine.engine.prompt import prepare
 from tabed_engine.speculation.views import build_views, view_lengths
 
 N_NEW = 16
-NEXT = ["vicuna", "mistral", "llama3"]          # LLaVA-NeXT targets with LLaVA-NeXT drafts
+NEXT = ["vicuna", "mistral", "llama3", "yi", "qwen"]   # LLaVA-NeXT targets with LLaVA-NeXT drafts
 WIDE, TALL, SQUARE = (90, 20), (25, 90), (60, 50)          # PIL (width, height)
 PROMPTS = {   # name: (prompt, image sizes)
     "wide": ("USER: <image>\nDescribe the picture in detail. ASSISTANT:", [WIDE]),
@@ -172,7 +172,8 @@ def test_sd_equals_transformers(name, prompt_name, views, policy, gamma):
     assert all(len(w) == len(views) for w in s.weights)
 
 
-@pytest.mark.parametrize("name,least", [("vicuna", 3), ("mistral", 3), ("llama3", 3), ("mixed", 1)])
+@pytest.mark.parametrize("name,least", [("vicuna", 3), ("mistral", 3), ("llama3", 3), ("yi", 3), ("qwen", 3),
+                                              ("mixed", 1)])
 def test_drafts_are_accepted(name, least):
     """The LLaVA-NeXT drafts are close enough that blocks accept several tokens (so the equality
     tests cover acceptance and rollback, not only rejection). The LLaVA-1.5 draft sees 16 tokens
@@ -485,3 +486,17 @@ def test_draft_views_that_do_not_fit_are_refused(short_draft):
     ref = reference("mixed", "two")
     assert ar.token_ids[:len(ref)] == ref and not ar.stats.speculative
     assert generate(eng, "two", True).token_ids == ref
+
+
+@pytest.mark.parametrize("name,heads,kv,bias", [("yi", 7, 1, False), ("qwen", 4, 4, True)])
+def test_large_checkpoint_shapes(name, heads, kv, bias):
+    """The yi / qwen fixtures carry llava-v1.6-34b's and llava-next-72b's shapes into our decoder:
+    GQA 7 : 1 without bias (a Llama text config); a Qwen2 text config inside
+    LlavaNextForConditionalGeneration: q/k/v bias, MHA, RoPE θ 1e6."""
+    target = loaded(name)[0]
+    cfg = target.lm.cfg
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias) == (heads, kv, bias)
+    assert target.family.name == "llava_next" and target.config["text_config"]["model_type"] == \
+        ("qwen2" if bias else "llama")
+    assert cfg.rope_theta == (1e6 if bias else 10000.0)
+    assert cfg.vocab_size % 64 == 0 and cfg.vocab_size > len(loaded(name)[2].tokenizer)   # padded rows
