@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -106,7 +107,7 @@ class ReplicaPool:
                 # not a daemon: a replica may start processes of its own (tensor-parallel ranks);
                 # close() (always reached: the server's lifespan, the CLI's finally) ends it, and a
                 # replica whose pipe closes exits by itself
-                proc = ctx.Process(target=replica_main, args=(plan, theirs, self.build),
+                proc = ctx.Process(target=replica_main, args=(plan, theirs, self.build, os.getpid()),
                                    name=f"tabed-replica-{plan.index}")
                 proc.start()
                 theirs.close()      # the replica holds its end: its death reads as EOF here

@@ -14,7 +14,8 @@ goes over one duplex `multiprocessing` pipe:
 
 The replica ignores SIGINT: Ctrl-C reaches the whole process group, and the front must drain
 in-flight answers before it stops the replicas itself. A replica whose front is gone (its end of
-the pipe closed, even by SIGKILL) exits at once, so no replica outlives its server.
+the pipe closed, even by SIGKILL; or, while it loads, its parent gone) exits at once, so no
+replica outlives its server.
 """
 from __future__ import annotations
 
@@ -106,10 +107,13 @@ def load_engine(target: str, draft: Optional[str], kwargs: dict, warmup: bool, i
     return engine
 
 
-def replica_main(plan: ReplicaPlan, conn, build: Callable[[int, str], object]):
-    """The replica process: build the engine, report, then serve commands until told to stop."""
+def replica_main(plan: ReplicaPlan, conn, build: Callable[[int, str], object], front: int):
+    """The replica process: build the engine, report, then serve commands until told to stop.
+    `front`: the front's pid (this process's parent)."""
     os.environ.update(plan.env)          # before anything touches CUDA in this process
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the front's pid comes from the front: it may have died while this process was starting
+    threading.Thread(target=_exit_with_parent, args=(front,), name="replica-parent-watch", daemon=True).start()
     import torch
 
     if plan.threads is not None:
@@ -122,6 +126,14 @@ def replica_main(plan: ReplicaPlan, conn, build: Callable[[int, str], object]):
         return
     conn.send(("ready", {"pid": os.getpid(), "device": plan.label, "load_s": time.perf_counter() - t0}))
     _ReplicaLoop(engine, conn).run()
+
+
+def _exit_with_parent(parent: int, every: float = 1.0):
+    """Exit when the front is gone, also while the engine loads (the command pipe is read only
+    once it is built): a SIGKILLed front must not leave a replica holding its GPUs."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(0)
 
 
 class _ReplicaLoop:
