@@ -35,6 +35,8 @@ class Engine(RequestIntake):
     Use `Engine.from_pretrained(target_dir, draft_dir, ...)`; see `generate` and `stream`.
     """
 
+    runner_class = Runner      # (a tensor-parallel rank 0 mirrors some runner calls to its workers)
+
     def __init__(self, target: LoadedLVLM, processor, *, draft: Optional[LoadedLVLM] = None,
                  device=None, dtype=None, views: Sequence[str] = ("M", "T"), policy: str = "hedge",
                  window: int = 0, gamma: int = 5, tree=None, max_len: Optional[int] = None,
@@ -126,7 +128,7 @@ class Engine(RequestIntake):
         # the runner owns the caches (allocated on the first request), ensemble history and
         # CUDA graphs; the scheduler the queue and the batch
         self._cuda_graphs, self._adaptive = cuda_graphs, adaptive
-        self.runner = Runner(self, self._max_batch(max_batch, memory_fraction), cuda_graphs)
+        self.runner = self.runner_class(self, self._max_batch(max_batch, memory_fraction), cuda_graphs)
         self.scheduler = self._new_scheduler()
         self._ids = itertools.count()
         self._undelivered: list[RequestOutput] = []   # step() outputs produced inside generate()
@@ -139,14 +141,18 @@ class Engine(RequestIntake):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, target_dir: str, draft_dir: Optional[str] = None, device=None, dtype=None,
-                        log: Optional[Callable[[str], Any]] = None, **kwargs) -> "Engine":
+                        log: Optional[Callable[[str], Any]] = None, tensor_parallel: int = 1,
+                        **kwargs) -> "Engine":
         """Load local HF LLaVA checkpoints (no network). device: "cpu", "cuda" (default when
         a GPU is usable) or "cuda:N"; dtype: a torch.dtype or "float32" / "bfloat16" /
         "float16" (default bfloat16 on CUDA, float32 on the CPU). log: optional callable
         receiving progress text ("loading target DIR ... ", "done in 2.1 s\n"). Other keyword
         arguments: views, policy, window, gamma, tree, max_len, escape_token, pool_size,
         captioner, weight_temperature, grid_step, view_tree (see the README); those that need
-        no model are checked before anything loads."""
+        no model are checked before anything loads. tensor_parallel: N > 1 shards the target
+        over N processes (this one and N - 1 workers it starts, one GPU each on CUDA; see
+        docs/parallel.md) and returns a `TensorParallelEngine`: call its `close()` (or use a
+        `with` block) to stop them."""
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         try:
@@ -158,6 +164,21 @@ class Engine(RequestIntake):
         check_options(*(args[k] for k in ("gamma", "views", "policy", "window", "weight_temperature",
                                            "grid_step", "max_len", "pool_size", "captioner")))
         parse_tree(args["tree"])
+        if isinstance(tensor_parallel, bool) or tensor_parallel != 1:
+            from tabed_engine.parallel.spmd import from_pretrained_tp
+
+            if cls is not Engine:
+                raise TypeError(f"tensor_parallel is for Engine.from_pretrained, not {cls.__name__}'s")
+            return from_pretrained_tp(target_dir, draft_dir, device, dtype, log, tensor_parallel, kwargs)
+        target, processor, draft = cls.load_parts(target_dir, draft_dir, device, dtype, log, kwargs)
+        return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
+
+    @staticmethod
+    def load_parts(target_dir: str, draft_dir: Optional[str], device, dtype, log, kwargs: dict,
+                   load_target: Callable = load_lvlm):
+        """`from_pretrained`'s loading: (target, processor, draft or None); `kwargs` gains the
+        draft's own processor where the draft needs one. `load_target(path, device, dtype)`
+        loads the target (a tensor-parallel rank loads its shard)."""
 
         def load(what, fn, path):
             if log is None:
@@ -185,9 +206,9 @@ class Engine(RequestIntake):
                 check_draft_vocab(processor.tokenizer, dtok, vocab_size(raw[target_dir]), vocab_size(raw[draft_dir]))
             else:
                 check_same_tokenizer(processor.tokenizer, dtok)
-        target = load("target", lambda p: load_lvlm(p, device, dtype), target_dir)
+        target = load("target", lambda p: load_target(p, device, dtype), target_dir)
         draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
-        return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
+        return target, processor, draft
 
     @property
     def lookahead(self) -> int:
@@ -307,12 +328,23 @@ class Engine(RequestIntake):
             self.gamma, self.views, self.ensemble, self.tree = gamma, views, ensemble, new_tree
             max_batch = self.runner.max_batch
             self.runner = None                          # free the old caches before allocating
-            self.runner = Runner(self, max_batch, self._cuda_graphs)
+            self.runner = self.runner_class(self, max_batch, self._cuda_graphs)
             self.scheduler = self._new_scheduler()
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.runner, CostModel(self.adaptive, self.gamma, chains=self.tree is None,
                                                 tree_depth=None if self.tree is None else self.tree.depth))
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process: a tensor-parallel engine's
+        workers (`TensorParallelEngine.close`); nothing for one process. An engine is also a
+        context manager that closes on exit."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def graphs(self):
@@ -336,11 +368,11 @@ class Engine(RequestIntake):
     # ends or is closed (or garbage-collected); a call made meanwhile from the thread that runs
     # the open stream would wait for itself, so it raises RuntimeError instead.
     def add_request(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None, caption=None,
-                    speculative: bool = True, request_id: Optional[str] = None, views=None) -> str:
+                    speculative: bool = True, request_id: Optional[str] = None, views=None, videos=None) -> str:
         """Queue one request for `step()`; returns its id. The input is checked and tokenized
         here (ValueError/TypeError naming the problem; the engine stays usable). views: the
         subset of the engine's views this request's ensemble mixes (default all)."""
-        req = self._request(prompt, images, sampling, caption, speculative, request_id, views)
+        req = self._request(prompt, images, sampling, caption, speculative, request_id, views, videos)
         self.scheduler.add(req)
         return req.request_id
 
@@ -362,7 +394,7 @@ class Engine(RequestIntake):
         return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     def generate(self, prompt: Any, images=None, sampling=None, caption=None, speculative: bool = True,
-                 captions=None, views=None):
+                 captions=None, views=None, videos=None):
         """Generate completions.
 
         prompt: a string with one `<image>` per image, a list of chat messages (rendered by
@@ -373,6 +405,8 @@ class Engine(RequestIntake):
         images: one image per placeholder, each a PIL image, or a numpy array or tensor
         (HWC or CHW, 1/3/4 channels) of uint8 values 0..255 or float values in [0, 1]; for a
         list of prompts, one such list per prompt (or None).
+        videos (LLaVA-OneVision): one video per `<video>` placeholder, each a list of frames (as
+        images) or an array / tensor [frames, H, W, C]; for a list of prompts, one list per prompt.
         sampling: a `SamplingParams`, or one per prompt.
         caption: the C view's caption (a string, or one per image); `captions`: one per prompt.
         views: the subset of the engine's views the request's ensemble mixes (a tuple of names;
@@ -386,7 +420,7 @@ class Engine(RequestIntake):
         finish_reason "error" while the others finish, a single call raises RuntimeError.
         """
         batch = is_batch(prompt)
-        reqs = self._requests(prompt, images, sampling, caption, captions, speculative, batch, views)
+        reqs = self._requests(prompt, images, sampling, caption, captions, speculative, batch, views, videos)
         for r in reqs:
             r.pieces = False              # the text once at the end, not a piece per block
         for _ in self._drive(reqs):
@@ -399,7 +433,8 @@ class Engine(RequestIntake):
         return outs
 
     def stream(self, prompt: Any, images=None, sampling: Optional[SamplingParams] = None,
-               caption=None, speculative: bool = True, views=None) -> Generator[str, None, GenerationOutput]:
+               caption=None, speculative: bool = True, views=None,
+               videos=None) -> Generator[str, None, GenerationOutput]:
         """Like `generate` for one prompt, but yields text pieces as tokens are accepted. The
         input is checked here, at the call; the generator's return value
         (`StopIteration.value`) is the `GenerationOutput`. The loop body runs outside the
@@ -408,15 +443,15 @@ class Engine(RequestIntake):
         if is_batch(prompt):
             raise ValueError("stream() takes one prompt; stream_batch() streams a list of prompts (with images, "
                              "sampling and captions one per prompt)")
-        req = self._request(prompt, images, sampling, caption, speculative, views=views)
+        req = self._request(prompt, images, sampling, caption, speculative, views=views, videos=videos)
         return self._stream_one(req)
 
     def stream_batch(self, prompts: Sequence, images=None, sampling=None, captions=None,
-                     speculative: bool = True, views=None) -> Iterator[tuple[int, str]]:
+                     speculative: bool = True, views=None, videos=None) -> Iterator[tuple[int, str]]:
         """Decode several prompts as one batch, yielding (prompt index, text piece) as tokens
         are accepted; each prompt's pieces join to its final text. Arguments as `generate`
         with a list of prompts. The engine is held until the iterator ends or is closed."""
-        reqs = self._requests(prompts, images, sampling, None, captions, speculative, True, views)
+        reqs = self._requests(prompts, images, sampling, None, captions, speculative, True, views, videos)
         index = {r.request_id: i for i, r in enumerate(reqs)}
 
         def pieces():

@@ -68,8 +68,10 @@ class Linear(nn.Linear):
         self.parallel = parallel
         self.parts = (out_features,) if parts is None else tuple(parts)
 
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
+    def forward(self, x, *, gated: bool = False, glu: bool = False):
+        # every call of the projection goes through here (the MLP's fused SiLU gate too), so a
+        # tensor-parallel subclass adds its collective in one place
+        return linear(x, self.weight, self.bias, gated=gated, glu=glu)
 
 
 class RMSNorm(nn.Module):
@@ -197,10 +199,10 @@ class MLP(nn.Module):
     def forward(self, x):
         kind = gemv_kind(x, self.gate_up_proj.weight)
         if kind == "rows":  # 2-64 rows: the SiLU gate in the gate/up GEMV's epilogue
-            return self.down_proj(linear(x, self.gate_up_proj.weight, glu=True))
+            return self.down_proj(self.gate_up_proj(x, glu=True))
         gate_up = self.gate_up_proj(x)
         if kind == "row":  # one row: the SiLU gate as the down projection's GEMV loads its input
-            return linear(gate_up, self.down_proj.weight, gated=True)
+            return self.down_proj(gate_up, gated=True)
         return self.down_proj(silu_mul(gate_up))
 
 

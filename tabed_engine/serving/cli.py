@@ -42,13 +42,17 @@ def add_engine_options(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the target over N processes, one GPU each from --device's index on (on the "
+                        "CPU: N processes); this process starts and stops the workers (docs/parallel.md)")
 
 
 def engine_kwargs(args) -> dict:
     """Engine.from_pretrained keyword arguments (besides the directories) from those options."""
     return dict(device=args.device, dtype=args.dtype, views=args.views, policy=args.policy, window=args.window,
                 gamma=args.gamma, view_tree=not args.no_view_tree, escape_token=args.escape_token,
-                tree=args.tree, max_len=args.max_len, **({"adaptive": False} if args.no_adaptive else {}))
+                tree=args.tree, max_len=args.max_len, **({"adaptive": False} if args.no_adaptive else {}),
+                **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,8 +168,11 @@ def serve_main(args) -> int:
     if args.warmup:
         print(f"warm-up done in {serve_warmup(engine):.1f} s", file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(engine, host=args.host, port=args.port, model_name=name,
-          default_max_tokens=args.max_tokens_default, image_root=args.image_root)
+    try:
+        serve(engine, host=args.host, port=args.port, model_name=name,
+              default_max_tokens=args.max_tokens_default, image_root=args.image_root)
+    finally:
+        engine.close()          # a tensor-parallel engine's workers stop with the server
     return 0
 
 
