@@ -185,6 +185,15 @@ def test_metrics_totals_are_the_sums_of_the_replicas(server):
     assert finished >= 4 and samples["tabed_requests_running"] == 0
 
 
+def test_input_a_replica_refuses_gets_400(server):
+    """The engine's own checks run in the replica; its refusal comes back as the usual 400."""
+    r = server.complete("USER : <image>\n describe the image . ASSISTANT :", 4)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "1 image placeholder(s) but 0 image(s)" in err["message"]
+    assert server.complete(PROMPTS[0], 3).json()["usage"]["completion_tokens"] == 3
+
+
 def test_killed_replica_fails_its_request_and_the_other_keeps_serving(server):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 230, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -226,6 +235,18 @@ def test_ctrl_c_leaves_no_child_process(server):
     while any(_alive(k) for k in kids):
         assert time.monotonic() < deadline, [k for k in kids if _alive(k)]
         time.sleep(0.1)
+
+
+def test_replica_that_fails_to_load_stops_the_server():
+    """A replica whose engine cannot be built: `serve` names it, stops the others, exits with 2."""
+    cmd = [sys.executable, "-m", "tabed_engine.serving.cli", "serve", "--target", os.path.join(DEMO, "target"),
+           "--device", "cpu", "--policy", "no-such-policy", "--data-parallel", "2", "--port", str(_free_port())]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert re.search(r"error: replica \d \(cpu\) failed to start: ValueError: .*no-such-policy", done.stderr), \
+        done.stderr
 
 
 def test_plan_refuses_bad_degrees_and_places_cpu_replicas():

@@ -94,6 +94,7 @@ class ReplicaPool:
         self._where: dict[str, _Replica] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._closing = False
+        self._pumps: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ processes
     def start_processes(self, say: Callable[[str], object] = lambda s: None) -> list[dict]:
@@ -153,6 +154,9 @@ class ReplicaPool:
             if rep.process.is_alive():
                 rep.process.kill()
                 rep.process.join(5)
+        for pump in self._pumps:    # they read EOF now; closing a pipe under a blocked read could
+            pump.join(5)            # hand its descriptor's number to another file meanwhile
+        for rep in self.replicas:
             rep.conn.close()
 
     # ------------------------------------------------------------------ the server's backend
@@ -160,8 +164,9 @@ class ReplicaPool:
         """Bind to the running event loop and start one reader thread per replica."""
         self._loop = asyncio.get_running_loop()
         for rep in self.replicas:
-            threading.Thread(target=self._pump, args=(rep,), name=f"replica-{rep.index}-outputs",
-                             daemon=True).start()
+            self._pumps.append(threading.Thread(target=self._pump, args=(rep,), name=f"replica-{rep.index}-outputs",
+                                                daemon=True))
+            self._pumps[-1].start()
 
     def stop(self, timeout: float = STOP_TIMEOUT):
         """Abort what is still in flight and stop the replicas."""
