@@ -198,6 +198,8 @@ def _serve_replicas(args, name: str, kw: dict) -> int:
             pool.start_processes(say=lambda s: print(s, end="", file=sys.stderr, flush=True))
         except RuntimeError as e:
             return _error(e)
+        except KeyboardInterrupt:       # Ctrl-C while the replicas load: they are stopped already
+            return 130
         print(f"serving {name!r} on http://{args.host}:{args.port}/v1 with {len(plans)} replicas",
               file=sys.stderr, flush=True)
         serve(None, host=args.host, port=args.port, model_name=name, default_max_tokens=args.max_tokens_default,

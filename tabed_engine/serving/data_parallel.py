@@ -168,7 +168,7 @@ class ReplicaPool:
                                                 daemon=True))
             self._pumps[-1].start()
 
-    def stop(self, timeout: float = STOP_TIMEOUT):
+    def stop(self):
         """Abort what is still in flight and stop the replicas."""
         for rid in list(self._where):
             self.abort(rid)
