@@ -2,7 +2,8 @@
 (models/tiny_onevision.py): anyres_max_9 counts and packing equal to transformers', and greedy
 AR and SD (chains and a tree) token-identical to transformers `generate(do_sample=False)` in
 float32 for one image, several images of different sizes (one past the anyres_max budget, so the
-bilinear downscale runs), text only and a multi-turn chat; the draft has the 0.5B's shape of
+bilinear downscale runs), a video (frames pooled 2x2, one newline), a video beside an image, text
+only and a multi-turn chat; the draft has the 0.5B's shape of
 difference (fewer padded embedding rows, its own tower, legacy key names)."""
 import functools
 import hashlib
@@ -66,7 +67,16 @@ PROMPTS = {   # name: (messages, image sizes)
     "chat": ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]},
               {"role": "assistant", "content": [{"type": "text", "text": "A red square and two blue circles."}]},
               {"role": "user", "content": [{"type": "text", "text": "How many circles are there?"}]}], [BIG]),
+    "video": ([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}], []),
+    "video-image": ([{"role": "user", "content": [{"type": "image"}, {"type": "video"},
+                                                  {"type": "text", "text": "Is the picture in the video?"}]}],
+                    [WIDE]),
 }
+FRAMES = {"video": 3, "video-image": 2}          # frames of each prompt's one video
+
+
+def videos(name):
+    return [[image(60 + i, (50, 40)) for i in range(FRAMES[name])]] if name in FRAMES else None
 
 
 def images(name):
@@ -89,7 +99,24 @@ def reference(name):
 
     proc, hf = transformers_model()
     text = proc.apply_chat_template(PROMPTS[name][0], add_generation_prompt=True)
-    enc = proc(text=text, images=images(name) or None, return_tensors="pt")
+    if name not in FRAMES:
+        enc = proc(text=text, images=images(name) or None, return_tensors="pt")
+        return greedy_new_tokens(hf, enc, N_NEW)
+    # a video: its pixels and placeholder built by hand (the video processor needs torchvision),
+    # the images' by the processor's own image step, the text by the tokenizer
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    from tabed_engine.engine.prompt import video_pixels
+
+    pv = video_pixels(proc.image_processor, videos(name)[0])
+    text = text.replace("<video>", LlavaOnevisionProcessor.replace_video_token(proc, {"pixel_values_videos": [pv]}, 0))
+    enc = {}
+    if images(name):
+        processed, reps = proc._process_images(images(name), return_tensors="pt")
+        pieces = text.split("<image>")            # each placeholder by its image's expansion, in order
+        text = pieces[0] + "".join(r + rest for r, rest in zip(reps, pieces[1:]))
+        enc.update(processed)
+    enc.update(proc.tokenizer(text, return_tensors="pt"), pixel_values_videos=pv[None])
     return greedy_new_tokens(hf, enc, N_NEW)
 
 
@@ -160,8 +187,8 @@ def test_processor_counts_each_image_by_its_own_tiles():
 # ---------------------------------------------------------------------------- greedy == transformers
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_greedy_ar_equals_transformers(name):
-    out = engine().generate(PROMPTS[name][0], images=images(name), sampling=SamplingParams(max_new_tokens=N_NEW),
-                            speculative=False)
+    out = engine().generate(PROMPTS[name][0], images=images(name), videos=videos(name),
+                            sampling=SamplingParams(max_new_tokens=N_NEW), speculative=False)
     assert out.token_ids == reference(name)
 
 
@@ -175,7 +202,8 @@ SPECS = {"chain-MT": (("views", ("M", "T")), ("policy", "hedge"), ("gamma", 4)),
 def test_greedy_sd_equals_transformers(name, spec):
     eng = engine(SPECS[spec])
     assert eng.draft.lm.cfg.vocab_size == TARGET["model_vocab"]       # the draft's padding fitted
-    out = eng.generate(PROMPTS[name][0], images=images(name), sampling=SamplingParams(max_new_tokens=N_NEW))
+    out = eng.generate(PROMPTS[name][0], images=images(name), videos=videos(name),
+                       sampling=SamplingParams(max_new_tokens=N_NEW))
     assert out.token_ids == reference(name)
     assert sum(out.stats.accepted_lengths) > 0
 
@@ -197,3 +225,37 @@ def test_views_of_a_onevision_draft():
     assert len(t.ids) == len(prep.ids) - sum(n for _, n in prep.image_spans) + 3
     pooled = [eng.draft.vision.anyres.num_tokens((im.height, im.width), grid=2) for im in imgs]
     assert [n for _, n in p.spans] == pooled
+
+
+def test_video_features_and_views():
+    """A video's token run is transformers' count (frames x ceil(g/2)^2 + 1) and its features
+    transformers' `get_video_features`; the draft's M and P rows carry its own frames' features,
+    T and C rows one escape token for it."""
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    from tabed_engine.engine.prompt import prepare, video_pixels
+    from tabed_engine.speculation.views import build_views, view_lengths
+
+    eng = engine(SPECS["chain-MTP-wgrid"])
+    proc, hf = transformers_model()
+    frames = videos("video-image")[0]
+    pv = video_pixels(proc.image_processor, frames)
+    assert tuple(pv.shape) == (2, 3, TILE, TILE)
+    n = LlavaOnevisionProcessor.replace_video_token(proc, {"pixel_values_videos": [pv]}, 0).count("<video>")
+    assert n == eng.target.vision.video_tokens(2) == 2 * 3 * 3 + 1
+    with torch.no_grad():
+        out = hf.model.get_video_features(pv[None])
+        ref = getattr(out, "pooler_output", out)[0]
+    torch.testing.assert_close(eng.target.vision.video_features(pv), ref, atol=1e-5, rtol=1e-5)
+    prep = prepare(eng.processor, PROMPTS["video-image"][0], images("video-image"), eng.target.image_token_id,
+                   eng.tokens_per_image, videos=[frames], video_token_id=eng.target.video_token_id,
+                   video_tokens=eng.target.vision.video_tokens)
+    assert [n for _, n in prep.video_spans] == [19] and prep.num_images == 1
+    rows = build_views(eng, prep, None, None)
+    assert [len(r.ids) for r in rows] == view_lengths(eng, prep, None)
+    m, t, p = rows
+    assert m.ids == prep.ids and len(m.feats) == 2 and m.spans[1] == prep.video_spans[0]
+    assert eng.target.video_token_id not in t.ids and eng.target.image_token_id not in t.ids
+    assert p.ids.count(eng.target.video_token_id) == 19
+    with pytest.raises(ValueError, match="video placeholder"):
+        eng.generate(PROMPTS["video"][0], videos=[frames, frames])

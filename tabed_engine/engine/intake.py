@@ -54,13 +54,14 @@ class RequestIntake:
                              f"+ 2) exceeds {limit}: lower max_new_tokens (at most {max(room, 0)} here), {advice}")
         return room
 
-    def _requests(self, prompt, images, sampling, caption, captions, speculative, batch, views=None) -> list[Request]:
+    def _requests(self, prompt, images, sampling, caption, captions, speculative, batch, views=None,
+                  videos=None) -> list[Request]:
         """Validate every request of a call before any work. Raises ValueError/TypeError naming
         the prompt's index for a list call."""
         if not batch:
             if captions is not None:
                 raise TypeError("captions= is for a list of prompts; pass caption= with one prompt")
-            return [self._request(prompt, images, sampling, caption, speculative, views=views)]
+            return [self._request(prompt, images, sampling, caption, speculative, views=views, videos=videos)]
         if caption is not None:
             raise TypeError("caption= is for one prompt; pass captions= (one per prompt) with a list of prompts")
         prompts = list(prompt) if not isinstance(prompt, torch.Tensor) else [p for p in prompt]
@@ -75,18 +76,23 @@ class RequestIntake:
         imgs = [None] * n if images is None else images
         if not isinstance(imgs, (list, tuple)) or len(imgs) != n:
             raise ValueError(f"images must be a list of {n} image lists (one per prompt, None or [] for none)")
+        vids = [None] * n if videos is None else videos
+        if not isinstance(vids, (list, tuple)) or len(vids) != n:
+            raise ValueError(f"videos must be a list of {n} video lists (one per prompt, None or [] for none)")
         sps = per_prompt("sampling", sampling, lambda v: isinstance(v, SamplingParams))
         caps = per_prompt("captions", captions, lambda v: False)
         vws = per_prompt("views", views, lambda v: isinstance(v, str) or all(isinstance(x, str) for x in v))
         reqs = []
         for i in range(n):
             try:
-                reqs.append(self._request(prompts[i], imgs[i], sps[i], caps[i], speculative, views=vws[i]))
+                reqs.append(self._request(prompts[i], imgs[i], sps[i], caps[i], speculative, views=vws[i],
+                                          videos=vids[i]))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         return reqs
 
-    def _request(self, prompt, images, sampling, caption, speculative, request_id=None, views=None) -> Request:
+    def _request(self, prompt, images, sampling, caption, speculative, request_id=None, views=None,
+                 videos=None) -> Request:
         """Validate one request and tokenize it (no device work). Raises ValueError/TypeError."""
         sp = SamplingParams() if sampling is None else sampling
         if not isinstance(sp, SamplingParams):
@@ -97,7 +103,9 @@ class RequestIntake:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         with self._prepare_lock:
             prep = prepare(self.processor, prompt, images, self.target.image_token_id, self.tokens_per_image,
-                           with_pixels=not self.device_images)
+                           with_pixels=not self.device_images, videos=videos,
+                           video_token_id=self.target.video_token_id,
+                           video_tokens=getattr(self.target.vision, "video_tokens", None))
         vocab = self.target.lm.cfg.vocab_size
         if max(prep.ids) >= vocab:
             raise ValueError(f"prompt token id {max(prep.ids)} is outside the model's vocabulary ({vocab})")

@@ -71,20 +71,23 @@ class PrefillSteps:
 
     def encode(self, prep: Prepared):
         """The target's vision tower and projector: (pre-projector image features: per image, or
-        per tile of any-resolution images; projected features, one [n_i, D] per image), or
-        (None, None) for a text-only prompt."""
-        if prep.pixel_values is None:
-            return None, None
+        per tile of any-resolution images; projected features, one [n_i, D] per image, then one
+        per video, in `prep.media_spans` order), or (None, None) for a text-only prompt."""
         vision = self.target.vision
-        sel = vision.select_images(prep.pixel_values.to(self.device), prep.image_sizes)
-        return sel, vision.image_features(sel, prep.image_sizes)
+        sel, feats = None, None
+        if prep.pixel_values is not None:
+            sel = vision.select_images(prep.pixel_values.to(self.device), prep.image_sizes)
+            feats = vision.image_features(sel, prep.image_sizes)
+        if prep.num_videos:
+            feats = (feats or []) + [vision.video_features(v.to(self.device)) for v in prep.video_pixels]
+        return sel, feats
 
     def prefill_lm(self, prep: Prepared, feats, slot: int) -> torch.Tensor:
         """Prefill the target's language model on the prompt into cache row `slot`; returns the
         logits of the last prompt position [1, V] (with a graph, its output buffer: read it
         before the next prefill of the same bucket)."""
         n = len(prep.ids)
-        x = self.embed(self.target, prep.ids, prep.image_spans, feats)
+        x = self.embed(self.target, prep.ids, prep.media_spans, feats)
         # M-RoPE ids of a prompt with images (None: its slots); the row's later positions follow
         # its cache slots shifted by the offset
         pos3 = self.target.vision.positions(prep.ids, prep.image_spans, prep.image_sizes)

@@ -19,6 +19,17 @@ class Prepared:
     image_spans: list[tuple[int, int]]     # (start, length) of each image's token run
     images: list = None                    # the PIL images (for a captioner)
     draft_pixel_values: Optional[torch.Tensor] = None   # the draft processor's, when it has its own
+    video_pixels: Optional[list] = None    # per video: its frames' pixels [frames, 3, H, W]
+    video_spans: Optional[list] = None     # (start, length) of each video's token run
+
+    @property
+    def num_videos(self) -> int:
+        return len(self.video_spans or [])
+
+    @property
+    def media_spans(self) -> list[tuple[int, int]]:
+        """The images' token runs, then the videos' (the order of `encode`'s features)."""
+        return list(self.image_spans) + list(self.video_spans or [])
 
     @property
     def image_sizes(self) -> list[tuple[int, int]]:
@@ -134,7 +145,8 @@ TokenCounts = Union[int, Sequence[int], Callable[[list], Sequence[int]]]
 
 
 def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: int,
-            tokens_per_image: TokenCounts, with_pixels: bool = True) -> Prepared:
+            tokens_per_image: TokenCounts, with_pixels: bool = True, videos: Optional[Sequence] = None,
+            video_token_id: Optional[int] = None, video_tokens: Optional[Callable[[int], int]] = None) -> Prepared:
     """Validate and tokenize one request. Raises ValueError/TypeError on bad input.
 
     tokens_per_image: the image-token count of every image, one count per image, or a
@@ -142,7 +154,24 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
     count depends on the image's size).
     with_pixels=False: leave `pixel_values` None (the engine computes them on the device,
     `image_ops.device_pixels`); the text is tokenized without the image processor and each
-    placeholder expanded to its image's count, as the processor does."""
+    placeholder expanded to its image's count, as the processor does.
+    videos: one video per `<video>` placeholder (LLaVA-OneVision), each a list of frames or an
+    array / tensor [frames, H, W, C] (or [frames, C, H, W]); video_token_id and
+    video_tokens(frames) (its token count) come with them. The video's frames are preprocessed
+    here (`video_pixels`) and its placeholder expanded to its count."""
+    vids = _videos(videos, processor, video_token_id)
+    if vids:
+        prep = prepare(processor, prompt, images, image_token_id, tokens_per_image, with_pixels=False)
+        ids = prep.ids
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
+                                       and all(isinstance(m, dict) for m in prompt)):
+            _check_count(ids.count(video_token_id), len(vids), "video")
+        ids = _expand_placeholders(ids, video_token_id, [video_tokens(len(v)) for v in vids])
+        counts = [n for _, n in prep.image_spans]
+        return Prepared(ids, pixels(processor, prep.images) if with_pixels else None,
+                        split_runs(image_runs(ids, image_token_id), counts), prep.images,
+                        video_pixels=[video_pixels(processor.image_processor, v) for v in vids],
+                        video_spans=split_runs(image_runs(ids, video_token_id), [video_tokens(len(v)) for v in vids]))
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
     images = list(images or [])
@@ -178,7 +207,7 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
     _check_count(n_placeholders, len(pil))
     if not text.strip():
         raise ValueError("prompt is empty")
-    if pil and not with_pixels:
+    if not with_pixels:          # (the tokenizer alone: the processor would refuse a <video> it has no video for)
         ids = _expand_placeholders(processor.tokenizer(text)["input_ids"], image_token_id, counts)
         return Prepared(ids, None, split_runs(image_runs(ids, image_token_id), counts), pil)
     enc = processor(text=text, images=pil or None, return_tensors="pt")
@@ -208,10 +237,47 @@ def _expand_placeholders(ids: list[int], image_token_id: int, counts: list[int])
     return out + ids[prev:]
 
 
-def _check_count(n_placeholders: int, n_images: int):
+def _check_count(n_placeholders: int, n_images: int, what: str = "image"):
     if n_placeholders != n_images:
-        raise ValueError(f"the prompt has {n_placeholders} image placeholder(s) but {n_images} "
-                         "image(s) were given")
+        raise ValueError(f"the prompt has {n_placeholders} {what} placeholder(s) but {n_images} "
+                         f"{what}(s) were given")
+
+
+def _videos(videos, processor, video_token_id) -> list[list]:
+    """Each video as a list of RGB PIL frames; [] for none. Raises for a model without videos."""
+    if videos is None or (isinstance(videos, (list, tuple)) and not videos):
+        return []
+    if video_token_id is None:
+        raise ValueError("this model takes no videos (its family has no video token)")
+    if isinstance(videos, (np.ndarray, torch.Tensor)) and videos.ndim == 4:
+        videos = [videos]
+    if not isinstance(videos, (list, tuple)):
+        raise TypeError(f"videos must be a list of videos (each a list of frames or an array [frames, H, W, C]), "
+                        f"got {type(videos).__name__}")
+    out = []
+    for i, v in enumerate(videos):
+        frames = list(v) if isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) == 4 else None
+        if not frames:
+            raise ValueError(f"video {i}: a video is a non-empty list of frames or an array [frames, H, W, C]")
+        out.append([_to_pil(f, j) for j, f in enumerate(frames)])
+    return out
+
+
+def video_pixels(image_processor, frames) -> torch.Tensor:
+    """A video's frames [frames, 3, H, W] as LLaVA-OneVision's video processor prepares them:
+    each frame resized to the image processor's `size` (its resampling filter), rescaled and
+    normalised with its mean and std (the video processor's own steps, without torchvision)."""
+    size = image_processor.size
+    size = size if isinstance(size, dict) else vars(size)
+    h = size.get("height") or size.get("shortest_edge")
+    w = size.get("width") or size.get("shortest_edge")
+    resample = getattr(image_processor, "resample", 3)
+    resample = int(getattr(resample, "value", resample))
+    x = np.stack([np.asarray(f.resize((w, h), resample), dtype=np.float32) for f in frames])
+    x = x * np.float32(getattr(image_processor, "rescale_factor", 1 / 255))
+    mean = np.asarray(image_processor.image_mean, dtype=np.float32)
+    std = np.asarray(image_processor.image_std, dtype=np.float32)
+    return torch.from_numpy(((x - mean) / std).transpose(0, 3, 1, 2).copy())
 
 
 def pixels(processor, pil):

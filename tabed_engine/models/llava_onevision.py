@@ -38,7 +38,7 @@ def lm_config(config: dict) -> LMConfig:
 def build_vision(hf_config, config: dict) -> VisionEncoder:
     """SigLIP tower + projector + anyres_max packing (published: feature layer -1, "full")."""
     return VisionEncoder(hf_config, config.get("vision_feature_layer", -1),
-                         config.get("vision_feature_select_strategy", "full"))
+                         config.get("vision_feature_select_strategy", "full"), video=True)
 
 
 def image_layout(config: dict) -> tuple:
@@ -96,4 +96,4 @@ FAMILY = register(Family(
     name="llava_onevision", architectures=("LlavaOnevisionForConditionalGeneration",),
     model_types=("llava_onevision",), lm_config=lm_config, build_lm=LlamaLM, build_vision=build_vision,
     canonical_key=llava.canonical_key, image_layout=image_layout, image_token_id=llava.image_token_id,
-    load_processor=load_processor))
+    load_processor=load_processor, video_token_id=video_token_id))

@@ -177,6 +177,12 @@ class LoadedLVLM:
     vision_sd_hash: int  # equal towers can share the image encoding
     family: Optional[Family] = None
 
+    @property
+    def video_token_id(self) -> Optional[int]:
+        """The video placeholder's token id (None: the family takes no videos)."""
+        fn = None if self.family is None else self.family.video_token_id
+        return None if fn is None else fn(self.config)
+
 
 def _meta_modules(path: str, raw: dict, hf_config, family: Family):
     if family.image_token_id(raw) is None:

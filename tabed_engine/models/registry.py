@@ -33,6 +33,8 @@ class Family:
     image_token_id(config) -> the token id of an image placeholder.
     load_processor(path) -> the checkpoint's processor, for a family whose transformers
     processor cannot be loaded as it is (None: `AutoProcessor`).
+    video_token_id(config) -> the token id of a video placeholder (None: the family takes no
+    videos).
     """
 
     name: str
@@ -45,6 +47,7 @@ class Family:
     image_layout: Callable[[dict], tuple]
     image_token_id: Callable[[dict], Optional[int]]
     load_processor: Optional[Callable[[str], object]] = None
+    video_token_id: Optional[Callable[[dict], Optional[int]]] = None
 
     def matches(self, config: dict) -> bool:
         archs = config.get("architectures") or []

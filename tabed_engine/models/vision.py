@@ -142,7 +142,7 @@ class VisionEncoder(nn.Module):
     # graphs hold at most this many images; more are encoded in chunks of it
     max_graph_images = 8
 
-    def __init__(self, hf_config, feature_layer, strategy: str):
+    def __init__(self, hf_config, feature_layer, strategy: str, video: bool = False):
         super().__init__()
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
@@ -174,6 +174,9 @@ class VisionEncoder(nn.Module):
                                  f"'default' (the tiles' grids are packed without CLS; transformers cannot pack "
                                  f"'full' either), got {strategy!r}")
             self.image_newline = nn.Parameter(torch.empty(hf_config.text_config.hidden_size))
+        # LLaVA-OneVision videos: each frame's projected grid pooled bilinearly to ceil(g / 2) a side,
+        # one image_newline after the last frame (transformers' get_video_features / apply_pooling)
+        self.video_grid = -(-self.grid // 2) if video else None
         self.use_graphs = True
         self._graphs = None
 
@@ -199,6 +202,25 @@ class VisionEncoder(nn.Module):
         from tabed_engine.models.loader import _init_buffers
 
         _init_buffers(self.tower)
+
+    def video_tokens(self, frames: int) -> int:
+        """Tokens of a video of `frames` frames (ValueError for a family without videos)."""
+        if self.video_grid is None:
+            raise ValueError("this model family takes no videos")
+        return frames * self.video_grid ** 2 + 1
+
+    @torch.no_grad()
+    def video_features(self, pixels: torch.Tensor, sel: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One video's token features [frames * p^2 + 1, D] from its frames' pixels
+        [frames, 3, S, S] (or their selected tower features `sel`)."""
+        if self.video_grid is None:
+            raise ValueError("this model family takes no videos")
+        feats = self.project(self.select(pixels) if sel is None else sel)      # [T, g*g, D]
+        T, gg, D = feats.shape
+        x = feats.view(T, self.grid, self.grid, D).permute(0, 3, 1, 2)
+        x = F.interpolate(x, size=[self.video_grid, self.video_grid], mode="bilinear")
+        x = x.permute(0, 2, 3, 1).reshape(T * self.video_grid ** 2, D)
+        return torch.cat([x, self.image_newline.to(x)[None]])
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Canonical vision key (`loader.canonical_key`) -> the tensor of the tower it fills."""

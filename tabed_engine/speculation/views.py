@@ -56,13 +56,19 @@ def resolve_escape_token(tokenizer) -> Optional[int]:
     return None
 
 
-def _replace_images(prep: Prepared, pieces: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Rebuild `prep.ids` with image i's token run replaced by pieces[i]; returns the ids and
-    the (start, length) of every piece."""
-    out, spans, prev = [], [], 0
-    for (start, n), piece in zip(prep.image_spans, pieces):
+def _replace_images(prep: Prepared, pieces: list[list[int]], video_pieces: Optional[list[list[int]]] = None
+                    ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Rebuild `prep.ids` with image i's token run replaced by pieces[i] and video j's by
+    video_pieces[j] (kept as it is without them); returns the ids and the (start, length) of
+    every piece, the images' then the videos' (`prep.media_spans` order)."""
+    vspans = prep.video_spans or []
+    if video_pieces is None:
+        video_pieces = [prep.ids[s:s + n] for s, n in vspans]
+    runs = sorted(zip([*prep.image_spans, *vspans], [*pieces, *video_pieces], range(len(prep.image_spans) + len(vspans))))
+    out, spans, prev = [], [None] * len(runs), 0
+    for (start, n), piece, i in runs:
         out += prep.ids[prev:start]
-        spans.append((len(out), len(piece)))
+        spans[i] = (len(out), len(piece))
         out += piece
         prev = start + n
     return out + prep.ids[prev:], spans
@@ -86,23 +92,32 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
                                                              engine.device)
         sel = target_sel if same and target_sel is not None else \
             draft.vision.select_images(pixels.to(engine.device), prep.image_sizes)
+    # videos (LLaVA-OneVision): the draft's own frames' features in the M and P rows (pooled as
+    # the model pools every frame), an escape token in the T and C rows
+    nv = prep.num_videos
+    vfeats = ([draft.vision.video_features(p.to(engine.device)) for p in prep.video_pixels]
+              if nv and any(v in ("M", "P") for v in engine.views if v not in skip) else [])
+    vid_tok = target.video_token_id
     img_tok = target.image_token_id
+    escape = [] if engine.escape_token is None else [engine.escape_token]
+    media = sel is not None or nv > 0
     rows = []
     for v in engine.views:
         v = "T" if v in skip else v
-        if v in ("M", "P") and sel is not None:
+        if v in ("M", "P") and media:
             pool = 0 if v == "M" else engine.pool_size or draft.vision.default_pool
-            feats = draft.vision.image_features(sel, prep.image_sizes, pool=pool)
-            ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats])
-            rows.append(ViewRow(ids, spans, feats, draft.vision.positions(ids, spans, prep.image_sizes, pool)))
-        elif v == "T" and sel is not None:
-            escape = [] if engine.escape_token is None else [engine.escape_token]
-            ids, _ = _replace_images(prep, [escape] * prep.num_images)
+            feats = [] if sel is None else draft.vision.image_features(sel, prep.image_sizes, pool=pool)
+            ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats],
+                                         [[vid_tok] * f.shape[0] for f in vfeats])
+            rows.append(ViewRow(ids, spans, [*feats, *vfeats],
+                                draft.vision.positions(ids, spans[:len(feats)], prep.image_sizes, pool)))
+        elif v == "T" and media:
+            ids, _ = _replace_images(prep, [escape] * prep.num_images, [escape] * nv)
             rows.append(ViewRow(ids, [], []))
-        elif v == "C" and sel is not None:
+        elif v == "C" and media:
             caps = _captions(engine, prep, caption)
             pieces = [engine.tokenizer.encode("image: " + c, add_special_tokens=False) for c in caps]
-            ids, _ = _replace_images(prep, pieces)
+            ids, _ = _replace_images(prep, pieces, [escape] * nv)
             rows.append(ViewRow(ids, [], []))
         else:  # text-only request: every view is the plain prompt
             rows.append(ViewRow(list(prep.ids), [], []))
@@ -113,32 +128,36 @@ def view_lengths(engine, prep: Prepared, caption, skip: frozenset = frozenset())
     """Each view row's prompt length as `build_views` builds it, without a vision tower (the
     draft's image-token counts follow from its grid and the images' sizes); None for a C view
     whose captions the engine's captioner has yet to write (caption None)."""
-    n = prep.num_images
-    if not n:
+    n, nv = prep.num_images, prep.num_videos
+    if not n and not nv:
         return [len(prep.ids)] * len(engine.views)
     vision, sizes = engine.draft.vision, prep.image_sizes
-    text = len(prep.ids) - sum(k for _, k in prep.image_spans)
+    text = len(prep.ids) - sum(k for _, k in prep.media_spans)
+    escaped = 0 if engine.escape_token is None else nv
+    vids = sum(vision.video_tokens(p.shape[0]) for p in prep.video_pixels or [])
     out = []
     for v in engine.views:
         v = "T" if v in skip else v
         if v == "M":
-            per = sum(vision.tokens_per_image(sizes))
+            per = sum(vision.tokens_per_image(sizes)) + vids
         elif v == "P":
-            per = sum(vision.tokens_per_image(sizes, pool=engine.pool_size or vision.default_pool))
+            per = sum(vision.tokens_per_image(sizes, pool=engine.pool_size or vision.default_pool)) + vids
         elif v == "T":
-            per = 0 if engine.escape_token is None else n
-        elif caption is None and engine.captioner is not None:
+            per = 0 if engine.escape_token is None else n + nv
+        elif caption is None and engine.captioner is not None and n:
             out.append(None)
             continue
         else:
-            per = sum(len(engine.tokenizer.encode("image: " + c, add_special_tokens=False))
-                      for c in _captions(engine, prep, caption))
+            per = escaped + sum(len(engine.tokenizer.encode("image: " + c, add_special_tokens=False))
+                                for c in _captions(engine, prep, caption))
         out.append(text + per)
     return out
 
 
 def _captions(engine, prep: Prepared, caption) -> list[str]:
     n = prep.num_images
+    if not n:
+        return []
     if caption is not None:
         caps = [caption] * n if isinstance(caption, str) else list(caption)
     elif engine.captioner is not None:
