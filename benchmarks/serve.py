@@ -421,9 +421,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.repeats < 1 or min(args.streams) < 1 or args.data_parallel < 1:
         ap.error("--repeats, --streams and --data-parallel must be >= 1")
-    from tabed_engine.serving.replica import NO_MULTICAST_ENV
+    from tabed_engine.parallel.comm import nvls_off
 
-    os.environ.update(NO_MULTICAST_ENV)     # machine rule, for this process and every one it starts
+    nvls_off()      # machine rule: NVLink multicast off in this process and every one it starts
     import torch
 
     torch.manual_seed(0)

@@ -127,6 +127,11 @@ def test_health_lists_every_replica(server):
     assert body["status"] == "ok" and [r["replica"] for r in body["replicas"]] == [0, 1]
     pids = [r["pid"] for r in body["replicas"]]
     assert len(set(pids)) == 2 and set(pids) <= set(_children(server.proc.pid)), (pids, body)
+    for pid in pids:      # NVLink multicast off from each replica's start (the test did not set it)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert (env.get(b"NCCL_NVLS_ENABLE"), env.get(b"TORCH_SYMM_MEM_DISABLE_MULTICAST"),
+                env.get(b"NVSHMEM_DISABLE_NVLS")) == (b"0", b"1", b"1"), pid
     log = server.log()
     assert "[replica 0] warm-up done in" in log and "[replica 1] warm-up done in" in log, log
 

@@ -183,10 +183,11 @@ def _serve_replicas(args, name: str, kw: dict) -> int:
     import os
 
     from tabed_engine.serving.data_parallel import ReplicaPool
-    from tabed_engine.serving.replica import NO_MULTICAST_ENV, load_engine, plan_replicas
+    from tabed_engine.parallel.comm import nvls_off
+    from tabed_engine.serving.replica import load_engine, plan_replicas
     from tabed_engine.serving.server import serve
 
-    os.environ.update(NO_MULTICAST_ENV)      # the replicas inherit it too
+    nvls_off()      # machine rule: NVLink multicast off here and in the replicas (they inherit it)
     kw = dict(kw)
     try:
         plans = plan_replicas(args.data_parallel, kw.pop("device"), getattr(args, "tensor_parallel", None) or 1)

@@ -21,6 +21,7 @@ serve) or "error" (503) when none is left, and /metrics reports `tabed_replica_u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -110,7 +111,8 @@ class ReplicaPool:
                 # replica whose pipe closes exits by itself
                 proc = ctx.Process(target=replica_main, args=(plan, theirs, self.build, os.getpid()),
                                    name=f"tabed-replica-{plan.index}")
-                proc.start()
+                with _environment(plan.env):    # from the child's first instruction: its imports
+                    proc.start()                # may touch CUDA before replica_main runs
                 theirs.close()      # the replica holds its end: its death reads as EOF here
                 self.replicas.append(_Replica(plan, proc, mine, self.metrics.replicas[plan.index], pid=proc.pid))
             infos, pending = [None] * len(self.replicas), {r.conn: r for r in self.replicas}
@@ -287,6 +289,21 @@ class ReplicaPool:
             else:
                 flight.queue.put_nowait(err)
             self._forget(rid)
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """os.environ with `env` set, restored on exit (a spawned child inherits it as it starts)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _exit_reason(process) -> str:

@@ -28,11 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from tabed_engine.parallel.comm import NVLS_OFF   # machine rule: in every process the server starts
+
 log = logging.getLogger("tabed_engine.serving.replica")
 
-# Machine rule: NVLink multicast (NVLS) stays off in every process the server starts.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                    "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass
@@ -62,7 +61,7 @@ def plan_replicas(replicas: int, device: Optional[str] = None, tensor_parallel: 
     kind = (device or ("cuda" if torch.cuda.is_available() else "cpu")).strip().lower()
     if kind == "cpu":
         threads = None if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // replicas)
-        return [ReplicaPlan(i, "cpu", dict(NO_MULTICAST_ENV), "cpu", threads) for i in range(replicas)]
+        return [ReplicaPlan(i, "cpu", dict(NVLS_OFF), "cpu", threads) for i in range(replicas)]
     if kind != "cuda":
         if kind.startswith("cuda:"):
             raise ValueError(f"--device {device}: with data parallelism replica i runs on GPU i (or GPU group i "
@@ -82,7 +81,7 @@ def plan_replicas(replicas: int, device: Optional[str] = None, tensor_parallel: 
     plans = []
     for i in range(replicas):
         group = visible[i * tensor_parallel:(i + 1) * tensor_parallel]
-        env = dict(NO_MULTICAST_ENV, CUDA_VISIBLE_DEVICES=",".join(group))
+        env = dict(NVLS_OFF, CUDA_VISIBLE_DEVICES=",".join(group))
         label = ("GPU " if len(group) == 1 else "GPUs ") + ",".join(group)
         plans.append(ReplicaPlan(i, "cuda", env, label))
     return plans
@@ -110,7 +109,7 @@ def load_engine(target: str, draft: Optional[str], kwargs: dict, warmup: bool, i
 def replica_main(plan: ReplicaPlan, conn, build: Callable[[int, str], object], front: int):
     """The replica process: build the engine, report, then serve commands until told to stop.
     `front`: the front's pid (this process's parent)."""
-    os.environ.update(plan.env)          # before anything touches CUDA in this process
+    os.environ.update(plan.env)          # the front set it for the start too (see ReplicaPool)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the front's pid comes from the front: it may have died while this process was starting
     threading.Thread(target=_exit_with_parent, args=(front,), name="replica-parent-watch", daemon=True).start()
@@ -125,7 +124,12 @@ def replica_main(plan: ReplicaPlan, conn, build: Callable[[int, str], object], f
         conn.send(("load_failed", f"{type(e).__name__}: {' '.join(str(e).split())}"))
         return
     conn.send(("ready", {"pid": os.getpid(), "device": plan.label, "load_s": time.perf_counter() - t0}))
-    _ReplicaLoop(engine, conn).run()
+    try:
+        _ReplicaLoop(engine, conn).run()
+    finally:
+        close = getattr(engine, "close", None)     # a tensor-parallel engine stops its workers
+        if close is not None:
+            close()
 
 
 def _exit_with_parent(parent: int, every: float = 1.0):
