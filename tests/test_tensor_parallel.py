@@ -133,7 +133,7 @@ def test_divergence_is_detected():
     sent = []
     worker = Spmd(TPGroup(1, 2), link=SimpleNamespace(send=lambda msg: sent.append(msg[1])))
     leader = Spmd(TPGroup(0, 2), pool=SimpleNamespace(procs=[None], pending=lambda i: bool(sent),
-                                                      recv=lambda i, tag, t: sent.pop(0), close=lambda: None))
+                                                      recv=lambda i, tag, t: sent.pop(0), close=lambda wait: None))
     for rank in (leader, worker):
         rank.record([out([5])])
     leader.compare(block=True)
@@ -198,6 +198,37 @@ def test_killed_worker_fails_the_next_call(tp):
         tp.generate(text, images=imgs, sampling=sp())
     tp.close()
     assert pid not in children()
+
+
+CTRL_C = """
+import sys, torch
+torch.set_num_threads(1)
+from tabed_engine import Engine, SamplingParams
+eng = Engine.from_pretrained(sys.argv[1], device="cpu", dtype=torch.float32, tensor_parallel=2)
+print(eng.worker_pids[0], flush=True)
+eng.generate("w1 w2 w3", sampling=SamplingParams(max_new_tokens=1000, stop_at_eos=False))
+"""
+
+
+def test_ctrl_c_leaves_no_worker():
+    """Ctrl-C reaches the terminal's whole process group: the worker ignores it, the user's
+    process gets the KeyboardInterrupt mid-generation and stops the worker; none is orphaned."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C, target_dir()],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(0.5)                                   # in the middle of the generation
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
 
 
 def test_replicated_kv_head_and_close():

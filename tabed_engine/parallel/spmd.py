@@ -105,12 +105,14 @@ class Spmd:
         for s in [s for s in self.digests if s < done]:
             del self.digests[s]
 
-    def fail(self, why: str):
-        """Mark the group unusable and stop the workers (rank 0)."""
+    def fail(self, why: str, wait: float = 0.0):
+        """Mark the group unusable and stop the workers (rank 0): after a failed step they may
+        sit in a collective that never completes, so they are terminated at once unless
+        `wait` seconds are given for them to leave on a "close" (an idle engine's `close()`)."""
         if self.broken is None:
             self.broken = why
         if self.leader:
-            self.pool.close()
+            self.pool.close(wait)
 
 
 class SharedCostModel(CostModel):
@@ -297,7 +299,7 @@ class TensorParallelEngine(_SpmdEngine):
 
 
 def _shutdown(spmd: Spmd):
-    spmd.fail("the engine was closed")
+    spmd.fail("the engine was closed", wait=10.0)
     destroy_group()
 
 

@@ -154,7 +154,7 @@ class WorkerPool:
         end = time.monotonic() + timeout
         for p in self.procs:
             try:
-                p.wait(max(0.0, end - time.monotonic()))
+                p.wait(max(0.01, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.terminate()
                 try:
