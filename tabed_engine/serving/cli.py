@@ -180,10 +180,9 @@ def _serve_replicas(args, name: str, kw: dict) -> int:
     """`serve --data-parallel M` (M > 1): M replica processes behind one front; this process
     owns them (started here, stopped on exit, error or Ctrl-C)."""
     import functools
-    import os
 
-    from tabed_engine.serving.data_parallel import ReplicaPool
     from tabed_engine.parallel.comm import nvls_off
+    from tabed_engine.serving.data_parallel import ReplicaPool
     from tabed_engine.serving.replica import load_engine, plan_replicas
     from tabed_engine.serving.server import serve
 
