@@ -44,7 +44,8 @@ class Engine(RequestIntake):
                  captioner: Optional[Callable] = None, weight_temperature: Optional[float] = None,
                  grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
-                 adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None):
+                 adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None,
+                 prefix_cache: bool = True):
         self.gamma, self.views, self.ensemble = check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         check_int("max_batch", max_batch, 1)
@@ -128,6 +129,11 @@ class Engine(RequestIntake):
         # the runner owns the caches (allocated on the first request), ensemble history and
         # CUDA graphs; the scheduler the queue and the batch
         self._cuda_graphs, self._adaptive = cuda_graphs, adaptive
+        if not isinstance(prefix_cache, bool):
+            raise TypeError(f"prefix_cache must be a bool, got {type(prefix_cache).__name__}")
+        # finished requests' KV kept in their slots and reused by prompts that start the same
+        # way (engine/prefix_cache.py)
+        self.prefix_cache = prefix_cache
         self.runner = self.runner_class(self, self._max_batch(max_batch, memory_fraction), cuda_graphs)
         self.scheduler = self._new_scheduler()
         self._ids = itertools.count()
@@ -165,7 +171,7 @@ class Engine(RequestIntake):
                                            "grid_step", "max_len", "pool_size", "captioner")))
         parse_tree(args["tree"])
         if isinstance(tensor_parallel, bool) or tensor_parallel != 1:
-            from tabed_engine.parallel.spmd import from_pretrained_tp
+            from tabed_engine.parallel.startup import from_pretrained_tp
 
             if cls is not Engine:
                 raise TypeError(f"tensor_parallel is for Engine.from_pretrained, not {cls.__name__}'s")

@@ -91,6 +91,14 @@ class WorkerPool:
             if p.poll() is not None:
                 raise self._dead(i)
 
+    def wait_exit(self, timeout: float):
+        """Wait up to `timeout` seconds for a worker to exit (one whose collective failed may
+        still be on its way out), then `check`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and all(p.poll() is None for p in self.procs):
+            time.sleep(0.01)
+        self.check()
+
     def send(self, msg: Any):
         """Send one message to every worker, in order."""
         self.check()
@@ -180,6 +188,14 @@ class ParentLink:
         except (EOFError, OSError):
             os._exit(0)          # rank 0 is gone: nothing left to serve
 
+    def wait_exit(self, timeout: float):
+        """Wait up to `timeout` seconds for a worker to exit (one whose collective failed may
+        still be on its way out), then `check`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and all(p.poll() is None for p in self.procs):
+            time.sleep(0.01)
+        self.check()
+
     def send(self, msg: Any):
         try:
             _send(self.conn, msg)
@@ -204,7 +220,7 @@ def main(fd: int):
     link = ParentLink(Connection(fd))
     spec = link.recv()
     try:
-        from tabed_engine.parallel.spmd import run_worker
+        from tabed_engine.parallel.startup import run_worker
 
         run_worker(spec, link)
     except BaseException:
