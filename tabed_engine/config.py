@@ -29,13 +29,21 @@ def check_real(name: str, value) -> float:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. max_new_tokens None = as many as the engine's cache holds after the
-    prompt (OpenAI's default). temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters;
-    seed None draws a fresh seed per generation (from the OS, not from torch's global RNG); a
-    seeded request reproduces its tokens when it runs alone and its blocks are the same (the cost
-    model picks AR or a chain length from block times measured on the machine: `adaptive=False`
-    fixes them); in a batch the draws of later tokens are shared with the other requests (seeded
-    by the batch's first request). Each request is distributed exactly as the target's whatever
-    the seed.
+    prompt (OpenAI's default). temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters.
+    Each request is distributed exactly as the target's whatever the seed.
+
+    seed: a sampled request with a seed draws its token at position p (its token index, the
+    prompt counted) as argmax(log p_filtered + Gumbel noise hashed from (seed, p, token)), and
+    the draft proposes with the same noise (a Gumbel coupling, `speculation/coupling.py`): its
+    tokens depend only on the prompt, the models and the seed, the same alone or in any batch,
+    with or without the draft, chain or tree, whatever the cost model picks. That is what a seed
+    is for, so it is the default; the price is acceptance: the draft's token is accepted only
+    where it equals the target's own draw, a little less often than rejection sampling accepts
+    (benchmarks/results/coupling_acceptance_cpu.md). reproducible=False gives a seeded request
+    rejection sampling instead (more drafts accepted, reproducible only alone with the same blocks:
+    `adaptive=False` fixes them; in a batch its draws come from the batch's first request's seed).
+    seed None draws a fresh seed per generation (from the OS, not from torch's global RNG) and
+    samples by rejection sampling. Greedy requests ignore both.
     stop: strings that end the generation (the text ends before the first one; the tokens up
     to the one that completed it are kept). stop_token_ids: tokens that end it like EOS does.
     stop_at_eos=False decodes past EOS (ignore_eos).
@@ -51,6 +59,7 @@ class SamplingParams:
     stop_at_eos: bool = True
     stop: tuple = ()
     stop_token_ids: tuple = ()
+    reproducible: bool = True
 
     def __post_init__(self):
         fix = partial(object.__setattr__, self)   # frozen: normalise numpy scalars to int/float
@@ -77,7 +86,14 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
         fix("stop_token_ids", tuple(check_int("stop_token_ids item", t, 0) for t in ids))
+        if not isinstance(self.reproducible, bool):
+            raise TypeError(f"reproducible must be a bool, got {type(self.reproducible).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Whether tokens are drawn by the seeded Gumbel coupling (sampled, seeded, reproducible)."""
+        return self.seed is not None and self.reproducible and not self.greedy

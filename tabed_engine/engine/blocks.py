@@ -197,8 +197,11 @@ class SpeculativeSteps:
             verify_fn = partial(tree_verify, self.target.lm, tcache, dcache, sp=sp, K=K, depth=tree.depth,
                                 node_depth=node_depth_tensor(tree, dev), probs_fn=partial(target_probs, sp=sp))
             noise = tree.depth * b * tree.width * V
-        res = self.run_graph(("draft", b, K, gamma, tree, greedy, temp, confidence), draft_fn,
-                             dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset),
+        d_in = dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset)
+        couple = getattr(sp, "any_coupled", False)     # seeded rows draft under the shared noise
+        if couple:
+            d_in.update(row_seed=sp.seed, coupled=sp.coupled, tlens=tl)
+        res = self.run_graph(("draft", b, K, gamma, tree, greedy, temp, confidence, couple), draft_fn, d_in,
                              kv_len=self.kv_bucket(longest + g_max + eng.lookahead))
         self.offset.add_(noise)
         if timer is not None:

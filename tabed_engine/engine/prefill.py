@@ -12,11 +12,13 @@ from typing import Optional
 import torch
 
 from tabed_engine.engine.graphs import private_stream
+from tabed_engine.engine.prefix_cache import prefill_suffix
 from tabed_engine.engine.prompt import Prepared
 from tabed_engine.engine.request import Request
 from tabed_engine.models.decoder import KVCache, cache_rows
 from tabed_engine.speculation.chain import prefill_draft
 from tabed_engine.speculation.ensemble import state_rows
+from tabed_engine.speculation.coupling import seed_value
 from tabed_engine.speculation.sampling import pick_tokens
 from tabed_engine.speculation.views import ViewRow, build_views
 
@@ -82,16 +84,25 @@ class PrefillSteps:
             feats = (feats or []) + [vision.video_features(v.to(self.device)) for v in prep.video_pixels]
         return sel, feats
 
-    def prefill_lm(self, prep: Prepared, feats, slot: int) -> torch.Tensor:
+    def prefill_lm(self, prep: Prepared, feats, slot: int, cached: int = 0, src: Optional[int] = None) -> torch.Tensor:
         """Prefill the target's language model on the prompt into cache row `slot`; returns the
         logits of the last prompt position [1, V] (with a graph, its output buffer: read it
-        before the next prefill of the same bucket)."""
+        before the next prefill of the same bucket). `cached` > 0: the prompt's first `cached`
+        tokens' KV is reused from row `src` (`prefix_cache.prefill_suffix`; `feats` may then be
+        None when every image lies inside them)."""
         n = len(prep.ids)
-        x = self.embed(self.target, prep.ids, prep.media_spans, feats)
+        if self.prefix is not None:
+            self.prefix.forget(slot)            # the row is written over from here on
+        if cached and feats is None:            # no image after the cached prefix: its tokens alone
+            x = self.target.lm.embed_tokens(torch.tensor(prep.ids[cached:], device=self.device))
+        else:
+            x = self.embed(self.target, prep.ids, prep.media_spans, feats)[cached:]
         # M-RoPE ids of a prompt with images (None: its slots); the row's later positions follow
         # its cache slots shifted by the offset
         pos3 = self.target.vision.positions(prep.ids, prep.image_spans, prep.image_sizes)
         self.tcache.pos_offset[slot] = 0 if pos3 is None else int(pos3.max()) + 1 - n
+        if cached:
+            return prefill_suffix(self, prep, x, slot, cached, src, pos3)
         P = prefill_bucket(n, self.max_len, self.prefill_graph_max) if self.prefill_graphs else None
         if P is None:           # eager at the prompt's own length
             pos = torch.arange(n, device=self.device)[None] if pos3 is None else pos3[:, None].to(self.device)
@@ -145,6 +156,8 @@ class PrefillSteps:
                 if ("prefill", P) not in self.graphs.graphs]
         buf.zero_()
         slot_t.zero_()
+        if self.prefix is not None:
+            self.prefix.forget(0)
         for P in todo:
             last_t.fill_(P - 1)
             self._prefill_padded(P)
@@ -183,13 +196,21 @@ class PrefillSteps:
         self.row_top_k[slot:slot + 1].copy_(v[1:2])
         self.row_top_p[slot:slot + 1].copy_(v[2:3])
         self.row_greedy[slot:slot + 1].copy_(v[3:4])
-        if req.prep.num_images and req.prep.pixel_values is None:    # preprocessed here, on the device
-            from tabed_engine.models.image_ops import device_pixels
+        self.row_seed[slot:slot + 1].copy_(self.to_device([seed_value(sp.seed) if sp.coupled else 0]))
+        self.row_coupled[slot:slot + 1].copy_(self.to_device([sp.coupled], torch.bool))
+        # a prefix of the prompt whose KV a slot holds (0: none); images inside it need no tower
+        # for the target (the draft's views then run the draft's own)
+        cached, src = self.prefix.source(req.prep, slot) if self.prefix is not None else (0, None)
+        covered = cached > 0 and all(s + m <= cached for s, m in req.prep.media_spans)
+        if req.prep.num_images and req.prep.pixel_values is None and not (covered and not req.speculative):
+            from tabed_engine.models.image_ops import device_pixels      # preprocessed here, on the device
             req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
-        sel, feats = self.encode(req.prep)
+        sel, feats = (None, None) if covered else self.encode(req.prep)
         vision_done = self._record()         # where the draft's views may start (they share `sel`)
-        logits = self.prefill_lm(req.prep, feats, slot)
-        first = pick_tokens(logits, sp, req.generator)                         # [1]
+        logits = self.prefill_lm(req.prep, feats, slot, cached, src)
+        req.stats.cached_tokens = cached
+        # (the coupling's position of the first token: the prompt's length)
+        first = pick_tokens(logits, sp, req.generator, self.to_device([req.n_prompt]) if sp.coupled else None)
         host = self._host("first", (1,))
         host.copy_(first, non_blocking=True)
         ready = self._record()
@@ -213,6 +234,9 @@ class PrefillSteps:
             if req.view_mask is not None:
                 self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
         self._wait(ready)                    # the first token: not behind the draft's views
+        if self.prefix is not None:
+            self.prefix.hold(slot, req.prep)
+            self.prefix.account(cached, req.n_prompt)
         req.append([int(host[0])])
         req.stats.time_first_token = time.perf_counter() - req.arrival
         self.pending = None               # the batch changed: the queued block is stale

@@ -21,6 +21,7 @@ import torch
 from tabed_engine.engine.blocks import SpeculativeSteps
 from tabed_engine.engine.graphs import GraphCache
 from tabed_engine.engine.prefill import PREFILL_GRAPH_MAX, PrefillSteps
+from tabed_engine.engine.prefix_cache import new_index
 from tabed_engine.models.decoder import KVCache, cache_rows
 from tabed_engine.speculation.ensemble import EnsembleState, state_rows
 from tabed_engine.speculation.sampling import RowSampling, pick_tokens
@@ -66,6 +67,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
         self._host_bufs: dict = {}
         self._allocated = False
         self.bench_accept_schedule = None
+        self.prefix = new_index(self)       # what each slot's target row holds (prefix caching)
 
     # ------------------------------------------------------------------ memory
     def allocate(self):
@@ -89,6 +91,8 @@ class Runner(PrefillSteps, SpeculativeSteps):
             self.row_top_k = torch.zeros(B, dtype=torch.long, device=dev)
             self.row_top_p = torch.ones(B, device=dev)
             self.row_greedy = torch.zeros(B, dtype=torch.bool, device=dev)
+            self.row_seed = torch.zeros(B, dtype=torch.long, device=dev)        # seeded rows: the coupling
+            self.row_coupled = torch.zeros(B, dtype=torch.bool, device=dev)
             self.seed = torch.zeros(1, dtype=torch.long, device=dev)
             self.offset = torch.zeros(1, dtype=torch.long, device=dev)
         self._allocated = True
@@ -174,7 +178,8 @@ class Runner(PrefillSteps, SpeculativeSteps):
     def batch_sampling(self, reqs: list, b: int):
         """How the batch in slots [0, b) picks target tokens: greedy `SamplingParams` when all
         its requests are greedy, else `RowSampling` over the slots (each request's own
-        temperature / top-k / top-p; one graph serves any values); and the temperature its draft
+        temperature / top-k / top-p, seeded rows by the Gumbel coupling; one graph serves any
+        values); and the temperature its draft
         mixes and its history compares at: 1 greedy, else the grid value nearest the first
         sampling request's (it shapes which drafts are proposed and how views are weighted,
         never the output distribution; a grid bounds the graphs a server with many
@@ -186,7 +191,8 @@ class Runner(PrefillSteps, SpeculativeSteps):
         rows = RowSampling(self.row_temp[:b], self.row_top_k[:b], self.row_top_p[:b], self.row_greedy[:b],
                            use_top_k=any(sp.top_k > 0 and not sp.greedy for sp in sps),
                            use_top_p=any(sp.top_p < 1.0 and not sp.greedy for sp in sps),
-                           any_greedy=any(sp.greedy for sp in sps))
+                           any_greedy=any(sp.greedy for sp in sps), seed=self.row_seed[:b],
+                           coupled=self.row_coupled[:b], any_coupled=any(sp.coupled for sp in sps))
         return rows, min(DRAFT_TEMPERATURES, key=lambda t: abs(math.log(t / first.temperature)))
 
     def ar_step(self, reqs: list, b: int, gen, queue_next: bool = True) -> list[list[int]]:
@@ -201,7 +207,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
             tl, last, longest = self._target_inputs(reqs, b)
             logits = self.run_graph(("ar", b), step_fn, {"tok": last[:, None], "lens": tl},
                                     kv_len=self.kv_bucket(longest + 1))
-            tok = pick_tokens(logits, sp, gen)
+            tok = pick_tokens(logits, sp, gen, tl.long() + 1)     # the new token's position
         else:
             tok, tl, longest = p["tok"], p["tl"], p["longest"]
         host = self._host("ar", (b,))
@@ -212,7 +218,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
             tl2 = torch.clamp(tl + self.active[:b].int(), max=self.max_len - 1)
             logits = self.run_graph(("ar", b), step_fn, {"tok": tok[:, None], "lens": tl2},
                                     kv_len=self.kv_bucket(longest + 2))
-            self.pending = dict(mode="ar", b=b, slots=self._slots_key(reqs), tok=pick_tokens(logits, sp, gen),
+            self.pending = dict(mode="ar", b=b, slots=self._slots_key(reqs), tok=pick_tokens(logits, sp, gen, tl2.long() + 1),
                                 tl=tl2, longest=longest + 1)
         self._wait(ready)
         toks = host.tolist()

@@ -42,6 +42,9 @@ def add_engine_options(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV of earlier requests whose prompt (tokens and images) starts the "
+                        "same way (prefix caching: on by default, docs/serving.md)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the target over N processes, one GPU each from --device's index on (on the "
                         "CPU: N processes); this process starts and stops the workers (docs/parallel.md)")
@@ -52,7 +55,8 @@ def engine_kwargs(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, views=args.views, policy=args.policy, window=args.window,
                 gamma=args.gamma, view_tree=not args.no_view_tree, escape_token=args.escape_token,
                 tree=args.tree, max_len=args.max_len, **({"adaptive": False} if args.no_adaptive else {}),
-                **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}))
+                **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}),
+                **({"prefix_cache": False} if args.no_prefix_cache else {}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,11 +137,13 @@ def add_serve_parser(sub):
 
 def serve_warmup(engine) -> float:
     """`engine.warmup()` for serving: greedy requests and the API's default sampling
-    (temperature 1, no top-k / top-p), which run graphs of their own. Returns the seconds."""
+    (temperature 1, no top-k / top-p), with and without a `seed` (seeded requests draft and
+    verify by the Gumbel coupling), which run graphs of their own. Returns the seconds."""
     from tabed_engine import SamplingParams
     from tabed_engine.serving.protocol import parse_sampling
 
-    return engine.warmup(sampling=[SamplingParams(), SamplingParams(**parse_sampling({}, None))])
+    default = SamplingParams(**parse_sampling({}, None))
+    return engine.warmup(sampling=[SamplingParams(), default, SamplingParams(**{**parse_sampling({}, None), "seed": 0})])
 
 
 def serve_main(args) -> int:

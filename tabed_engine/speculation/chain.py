@@ -18,6 +18,7 @@ import torch
 
 from tabed_engine.ops.chain_verify import chain_verify
 from tabed_engine.ops.ensemble_mix import ensemble_mix
+from tabed_engine.speculation.coupling import coupled_proposals, coupled_scores
 from tabed_engine.speculation.ensemble import confidence_weights
 from tabed_engine.speculation.sampling import target_probs
 
@@ -62,8 +63,8 @@ def prompt_positions(positions, lens, T: int):
     return pos, offsets
 
 
-def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, gamma: int,
-                greedy: bool, temperature: float, confidence: bool, kv_len=None,
+def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coupled=None, tlens=None, *, B: int,
+                K: int, gamma: int, greedy: bool, temperature: float, confidence: bool, kv_len=None,
                 per_view: bool = False):
     """γ draft steps for B requests × K views (rows of one batch), fixed shapes, no host sync
     (captured as one CUDA graph on the GPU).
@@ -76,6 +77,10 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
     `temperature` (from the mixing kernel, for the history's divergences).
     per_view (greedy): every row follows its own argmax instead of the mixture's token, and
     drafted is [B*K, γ] (the first block's view tree).
+    row_seed [B] int64, coupled [B] bool, tlens [B] (sampling, optional): requests whose
+    `coupled` is set propose argmax(log q + G(row_seed, position)) instead of a sample (the
+    Gumbel coupling, `speculation.coupling`), d_i at position tlens + i (tlens: each request's
+    committed target length, where its last token sits).
     """
     R, dev = B * K, inp2.device
     if per_view:
@@ -95,6 +100,11 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int,
         ids = torch.empty(R, dtype=torch.long, device=dev) if K > 1 and i < gamma - 1 else None
         tok, _, mix, lse = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
                                         temperature=temperature, return_mixture=not greedy, view_tokens_out=ids)
+        if row_seed is not None:          # seeded requests: the coupling's proposal, in every view's row
+            prop, _ = coupled_proposals(mix, row_seed, tlens.long() + 1 + i)
+            tok = torch.where(coupled, prop[:, 0], tok)
+            if ids is not None:
+                ids = tok.repeat_interleave(K)
         q_logits.append(logits)
         q_lse.append(lse)
         mixtures.append(mix)
@@ -121,7 +131,10 @@ def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, s
     `normalisers` the target rows' logsumexp(logits / T) [B, γ+1] fp32 for the history's TV,
     T = 1 greedy (written by the greedy verification's own pass), else an empty tensor).
     Greedy: the target's argmax chain. Sampling (sp.temperature > 0): mixture [γ, B, V] is the
-    draft distribution each d_i was drawn from, uniforms [B, γ+1] the acceptance draws."""
+    draft distribution each d_i was drawn from, uniforms [B, γ+1] the acceptance draws; rows
+    coupled by `sp` (a RowSampling with seeded rows) accept d_i iff it equals the target's
+    Gumbel-argmax at its position and continue with the target's own token (the argmax chain
+    of the perturbed scores)."""
     tlogits = verify_forward(target_lm, cache, vin, tlens, kv_len=kv_len)
     drafted = vin[:, 1:]
     t_lse = torch.empty(tlogits.shape[:2] if normalisers else 0, device=tlogits.device)
@@ -129,8 +142,13 @@ def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, s
     if sp.greedy:
         n_acc, nxt = chain_verify(drafted, None, tlogits, greedy=True, lse_out=lse_out)
     else:
-        n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), target_probs(tlogits, sp, lse_out),
-                                  greedy=False, uniforms=uniforms)
+        probs = target_probs(tlogits, sp, lse_out)
+        n_acc, nxt = chain_verify(drafted, mixture.transpose(0, 1), probs, greedy=False, uniforms=uniforms)
+        if getattr(sp, "any_coupled", False):
+            pos = tlens.long()[:, None] + 1 + torch.arange(vin.shape[1], device=vin.device)
+            scores = coupled_scores(tlogits, probs, sp.temperature, sp.seed, pos)
+            c_acc, c_nxt = chain_verify(drafted, None, scores, greedy=True)
+            n_acc, nxt = torch.where(sp.coupled, c_acc, n_acc), torch.where(sp.coupled, c_nxt, nxt)
     return tlogits, n_acc, nxt, pack_head(n_acc, nxt, drafted), t_lse
 
 

@@ -1,15 +1,17 @@
 """Target-side token selection shared by autoregressive and speculative decoding, so that
 both sample from exactly the same processed distribution: one `SamplingParams` for a batch
 whose requests pick tokens alike, or `RowSampling` (settings per row) for a batch that mixes
-temperatures, top-k / top-p and greedy requests."""
+temperatures, top-k / top-p and greedy requests. Seeded rows pick by the Gumbel coupling
+(`tabed_engine.speculation.coupling`) where unseeded ones sample."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
 from tabed_engine.config import SamplingParams
+from tabed_engine.speculation.coupling import coupled_scores, seed_value
 
 
 @dataclass(frozen=True, eq=False)
@@ -18,6 +20,7 @@ class RowSampling:
     runner's per-slot buffers: a captured graph reads them in place). A batch with these
     samples (`greedy` is False); its greedy rows get a one-hot target distribution at the
     argmax, which sampling and the lossless verification turn into exactly the greedy token.
+    Rows with `coupled` set pick by the seeded Gumbel coupling with their `seed`.
     The flags say which filters any row uses (they select the work, so they key graphs)."""
 
     temperature: torch.Tensor   # [b] float32 > 0 (greedy rows: 1)
@@ -27,11 +30,14 @@ class RowSampling:
     use_top_k: bool
     use_top_p: bool
     any_greedy: bool
+    seed: Optional[torch.Tensor] = None      # [b] int64 (`coupling.seed_value`), coupled rows
+    coupled: Optional[torch.Tensor] = None   # [b] bool: the row picks by the coupling
+    any_coupled: bool = False
     greedy = False
 
     @property
     def key(self) -> tuple:
-        return ("rows", self.use_top_k, self.use_top_p, self.any_greedy)
+        return ("rows", self.use_top_k, self.use_top_p, self.any_greedy, self.any_coupled)
 
 
 Sampling = Union[SamplingParams, RowSampling]
@@ -109,8 +115,19 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.argmax(probs / e, dim=-1)
 
 
-def pick_tokens(logits: torch.Tensor, sp: Sampling, generator) -> torch.Tensor:
-    """Next token per row from target logits [R, V]: argmax when greedy, else a sample."""
+def pick_tokens(logits: torch.Tensor, sp: Sampling, generator, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row from target logits [R, V]: argmax when greedy, a sample of the
+    processed distribution, or for coupled rows (a seeded `SamplingParams`, `RowSampling`'s
+    coupled rows) the Gumbel coupling's token at positions pos [R] int64 (device; needed then)."""
     if sp.greedy:
         return torch.argmax(logits, dim=-1)
-    return sample_from(target_probs(logits, sp), generator)
+    probs = target_probs(logits, sp)
+    if isinstance(sp, RowSampling):
+        tok = sample_from(probs, generator)
+        if not sp.any_coupled:
+            return tok
+        return torch.where(sp.coupled, coupled_scores(logits, probs, sp.temperature, sp.seed, pos).argmax(-1), tok)
+    if sp.coupled:
+        seed = torch.full((logits.shape[0],), seed_value(sp.seed), dtype=torch.long, device=logits.device)
+        return coupled_scores(logits, probs, sp.temperature, seed, pos).argmax(-1)
+    return sample_from(probs, generator)

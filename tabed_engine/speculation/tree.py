@@ -34,6 +34,7 @@ from tabed_engine.ops.compact_kv import compact_kv
 from tabed_engine.ops.mix_topk import mix_topk
 from tabed_engine.ops.tree_grow import TreeState, tree_grow, tree_start
 from tabed_engine.ops.verify_tree import verify_tree
+from tabed_engine.speculation.coupling import coupled_proposals, coupled_scores
 from tabed_engine.speculation.ensemble import confidence_weights
 
 
@@ -127,13 +128,17 @@ def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tenso
     return w.view(T, B, K).transpose(0, 1)
 
 
-def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, cfg: TreeConfig, greedy: bool,
-               temperature: float, confidence: bool, kv_len=None, _kernels=None):
+def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coupled=None, tlens=None, *, B: int,
+               K: int, cfg: TreeConfig, greedy: bool, temperature: float, confidence: bool, kv_len=None,
+               _kernels=None):
     """Draft one tree for B requests × K views (rows of one batch), fixed shapes, no host sync.
 
     inp2 [B*K, 2]: each row's last two tokens, written at slots lens, lens + 1 (lens [B*K]);
     the root is the last token at slot lens + 1, and fed node f >= 1 at slot lens + depth + f.
     w [B, K] ensemble weights; seed, offset [1] int64 (sampling noise).
+    row_seed [B] int64, coupled [B] bool, tlens [B] (sampling, optional): a coupled request's
+    children at depth d are the top k of log q + G(row_seed, tlens + d) (`coupling`: the first
+    is the coupled proposal, the others the next guesses under the same noise).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
     leaves; greedy: an empty tensor, as `draft_block`'s mixtures: the greedy walk reads only
@@ -178,6 +183,11 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, *, B: int, K: int, 
         draw = {} if greedy else dict(seed=seed, offset=offset + (depth - 1) * B * W * V, mixture_out=node_q,
                                       out_rows=st.fed[:, n_fed - T:n_fed])
         kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels, **draw)   # [B, T, k]
+        if row_seed is not None:       # seeded requests: children under the shared noise
+            q = node_q.gather(1, draw["out_rows"][..., None].expand(B, T, V))
+            c_kids, c_logq = coupled_proposals(q, row_seed, tlens.long() + depth, k)
+            kids = torch.where(coupled[:, None, None], c_kids, kids)
+            logq = torch.where(coupled[:, None, None], c_logq, logq)
         tree_grow(st, kids, logq, pad=P, n_nodes=n_nodes, n_fed=n_fed, width=W, last=depth == D, kernel=_kernels)
         n_nodes += T * k
         if depth == D:
@@ -211,14 +221,23 @@ def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos
     `verify_tree` walk; the accepted path's KV compacted in the target rows and in the draft's
     B*K view rows (fed nodes at slots dlens + 1 + fed index). Returns (target logits
     [B, N, V], path [B, N], accepted [B], next token [B], packed [B, 2 + depth] for the
-    block's one host read: accepted count, next token, the path's tokens)."""
+    block's one host read: accepted count, next token, the path's tokens).
+    Rows coupled by `sp` (a RowSampling with seeded rows) walk greedily over the target's
+    Gumbel-perturbed scores: the child equal to the target's coupled token, else that token."""
     pos = tlens.long()[:, None] + node_depth[None]
     tlogits = target_lm(tcache, pos, input_ids=tokens, lengths=tlens, tree_bits=tree_bits_of(parents, depth),
                         kv_len=kv_len)
     if sp.greedy:
         path, n_acc, nxt = verify_tree(tokens, parents, tlogits, greedy=True)
     else:
-        path, n_acc, nxt = verify_tree(tokens, parents, probs_fn(tlogits), node_q, uniforms, greedy=False)
+        probs = probs_fn(tlogits)
+        path, n_acc, nxt = verify_tree(tokens, parents, probs, node_q, uniforms, greedy=False)
+        if getattr(sp, "any_coupled", False):
+            scores = coupled_scores(tlogits, probs, sp.temperature, sp.seed, pos + 1)   # a node's child's position
+            c_path, c_acc, c_nxt = verify_tree(tokens, parents, scores, greedy=True)
+            c = sp.coupled
+            path, n_acc, nxt = torch.where(c[:, None], c_path, path), torch.where(c, c_acc, n_acc), \
+                torch.where(c, c_nxt, nxt)
     compact_kv(tcache.k, tcache.v, tlens, path, n_acc)
     # the draft rows keep the path's fed nodes (all of it but possibly its last node, a leaf
     # the next block re-feeds); their root sits at slot dlens + 1, fed node f >= 1 at
