@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tabed_engine.models.config import LMConfig
-from tabed_engine.models.layers import Attention, Linear
+from tabed_engine.models.layers import Linear
 from tabed_engine.ops.gemv import linear
 from tabed_engine.parallel.comm import TPGroup, all_reduce, gather_last
 
@@ -151,14 +151,15 @@ def _qkv_cuts(cfg: LMConfig, tp: TPGroup) -> list[Cut]:
     return [Cut(0, rank * hl * hd, hl * hd), kv, kv]
 
 
-def _sharded(name: str, mod: Linear, lm, cfg: LMConfig, tp: TPGroup, attention: bool) -> nn.Module:
+def _sharded(mod: Linear, lm, cfg: LMConfig, tp: TPGroup) -> nn.Module:
     """The rank's replacement (on the meta device) for one marked projection."""
     has_bias = mod.bias is not None
     if mod is lm.lm_head:
         start, real, padded = vocab_shard(cfg.vocab_size, tp.world, tp.rank)
         return VocabParallelHead(mod.in_features, padded, cfg.vocab_size, has_bias, Cut(0, start, real), tp)
     if mod.parallel == "column":
-        if attention and name.endswith("qkv_proj"):
+        hd = cfg.head_dim
+        if mod.parts == (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd):   # q, k, v
             cuts = _qkv_cuts(cfg, tp)
         else:
             cuts = [Cut(0, *split(n, tp.world, tp.rank)) for n in mod.parts]
@@ -199,8 +200,7 @@ def shard_lm(lm, tp: TPGroup):
         for parent in lm.modules():
             for child_name, child in parent.named_children():
                 if isinstance(child, Linear) and child.parallel is not None:
-                    swaps.append((parent, child_name, child,
-                                  _sharded(child_name, child, lm, cfg, tp, isinstance(parent, Attention))))
+                    swaps.append((parent, child_name, child, _sharded(child, lm, cfg, tp)))
         emb = lm.embed_tokens
         start, real, padded = vocab_shard(cfg.vocab_size, tp.world, tp.rank)
         swaps.append((lm, "embed_tokens", emb,
