@@ -71,6 +71,36 @@ def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: in
     return model
 
 
+def random_fill(std: float, seed: int, device):
+    """fill(module) for random benchmark weights: the weights of norm modules (any class whose
+    name holds "norm") 1, every other parameter ~ N(0, std), from one seeded generator."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    @torch.no_grad()
+    def fill(module):
+        ones = {id(m.weight) for m in module.modules()
+                if "norm" in type(m).__name__.lower() and isinstance(getattr(m, "weight", None), torch.Tensor)}
+        for p in module.parameters():
+            if id(p) in ones:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+    return fill
+
+
+def build_hf_random(cls, config, device, dtype, std: float, seed: int):
+    """A transformers model `cls(config)` built directly on `device` in `dtype` with
+    `random_fill` weights, in eval mode, never stopping at EOS (every run makes exactly the
+    tokens asked for)."""
+    with default_dtype(dtype), torch.device(device):
+        model = cls(config)
+    random_fill(std, seed, device)(model)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def build_lvlm(vision: dict, text: dict, device, dtype):
     """The engine's LVLM with random weights built on the device (std 0.02, seed 0; the
     transformers model it is loaded from is freed)."""

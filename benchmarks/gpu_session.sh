@@ -2,7 +2,7 @@
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
 #   (stages: env build test kernels bench layer-kernels profile profile-prefill profile-tree e2e e2e-next ttft batch
-#    serve e2e-demo world)
+#    serve e2e-demo world e2e-families)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -93,6 +93,12 @@ for stage in "$@"; do
     serve)
       # the HTTP layer against the engine called directly: N = 1/4/16 streams, AR and SD at tau 2.31
       timeout 400 $PY benchmarks/serve.py --out "$OUT" 2>&1 | tail -30
+      ;;
+    e2e-families)
+      # LLaVA-OneVision-7B + 0.5B, Qwen2.5-VL-7B + 3B and -32B + 3B at the published shapes (random
+      # weights): TTFT, AR vs the weight floor, SD over chain lengths at tau 2.31, transformers (7B)
+      timeout ${FAMILIES_TIMEOUT:-470} $PY benchmarks/e2e_families.py --out "$OUT" --budget-s ${FAMILIES_BUDGET:-420} \
+        ${FAMILIES_ARGS:-} 2>&1 | grep -v Warn | tail -90
       ;;
     e2e-demo)
       # bundled trained pair, real acceptance (no override), S1-S5 x 10 prompts

@@ -252,6 +252,22 @@ def lvlm_from_hf(model, device=None, dtype=None) -> LoadedLVLM:
     return _finish("<in-memory>", raw, lm, vision, family)
 
 
+def lvlm_from_config(config, device, dtype, fill) -> LoadedLVLM:
+    """Our modules for a transformers config object of a registered family (its `architectures`
+    set), allocated on `device` in `dtype` and filled by `fill(module)` (called once for the
+    decoder, once for the vision side), with no transformers model and no checkpoint: what a
+    benchmark of random weights at a shape too large for two copies on one GPU needs. The tower
+    fingerprint is taken after `fill`."""
+    raw = config.to_dict()
+    family = family_of(raw, "the in-memory config")
+    lm, vision = _meta_modules("<in-memory>", raw, config, family)
+    lm, vision = _allocate(lm, vision, torch.device(device), dtype)
+    with torch.no_grad():
+        fill(lm)
+        fill(vision)
+    return _finish("<in-memory>", raw, lm, vision, family)
+
+
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

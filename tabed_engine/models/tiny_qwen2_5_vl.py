@@ -80,6 +80,13 @@ def build_tiny_qwen2_5_vl(out_dir: str, *, hidden: int = 64, layers: int = 2, he
     if layout not in ("published", "nested"):
         raise ValueError(f"unknown layout {layout!r}")
     _rewrite_layout(out_dir, layout)
+    write_processor_files(out_dir, patch_size, min_pixels, max_pixels)
+    return model
+
+
+def write_processor_files(out_dir: str, patch_size: int = 14, min_pixels: int = 3136, max_pixels: int = 12845056):
+    """preprocessor_config.json and chat_template.json as Qwen/Qwen2.5-VL-*-Instruct publish
+    them (defaults: the published patch and min / max pixels)."""
     with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
         json.dump({"min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": patch_size,
                    "temporal_patch_size": 2, "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
@@ -87,7 +94,6 @@ def build_tiny_qwen2_5_vl(out_dir: str, *, hidden: int = 64, layers: int = 2, he
                   f, indent=2)
     with open(os.path.join(out_dir, "chat_template.json"), "w") as f:
         json.dump({"chat_template": QWEN_VL_CHAT_TEMPLATE}, f)
-    return model
 
 
 def _rewrite_layout(out_dir: str, layout: str):
