@@ -1,18 +1,16 @@
-"""The public engine: load a target (and optionally a draft) LLaVA checkpoint, then
+"""The public engine: load a target (and optionally a draft) checkpoint of a supported family, then
 generate autoregressively or speculatively (TABED chain ensembles or draft trees)."""
 from __future__ import annotations
 
 import inspect
 import itertools
-import os
 import threading
 import time
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
-import torch
-
 from tabed_engine.config import SamplingParams, check_int, check_real
 from tabed_engine.engine.intake import RequestIntake
+from tabed_engine.engine.limits import EngineLimits
 from tabed_engine.engine.options import (KEEP, check_draft_vocab, check_options, check_same_tokenizer, is_batch,
                                           resolve_device, resolve_dtype)
 from tabed_engine.engine.outputs import GenerationOutput
@@ -21,16 +19,13 @@ from tabed_engine.engine.runner import Runner
 from tabed_engine.engine.scheduler import CostModel, Scheduler
 from tabed_engine.engine.warmup import run_warmup
 from tabed_engine.models.decoder import cache_rows
-from tabed_engine.models.safetensors_io import read_json
 from tabed_engine.models.loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config, vocab_size
 from tabed_engine.models.vocab import fit_vocab
 from tabed_engine.speculation.tree import parse_tree
-from tabed_engine.speculation.views import resolve_escape_token
 
 
-
-class Engine(RequestIntake):
-    """Speculative-decoding engine for LLaVA-family models.
+class Engine(RequestIntake, EngineLimits):
+    """Speculative-decoding engine for vision-language models (the families in models/registry.py).
 
     Use `Engine.from_pretrained(target_dir, draft_dir, ...)`; see `generate` and `stream`.
     """
@@ -221,80 +216,6 @@ class Engine(RequestIntake):
         """Cache slots a speculative block may write past the committed tokens: γ for a chain,
         the tree's node count for a tree."""
         return self.gamma if self.tree is None else self.tree.nodes
-
-    def _max_len(self, given: Optional[int]) -> int:
-        """The static cache length of the target's rows: `given` (at most the target's
-        max_position_embeddings, past which its RoPE positions were never trained), else
-        min(that, 4096). The draft's rows are bounded by the draft's own limit (`draft_len`)."""
-        limit = self.target.lm.cfg.max_position_embeddings
-        if given is None:
-            return min(limit, 4096)
-        if given > limit:
-            raise ValueError(f"max_len ({given}) exceeds the target's max_position_embeddings ({limit})")
-        return given
-
-    def _pool_size(self, given: Optional[int]) -> Optional[int]:
-        """The P view's pooled grid side: at most the draft's vision grid side."""
-        if given is None or self.draft is None:
-            return given
-        vc = self.draft.config.get("vision_config", {})
-        grid = vc.get("image_size", 336) // vc.get("patch_size", 14)
-        if given > grid:
-            raise ValueError(f"pool_size must be in [1, {grid}] (the draft's vision grid is {grid}x{grid}), "
-                             f"got {given}")
-        return given
-
-    def _escape_token(self, given: Optional[int]) -> Optional[int]:
-        """The T view's image escape: `given`, else the tokenizer's newline token, else None
-        (the T view then drops each image's tokens)."""
-        if given is None:
-            return resolve_escape_token(self.tokenizer)
-        vocab = self.target.lm.cfg.vocab_size
-        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < vocab:
-            raise ValueError(f"escape_token must be a token id in [0, {vocab}), got {given!r}")
-        return given
-
-    def _tokens_per_image(self):
-        """The target's image-token count: an int for a fixed grid (LLaVA-1.5), else (any
-        resolution: LLaVA-NeXT; dynamic resolution: Qwen2.5-VL) a function of a request's PIL images returning one count per
-        image, as the processor expands them (`prepare` takes either)."""
-        vision = self.target.vision
-        if vision.fixed_tokens is None:
-            return lambda images: vision.tokens_per_image([(im.height, im.width) for im in images])
-        return vision.fixed_tokens
-
-    def _eos_ids(self) -> set[int]:
-        """The tokenizer's EOS, the text config's, and generation_config.json's (where
-        transformers' `generate` reads its stop ids: Qwen2.5-VL lists <|im_end|> and
-        <|endoftext|> there)."""
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen = os.path.join(self.target.path, "generation_config.json")
-        gen_eos = read_json(gen).get("eos_token_id") if os.path.isfile(gen) else None
-        for eos in (self.target.config.get("text_config", {}).get("eos_token_id"), gen_eos):
-            for e in (eos if isinstance(eos, list) else [eos]):
-                if e is not None:
-                    ids.add(int(e))
-        return ids
-
-    def _max_batch(self, given: int, fraction: float) -> int:
-        """Batch slots: `given`, fewer when the caches of that many requests at max_len would
-        not fit in `fraction` of the GPU's free memory. Raises ValueError when not even one
-        does."""
-        per_token = lambda m: 2 * m.lm.cfg.num_layers * m.lm.cfg.num_kv_heads * m.lm.cfg.head_dim  # noqa: E731
-        K = len(self.views) if self.draft is not None else 0
-        row = (per_token(self.target) + (K * per_token(self.draft) if K else 0)) * self.max_len
-        row *= torch.finfo(self.dtype).bits // 8
-        if self.device.type != "cuda":
-            return given
-        free, _ = torch.cuda.mem_get_info(self.device)
-        fit = int(free * fraction // row)
-        if fit < 1:
-            raise ValueError(f"the KV cache of one request ({row / 2**30:.2f} GiB at max_len {self.max_len}) does "
-                             f"not fit in {fraction:.0%} of the GPU's free memory ({free / 2**30:.2f} GiB): "
-                             "lower max_len")
-        return min(given, fit)
 
     @property
     def adaptive(self) -> bool:
