@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from tabed_engine.engine.prefix_cache import pick_slot, retire, rows_written
 from tabed_engine.engine.request import Request, RequestOutput
 from tabed_engine.engine.runner import Runner, bucket_of
 
@@ -206,6 +207,7 @@ class Scheduler:
         for i, r in enumerate(self.slots):            # retire
             if r is not None and r.finished:
                 self.cost.observe(r.alpha)
+                retire(self.runner, r)                # its row's KV stays for later prompts
                 self.slots[i] = None
         return outputs
 
@@ -233,6 +235,7 @@ class Scheduler:
             return
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
         reqs = self.slots[:b]
+        rows_written(self.runner, reqs, b)
         gen = live[0].generator if len(live) == 1 else self._batch_gen
         if kind is not None:
             g, g_next = kind, None
@@ -300,7 +303,7 @@ class Scheduler:
                 if not self._head_fits():
                     break
                 head = self.waiting.popleft()
-            slot = self.slots.index(None)
+            slot = pick_slot(self.runner, head, self.slots)   # (the lowest free one without prefix caching)
             first_in_batch = all(r is None for r in self.slots)
             admitted.append(head)
             try:

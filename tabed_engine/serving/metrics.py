@@ -26,6 +26,10 @@ class Counter:
         for v, n in other.values.items():
             self.values[v] += n
 
+    def total(self) -> float:
+        """The count summed over the label's values."""
+        return sum(self.values.values())
+
     def render(self, extra: str = "", header: bool = True) -> list[str]:
         """The exposition lines; `extra`: one more label (`replica="0"`) on every sample."""
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"] if header else []
@@ -68,6 +72,14 @@ class Histogram:
         return lines
 
 
+def hit_rate_lines(cached: float, prompt: float) -> list[str]:
+    """The prefix cache's hit rate as a gauge: prompt tokens served from cached KV over all prompt
+    tokens of finished requests (0 before any)."""
+    return ["# HELP tabed_prefix_cache_hit_rate Prompt tokens of finished requests whose prefill a cached "
+            "prefix saved, over all their prompt tokens.", "# TYPE tabed_prefix_cache_hit_rate gauge",
+            f"tabed_prefix_cache_hit_rate {cached / prompt if prompt else 0.0:g}"]
+
+
 _SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
@@ -83,6 +95,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tabed_prompt_tokens_total", "Prompt tokens of finished requests "
                                      "(image tokens included).")
         self.completion_tokens = Counter("tabed_completion_tokens_total", "Generated tokens.")
+        self.cached_tokens = Counter("tabed_prompt_tokens_cached_total", "Prompt tokens of finished requests "
+                                     "whose prefill a cached prefix saved (prefix caching).")
+        self.cache_hits = Counter("tabed_prefix_cache_hits_total", "Finished requests that reused a cached "
+                                  "prefix.")
         self.ttft = Histogram("tabed_time_to_first_token_seconds", "From a request's arrival to its "
                               "first generated token.", _SECONDS)
         self.itl = Histogram("tabed_inter_token_latency_seconds", "Per request: time from its first "
@@ -105,8 +121,8 @@ class ServerMetrics:
         self.up = {i: 1 for i in range(replicas)}       # replica -> 1 serving, 0 dead
 
     def _per_replica(self) -> tuple:
-        return (self.requests, self.prompt_tokens, self.completion_tokens, self.ttft, self.itl, self.latency,
-                self.accepted, self.tau, self.step_outputs)
+        return (self.requests, self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.cache_hits,
+                self.ttft, self.itl, self.latency, self.accepted, self.tau, self.step_outputs)
 
     def finished(self, out, arrival: float, first: float | None, last: float):
         """Record one finished request (`out`: its GenerationOutput; times from perf_counter)."""
@@ -114,6 +130,8 @@ class ServerMetrics:
         s = out.stats
         self.prompt_tokens.inc(s.prompt_tokens)
         self.completion_tokens.inc(len(out.token_ids))
+        self.cached_tokens.inc(s.cached_tokens)
+        self.cache_hits.inc(float(s.cached_tokens > 0))
         if first is None:
             return
         self.ttft.observe(first - arrival)
@@ -130,9 +148,10 @@ class ServerMetrics:
             return self._render_replicas()
         lines = ["# HELP tabed_requests_running Requests in the engine now.",
                  "# TYPE tabed_requests_running gauge", f"tabed_requests_running {self.running}"]
-        for m in (self.requests, self.rejected, self.prompt_tokens, self.completion_tokens, self.ttft,
-                  self.itl, self.latency, self.accepted, self.tau, self.step_outputs):
+        for m in (self.requests, self.rejected, self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                  self.cache_hits, self.ttft, self.itl, self.latency, self.accepted, self.tau, self.step_outputs):
             lines += m.render()
+        lines += hit_rate_lines(self.cached_tokens.total(), self.prompt_tokens.total())
         return "\n".join(lines) + "\n"
 
     def _render_replicas(self) -> str:
@@ -147,11 +166,14 @@ class ServerMetrics:
                                                       for i, lab in enumerate(label)]
         lines += self.routed.render()
         lines += self.rejected.render()
+        sums = {}
         for k, total in enumerate(self._per_replica()):
             total = copy.deepcopy(total)
             for rep in self.replicas:
                 total.add(rep._per_replica()[k])
             lines += total.render()
+            sums[total.name] = total
             for rep, lab in zip(self.replicas, label):
                 lines += rep._per_replica()[k].render(extra=lab, header=False)
+        lines += hit_rate_lines(sums[self.cached_tokens.name].total(), sums[self.prompt_tokens.name].total())
         return "\n".join(lines) + "\n"

@@ -252,7 +252,9 @@ def submit_to_engine(engine, rid: str, req: ParsedRequest) -> None:
 def usage(out) -> dict:
     """OpenAI's usage block from a GenerationOutput."""
     p, c = out.stats.prompt_tokens, len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            # prompt tokens whose prefill a cached prefix saved (OpenAI's field for prompt caching)
+            "prompt_tokens_details": {"cached_tokens": out.stats.cached_tokens}}
 
 
 def speculation(out) -> dict:

@@ -1,0 +1,236 @@
+"""Prefix caching over the batch slots: which tokens (and which pictures) each slot's target
+row still holds, so a request whose prompt starts the same way skips their prefill.
+
+Design. The KV stays where it already is: in the static slot rows (no second pool, no extra
+memory). A finished request's slot keeps its row until a new request needs the slot; an
+entry records the row's valid tokens (prompt + generated tokens but the last, whose KV is
+written by the next step) and, per image or video run, a hash of its pixels, because every
+image's tokens carry the same id and must never match on ids alone. A new request's reuse is
+the longest common prefix over every entry, rounded down so the last prompt token is always
+recomputed (its logits give the first token). The slot it takes (`pick`) is, among the free
+slots that keep the batch's bucket as small as taking the lowest free slot would, the one
+holding the longest match (no copy), else the least recently used; any other slot's match,
+free or running, is copied into it (`Runner`: a device copy of [layers, kv_heads, n,
+head_dim]). Slots above the batch's bucket are never touched by a block, so prefixes parked
+there survive running traffic; a free slot inside the bucket is written by every block (its
+garbage row writes at length 0) and loses its entry when a block runs (`damaged`).
+
+Only the target's row is cached: the draft's views are prefilled as before (they differ per
+view: T has no image, P pools, C has the caption text, and a view prefill overlaps the
+target's on the GPU, off the first token's path).
+
+Everything here is host state updated from the scheduler's deterministic inputs (the
+requests' tokens and pixels, the order of admissions and blocks), so tensor-parallel ranks,
+which run the same scheduler, make the same choices.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tabed_engine.engine.prompt import Prepared
+from tabed_engine.models.decoder import cache_rows
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+    h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def media_keys(prep: Prepared) -> list[tuple[int, int, bytes]]:
+    """(start, length, pixel hash) of each image then video run of `prep` (its `media_spans`
+    order), computed once and kept on `prep`. An image is hashed from its preprocessed pixels
+    when the host holds them; otherwise (pixels preprocessed later, on the device) from the
+    RGB image the processor receives, which determines them (same picture, same key; a
+    different picture, a different key)."""
+    keys = getattr(prep, "_media_keys", None)
+    if keys is not None:
+        return keys
+    digests = []
+    for i in range(prep.num_images):
+        pv = prep.pixel_values
+        if pv is not None and not pv.is_cuda:
+            digests.append(_digest(pv[i]))
+        else:
+            im = prep.images[i]
+            h = hashlib.blake2b(digest_size=16)
+            h.update(repr((im.mode, im.size)).encode())
+            h.update(im.tobytes())
+            digests.append(h.digest())
+    digests += [_digest(v) for v in (prep.video_pixels or [])]
+    keys = [(s, n, d) for (s, n), d in zip(prep.media_spans, digests)]
+    prep._media_keys = keys
+    return keys
+
+
+@dataclass
+class Entry:
+    """What a slot's target row holds: KV of `ids` at slots [0, len(ids)), with these media runs."""
+
+    ids: list[int]
+    media: list[tuple[int, int, bytes]]
+    used: int                          # the index's clock at the last use (LRU)
+
+
+def common_prefix(a: Entry, ids: list[int], media: list[tuple[int, int, bytes]]) -> int:
+    """Tokens at the start of `ids` (with its media runs) whose KV equals `a`'s: equal ids, and
+    any media run starting before the cut equal in start, length and pixel hash."""
+    n = min(len(a.ids), len(ids))
+    m = next((i for i in range(n) if a.ids[i] != ids[i]), n)
+    for x, y in zip(a.media, media):
+        if min(x[0], y[0]) >= m:
+            break
+        if x != y:
+            m = min(m, x[0], y[0])
+            break
+    # a run present in one list only (the other ran out of runs) also cuts there
+    for run in a.media[len(media):] + media[len(a.media):]:
+        m = min(m, run[0])
+    return m
+
+
+class PrefixIndex:
+    """Per batch slot, the entry its target row holds (see the module docstring).
+
+    `limit`: the most tokens an entry keeps (a row's later slots are where the speculative
+    lookahead of a longer request would write). `min_reuse`: shorter matches are not reused
+    (on the GPU a full prefill replays a captured graph; a short saving does not pay for the
+    eager suffix forward)."""
+
+    def __init__(self, slots: int, limit: int, min_reuse: int = 1):
+        self.entries: list[Optional[Entry]] = [None] * slots
+        self.limit, self.min_reuse = limit, min_reuse
+        self.clock = 0
+        self.lookups = self.hits = 0           # admissions and those that reused a prefix
+        self.cached_tokens = self.prompt_tokens = 0
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def match(self, prep: Prepared) -> list[int]:
+        """Each slot's reusable length for `prep` (at most len(ids) - 1)."""
+        ids, media = prep.ids, media_keys(prep)
+        return [0 if e is None else min(common_prefix(e, ids, media), len(ids) - 1) for e in self.entries]
+
+    def pick(self, prep: Prepared, free: list[int], bucket) -> int:
+        """The free slot a request takes: among the free slots below the bucket that the lowest
+        free slot gives the batch (`bucket(slots) -> rows`), the longest match, else the least
+        recently used (never used first, then the lowest index)."""
+        live_top = max((i + 1 for i in range(len(self.entries)) if i not in free), default=0)
+        top = bucket(max(live_top, free[0] + 1))
+        cands = [i for i in free if i < top]
+        m = self.match(prep)
+        best = max(cands, key=lambda i: (m[i], -i))
+        if m[best] >= self.min_reuse:
+            return best
+        return min(cands, key=lambda i: (-1 if self.entries[i] is None else self.entries[i].used, i))
+
+    def source(self, prep: Prepared, slot: int) -> tuple[int, Optional[int]]:
+        """(cached length, slot to copy it from: `slot` itself, another, or None for no reuse)."""
+        m = self.match(prep)
+        best = max(range(len(m)), key=lambda i: (m[i], i == slot))
+        if m[best] < self.min_reuse:
+            return 0, None
+        return m[best], best
+
+    def account(self, cached: int, n: int):
+        self.lookups += 1
+        self.hits += cached > 0
+        self.cached_tokens += cached
+        self.prompt_tokens += n
+
+    def hold(self, slot: int, prep: Prepared):
+        """`slot`'s row now holds `prep`'s prompt."""
+        self.entries[slot] = Entry(list(prep.ids[: self.limit]), [r for r in media_keys(prep) if r[0] < self.limit],
+                                   self._tick())
+
+    def release(self, slot: int, prep: Prepared, tokens: list[int]):
+        """The request in `slot` finished with `tokens`: its row holds the prompt and all of them
+        but the last (whose KV the next step would have written)."""
+        e = self.entries[slot]
+        if e is None:
+            return
+        e.ids = (list(prep.ids) + list(tokens[:-1]))[: self.limit]
+        e.used = self._tick()
+
+    def forget(self, slot: int):
+        """`slot`'s row was written over (or may have been)."""
+        self.entries[slot] = None
+
+    def damaged(self, free_rows: list[int]):
+        """A block ran over these free rows: their garbage writes start at slot 0."""
+        for i in free_rows:
+            self.entries[i] = None
+
+    def stats(self) -> dict:
+        """Counters since the engine started: admissions, hits, cached and prompt tokens."""
+        return dict(lookups=self.lookups, hits=self.hits, cached_tokens=self.cached_tokens,
+                    prompt_tokens=self.prompt_tokens)
+
+
+# ---------------------------------------------------------------------- the runner's side
+def new_index(runner) -> Optional[PrefixIndex]:
+    """The runner's index (None with `Engine(prefix_cache=False)`). With the prefill graphs
+    (GPU) a match shorter than one prefill bucket is not reused: the padded graph replay of the
+    whole prompt costs about what the eager suffix forward would."""
+    if not runner.eng.prefix_cache:
+        return None
+    from tabed_engine.engine.prefill import PREFILL_STEP
+    return PrefixIndex(runner.max_batch, runner.max_len, PREFILL_STEP if runner.prefill_graphs else 1)
+
+
+def pick_slot(runner, req, slots: list) -> int:
+    """The free slot (`slots[i] is None`) that `req` is admitted into (see `PrefixIndex.pick`;
+    the lowest free slot without the cache)."""
+    free = [i for i, r in enumerate(slots) if r is None]
+    if runner.prefix is None:
+        return free[0]
+    from tabed_engine.engine.runner import bucket_of
+    return runner.prefix.pick(req.prep, free, lambda n: bucket_of(n, runner.max_batch))
+
+
+def retire(runner, req):
+    """`req` leaves its slot: the row keeps its KV for later requests (a failed one's is dropped)."""
+    if runner.prefix is None or req.slot is None:
+        return
+    if req.finish_reason == "error":
+        runner.prefix.forget(req.slot)
+    else:
+        runner.prefix.release(req.slot, req.prep, req.tokens)
+
+
+def rows_written(runner, slots: list, b: int):
+    """A block runs over slots [0, b): its rows of free slots compute garbage written from slot
+    0 of the row (`Runner._target_inputs`), so what they held is gone."""
+    if runner.prefix is not None:
+        runner.prefix.damaged([i for i in range(b) if slots[i] is None or slots[i].finished])
+
+
+def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int, src: int,
+                   pos3: Optional[torch.Tensor]) -> torch.Tensor:
+    """Prefill target row `slot` from `cached` on: rows [0, cached) of slot `src` copied first
+    (unless it is `slot`), then the prompt's remaining tokens run as new tokens of a row whose
+    committed length is `cached` (eager: the masked SDPA path, or on CUDA the decode kernels up
+    to 64 tokens). x: the remaining tokens' embeddings [n - cached, hidden]; pos3: the whole
+    prompt's M-RoPE ids [3, n] or None (the row's `pos_offset` is already the prompt's: the
+    forward adds it back). Returns the last prompt position's logits [1, V]."""
+    tc, n = runner.tcache, len(prep.ids)
+    if src != slot:
+        tc.k[:, slot, :, :cached].copy_(tc.k[:, src, :, :cached])
+        tc.v[:, slot, :, :cached].copy_(tc.v[:, src, :, :cached])
+    dev = runner.device
+    if pos3 is None:
+        pos = torch.arange(cached, n, device=dev)[None]
+    else:
+        pos = (pos3[:, cached:].to(dev) - tc.pos_offset[slot])[:, None]
+    lengths = torch.full((1,), cached, dtype=torch.int32, device=dev)
+    last = torch.full((1, 1), n - 1 - cached, dtype=torch.long, device=dev)
+    return runner.target.lm(cache_rows(tc, slot, slot + 1), pos, embeds=x[None], lengths=lengths,
+                            logits_index=last, kv_len=runner.kv_bucket(n))[:, -1]
