@@ -116,16 +116,20 @@ class QwenVLProcessor:
 def load_processor(path: str) -> QwenVLProcessor:
     """The checkpoint's tokenizer, PIL image processor (preprocessor_config.json as published:
     min / max pixels) and chat template, offline, without torchvision."""
+    import transformers
     from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    # 5.x: the PIL class (its default class needs torchvision); 4.x: the default class is the PIL one
+    image_cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
-    template = None
-    tpl_file = os.path.join(path, "chat_template.json")
-    if os.path.isfile(tpl_file):
-        with open(tpl_file) as f:
-            template = json.load(f).get("chat_template")
+    image_processor = image_cls.from_pretrained(path, local_files_only=True)
+    template = getattr(tok, "chat_template", None)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                template = f.read() if name.endswith(".jinja") else json.load(f)["chat_template"]
+            break
     return QwenVLProcessor(tok, image_processor, template)
 
 
