@@ -663,7 +663,9 @@ def test_sampling_in_a_batch_is_lossless(shard, exact_dist, tmp_path_factory):
     n = SAMPLES // SHARDS
     counts, accepted = Counter(), 0
     for call in range(n // 8):
-        sps = [dataclasses.replace(SAMPLING, seed=(shard * 1000 + call) * 12 + i) for i in range(12)]
+        # rejection sampling in a batch (the coupling's batch invariance is tests/test_coupling.py's)
+        sps = [dataclasses.replace(SAMPLING, seed=(shard * 1000 + call) * 12 + i, reproducible=False)
+               for i in range(12)]
         outs = eng.generate([text] * 8 + [other] * 4, images=[imgs] * 8 + [other_imgs] * 4, sampling=sps)
         for o in outs[:8]:
             counts[tuple(o.token_ids)] += 1
@@ -761,7 +763,8 @@ def exact_dist_second():
 @pytest.mark.parametrize("shard", range(SHARDS))
 def test_mixed_sampling_in_a_batch_is_lossless(shard, exact_dist, exact_dist_second, tmp_path_factory):
     """One batch of 12: 6 requests at the first setting (T 0.6, top-k 3), 4 at a second (T 1.0,
-    top-k 4, top-p 0.8), a greedy one and one at T 0.9 with another prompt. Each group's first
+    top-k 4, top-p 0.8; seeded: the Gumbel coupling, the first group's rejection sampling), a
+    greedy one and one at T 0.9 with another prompt. Each group's first
     3 tokens follow its own exact distribution; the second group's do NOT follow the first
     group's (a batch that applied one request's settings to all rows fails); the greedy row is
     the target's greedy output."""
@@ -775,7 +778,8 @@ def test_mixed_sampling_in_a_batch_is_lossless(shard, exact_dist, exact_dist_sec
     first, second, accepted = Counter(), Counter(), 0
     for call in range(calls):
         seed = (shard * 1000 + call) * 12
-        sps = ([dataclasses.replace(SAMPLING, seed=seed + i) for i in range(6)]
+        # the first group by rejection sampling, the second by the seeded coupling: both in one batch
+        sps = ([dataclasses.replace(SAMPLING, seed=seed + i, reproducible=False) for i in range(6)]
                + [dataclasses.replace(MIXED_SECOND, seed=seed + 6 + i) for i in range(4)]
                + [SamplingParams(max_new_tokens=3, stop_at_eos=False),
                   SamplingParams(max_new_tokens=3, temperature=0.9, stop_at_eos=False, seed=seed + 11)])

@@ -230,7 +230,8 @@ def assert_matches(counts: Counter, dist: dict, n: int):
     return worst
 
 
-LOSSLESS = {"M-uniform": (("M",), "uniform"), "MT-kld": (("M", "T"), "kld")}
+LOSSLESS = {"M-uniform": (("M",), "uniform", False), "MT-kld": (("M", "T"), "kld", False),
+            "MT-kld-coupled": (("M", "T"), "kld", True)}   # the last: seeded, the Gumbel coupling
 SAMPLES, SHARDS = 16000, 8
 SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
 
@@ -241,12 +242,13 @@ def sampling_engine(views, policy, device="cpu"):
                                   dtype=torch.float32, views=views, policy=policy, gamma=2, adaptive=False)
 
 
-def sample(eng, seeds):
-    """Counts of the generated 3-token sequences over `seeds`, and the drafts accepted."""
+def sample(eng, seeds, coupled=False):
+    """Counts of the generated 3-token sequences over `seeds`, and the drafts accepted; coupled:
+    by the seeded Gumbel coupling, else by rejection sampling (reproducible=False)."""
     text, imgs = word_prompt(1)
     counts, accepted = Counter(), 0
     for i in seeds:
-        out = eng.generate(text, images=imgs, sampling=dataclasses.replace(SAMPLING, seed=i))
+        out = eng.generate(text, images=imgs, sampling=dataclasses.replace(SAMPLING, seed=i, reproducible=coupled))
         counts[tuple(out.token_ids)] += 1
         accepted += sum(out.stats.accepted_lengths)
     return counts, accepted
@@ -280,7 +282,8 @@ def test_sampling_is_lossless(config, shard, exact_dist, tmp_path_factory):
     shard that completes the set checks all SAMPLES against the exact distribution, with the
     power to catch a 2% error."""
     n = SAMPLES // SHARDS
-    counts, accepted = sample(sampling_engine(*LOSSLESS[config]), range(shard * n, (shard + 1) * n))
+    views, policy, coupled = LOSSLESS[config]
+    counts, accepted = sample(sampling_engine(views, policy), range(shard * n, (shard + 1) * n), coupled)
     assert accepted > n * 0.15  # drafts really were accepted (not a target-only path)
     assert set(counts) <= set(exact_dist)
     check_when_complete(tmp_path_factory, f"lossless-{config}", shard, SHARDS, counts, exact_dist, SAMPLES, 0.02)

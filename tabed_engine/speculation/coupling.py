@@ -100,9 +100,26 @@ def coupled_proposals(q: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor, k:
     q: [R, ..., V] draft mixture probabilities, seed [R] int64, pos [R] int64 (one position per
     row: a tree's frontier nodes of one request sit at the same depth). k = 1 is the coupled
     draft token (the chain); k > 1 adds the next guesses (a tree node's children, distinct).
-    Returns (ids [R, ..., k] int64, log q of them [R, ..., k] float32)."""
+    Returns (ids [R, ..., k] int64, their perturbed scores log q + G [R, ..., k] float32)."""
     logq = torch.log(q.float())
     g = gumbel(seed, pos, q.shape[-1])                                         # [R, V]
     g = g.view(g.shape[:1] + (1,) * (q.dim() - 2) + g.shape[1:])
-    ids = (logq + g).topk(k, dim=-1).indices
-    return ids, logq.gather(-1, ids)
+    top = (logq + g).topk(k, dim=-1)
+    return top.indices, top.values
+
+
+CHAIN_BONUS = 1000.0
+
+
+def tree_child_scores(perturbed: torch.Tensor) -> torch.Tensor:
+    """What a coupled tree's frontier ranks children by (their cumulative sum picks the nodes
+    expanded): the perturbed score, plus CHAIN_BONUS for each node's first child. A path's
+    cumulative score then counts its first children before anything else, so the coupled
+    chain (every node's first child: the proposal a chain would make) is always expanded, and
+    the other nodes are the paths that leave it least, likeliest under the shared noise first;
+    ranked by log q alone the chain was dropped (a draft equal to the target then missed
+    tokens it had proposed). perturbed: [..., k] in rank order; the bonus (x depth <= 64)
+    stays far above the perturbed scores' spread and within float32's exact steps."""
+    bonus = torch.zeros_like(perturbed)
+    bonus[..., 0] = CHAIN_BONUS
+    return perturbed + bonus

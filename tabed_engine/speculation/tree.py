@@ -34,7 +34,7 @@ from tabed_engine.ops.compact_kv import compact_kv
 from tabed_engine.ops.mix_topk import mix_topk
 from tabed_engine.ops.tree_grow import TreeState, tree_grow, tree_start
 from tabed_engine.ops.verify_tree import verify_tree
-from tabed_engine.speculation.coupling import coupled_proposals, coupled_scores
+from tabed_engine.speculation.coupling import coupled_proposals, coupled_scores, tree_child_scores
 from tabed_engine.speculation.ensemble import confidence_weights
 
 
@@ -138,7 +138,8 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coup
     w [B, K] ensemble weights; seed, offset [1] int64 (sampling noise).
     row_seed [B] int64, coupled [B] bool, tlens [B] (sampling, optional): a coupled request's
     children at depth d are the top k of log q + G(row_seed, tlens + d) (`coupling`: the first
-    is the coupled proposal, the others the next guesses under the same noise).
+    is the coupled proposal, the others the next guesses under the same noise), and the frontier
+    ranks them by `coupling.tree_child_scores` (the coupled chain always expanded).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
     leaves; greedy: an empty tensor, as `draft_block`'s mixtures: the greedy walk reads only
@@ -185,9 +186,9 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coup
         kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels, **draw)   # [B, T, k]
         if row_seed is not None:       # seeded requests: children under the shared noise
             q = node_q.gather(1, draw["out_rows"][..., None].expand(B, T, V))
-            c_kids, c_logq = coupled_proposals(q, row_seed, tlens.long() + depth, k)
+            c_kids, perturbed = coupled_proposals(q, row_seed, tlens.long() + depth, k)
             kids = torch.where(coupled[:, None, None], c_kids, kids)
-            logq = torch.where(coupled[:, None, None], c_logq, logq)
+            logq = torch.where(coupled[:, None, None], tree_child_scores(perturbed), logq)
         tree_grow(st, kids, logq, pad=P, n_nodes=n_nodes, n_fed=n_fed, width=W, last=depth == D, kernel=_kernels)
         n_nodes += T * k
         if depth == D:
