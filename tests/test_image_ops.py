@@ -435,3 +435,151 @@ def test_cuda_anyres_equals_processor(backend):
     out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     device_pixels(imgs[3:6], ip, "cuda", out=out)
     assert torch.equal(out.cpu(), ref.to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------ LLaVA-OneVision
+
+# llava-hf/llava-onevision-qwen2-*-ov-hf's preprocessor_config.json (SigLIP normalisation, no crop)
+ONEVISION = dict(do_convert_rgb=True, do_normalize=True, do_pad=True, do_rescale=True, do_resize=True,
+                 image_grid_pinpoints=[[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)],
+                 image_mean=[0.5] * 3, image_std=[0.5] * 3, resample=3, rescale_factor=1 / 255,
+                 size={"height": 384, "width": 384})
+# the published layout at a 30-pixel tile (test_onevision's fixture is 35), and one with fewer pinpoints
+OV_CONFIGS = {
+    "tile-30": dict(size={"height": 30, "width": 30},
+                    image_grid_pinpoints=[[30 * i, 30 * j] for i in range(1, 7) for j in range(1, 7)]),
+    "five-pins": dict(size={"height": 30, "width": 30},
+                      image_grid_pinpoints=[[30, 60], [60, 30], [60, 60], [90, 30], [30, 90]]),
+    "shortest-edge-no-normalize": dict(size={"shortest_edge": 32}, do_normalize=False,
+                                       image_grid_pinpoints=[[32, 32], [32, 64], [64, 32], [64, 64]]),
+}
+# tall, wide, tiny, exactly a tile, extreme aspect ratios, odd sizes that need padding in their
+# pinpoint, larger than every pinpoint (shrunk), grey and RGBA inputs
+OV_IMAGES = [image(17, 300, seed=20), image(300, 17, seed=21), image(5, 4, seed=22), image(30, 30, seed=23),
+             image(91, 44, seed=24), image(333, 517, seed=25), image(640, 480, seed=26), image(41, 30, 0, seed=27),
+             image(50, 45, 4, seed=28), image(7, 300, seed=29)]
+
+
+def onevision_processor(**kw):
+    """transformers' PIL-backed LLaVA-OneVision image processor (5.x: LlavaOnevisionImageProcessorPil;
+    4.x: LlavaOnevisionImageProcessor), the published settings overridden by kw."""
+    try:
+        from transformers import LlavaOnevisionImageProcessorPil as cls
+    except ImportError:
+        from transformers import LlavaOnevisionImageProcessor as cls
+    if pixel_plan(cls(**ONEVISION)).backend != "pil":
+        pytest.skip(f"no PIL-backed LLaVA-OneVision image processor in this transformers ({cls.__name__} is not)")
+    return cls(**{**ONEVISION, **kw})
+
+
+@pytest.mark.parametrize("name", sorted(OV_CONFIGS))
+def test_onevision_equals_processor(name):
+    """Bit-exact pixel_values and equal image_sizes, image by image and as one padded batch of
+    images with different tile counts (the processor's flat image list: every image tiled)."""
+    ip = onevision_processor(**OV_CONFIGS[name])
+    plan = pixel_plan(ip)
+    assert plan.anyres is not None and plan.crop is None and plan.anyres.tile == plan.anyres.base[0]
+    imgs = [im for im in OV_IMAGES if not misread_by_4x(im, ip)]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")
+        ours = device_inputs([im], ip, "cpu")
+        assert ours["pixel_values"].shape == ref["pixel_values"].shape, (name, im.size)
+        assert torch.equal(ours["pixel_values"], ref["pixel_values"]), \
+            (name, im.size, (ours["pixel_values"] - ref["pixel_values"]).abs().max().item())
+        assert torch.equal(ours["image_sizes"], ref["image_sizes"])
+    counts = [num_tiles((im.height, im.width), plan) for im in imgs]
+    mixed = [imgs[counts.index(n)] for n in sorted(set(counts), reverse=True)]      # one of each count
+    assert len(mixed) > 2
+    ref = ip(mixed, return_tensors="pt")
+    ours = device_inputs(mixed, ip, "cpu")
+    assert ours["pixel_values"].shape == ref["pixel_values"].shape
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+    assert torch.equal(ours["image_sizes"], ref["image_sizes"])
+
+
+def test_onevision_published_settings_equal_processor():
+    """llava-hf's settings (384-pixel tiles, 36 pinpoints): the benchmark's 384 x 384 image, a
+    portrait photo size that is shrunk and padded, and both as one batch."""
+    ip = onevision_processor()
+    imgs = [image(384, 384, seed=30), image(333, 517, seed=31)]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")["pixel_values"]
+        assert torch.equal(device_pixels([im], ip, "cpu"), ref), im.size
+    assert torch.equal(device_pixels(imgs, ip, "cpu"), ip(imgs, return_tensors="pt")["pixel_values"])
+
+
+@pytest.mark.parametrize("mutation", ["bilinear processor", "last pinpoint", "pad top-left", "base as a tile"])
+def test_onevision_mistakes_are_caught(monkeypatch, mutation):
+    """The comparison fails for another resample filter, a wrong pinpoint, padding placement or
+    base-tile resize."""
+    import tabed_engine.models.image_ops as ops
+
+    ip = onevision_processor(**OV_CONFIGS["five-pins"])
+    imgs = OV_IMAGES[4:7]
+    good = ip(imgs, return_tensors="pt")["pixel_values"]
+    assert torch.equal(device_pixels(imgs, ip, "cpu"), good)
+    if mutation == "bilinear processor":        # what a processor resampling bilinearly gives
+        good = onevision_processor(**OV_CONFIGS["five-pins"], resample=2)(imgs, return_tensors="pt")["pixel_values"]
+    elif mutation == "last pinpoint":
+        monkeypatch.setattr(ops, "grid_resolution", lambda size, plan: plan.anyres.pinpoints[-1])
+    elif mutation == "pad top-left":
+        monkeypatch.setattr(ops, "_pad_offsets", lambda fh, fw, gh, gw: (0, 0))
+    else:                                       # the base tile cut from the image instead of resized
+        real = ops._anyres_tiles
+        monkeypatch.setattr(ops, "_anyres_tiles", lambda img, plan: (real(img, plan)[1][0], real(img, plan)[1]))
+    bad = device_pixels(imgs, ip, "cpu")
+    assert bad.shape != good.shape or not torch.equal(bad, good)
+
+
+class LlavaOnevisionImageProcessorFast(BaseImageProcessorFast):
+    """transformers 4.x's torchvision-backed LLaVA-OneVision processor (stand-in holding its settings)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update({**ONEVISION, "crop_size": None, "do_center_crop": None, **kw})
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(resample=2), "only bicubic"),
+    (dict(size={"height": 384, "width": 320}), "square height and width"),
+    (dict(image_grid_pinpoints=[[384, 500]]), "multiples of the tile"),
+    (dict(crop_size={"height": 384, "width": 384}), "tiles at `size`"),
+    (dict(do_center_crop=True, crop_size={"height": 384, "width": 384}), "do_center_crop"),
+])
+def test_onevision_unsupported_settings_refused(kw, why):
+    ip = onevision_processor(**kw)
+    assert not supports(ip)
+    with pytest.raises(ValueError, match=why):
+        pixel_plan(ip)
+
+
+def test_onevision_torchvision_backend_refused():
+    with pytest.raises(ValueError, match="only LLaVA-OneVision's PIL backend"):
+        pixel_plan(LlavaOnevisionImageProcessorFast())
+    assert not supports(LlavaOnevisionImageProcessorFast())
+
+
+def test_onevision_layout_must_match_the_model():
+    """supports(ip, layout) against the OneVision model's layout (anyres_max budget included)."""
+    from tabed_engine.models.anyres import AnyRes
+
+    ip = onevision_processor()
+    pins = tuple(tuple(p) for p in ONEVISION["image_grid_pinpoints"])
+    assert supports(ip, AnyRes(pins, 384, 27, max_tiles=9))
+    assert not supports(ip, AnyRes(pins[:-1], 384, 27, max_tiles=9))
+    assert not supports(ip, AnyRes(tuple((h // 384 * 336, w // 384 * 336) for h, w in pins), 336, 24))
+
+
+@pytest.mark.gpu
+def test_cuda_onevision_equals_processor():
+    """LLaVA-OneVision's published settings on CUDA, image by image and as a padded batch; bfloat16
+    equal to the processor's values rounded once."""
+    ip = onevision_processor()
+    imgs = [im for im in OV_IMAGES if not misread_by_4x(im, ip)]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")["pixel_values"]
+        ours = device_pixels([im], ip, "cuda")
+        assert ours.shape == ref.shape and torch.equal(ours.cpu(), ref), im.size
+    ref = ip(imgs[4:7], return_tensors="pt")["pixel_values"]
+    out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    device_pixels(imgs[4:7], ip, "cuda", out=out)
+    assert torch.equal(out.cpu(), ref.to(torch.bfloat16))

@@ -259,3 +259,26 @@ def test_video_features_and_views():
     assert p.ids.count(eng.target.video_token_id) == 19
     with pytest.raises(ValueError, match="video placeholder"):
         eng.generate(PROMPTS["video"][0], videos=[frames, frames])
+
+
+# ---------------------------------------------------------------------------- images on the device
+@pytest.mark.parametrize("name", ["one", "several", "chat", "video-image"])
+def test_device_images_equal_processor_path(name, monkeypatch):
+    """device_images=True (image_ops' OneVision preprocessing; runs on CPU tensors too): the
+    prompt is tokenized without the image processor and the pixels computed in prefill, and the
+    greedy tokens, AR and SD, equal the processor path's (transformers' reference)."""
+    import tabed_engine.models.image_ops as ops
+
+    from tabed_engine.models.image_ops import supports
+
+    eng = engine((("device_images", True),) + SPECS["chain-MT"])
+    assert eng.device_images and not engine(SPECS["chain-MT"]).device_images      # (the CPU's default: off)
+    assert supports(eng.processor.image_processor, eng.target.vision.anyres)
+    calls = []
+    real = ops.device_pixels
+    monkeypatch.setattr(ops, "device_pixels", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    for speculative in (False, True):
+        out = eng.generate(PROMPTS[name][0], images=images(name), videos=videos(name),
+                           sampling=SamplingParams(max_new_tokens=N_NEW), speculative=speculative)
+        assert out.token_ids == reference(name), speculative
+    assert calls == [len(images(name))] * 2                # the device path ran, once a request

@@ -1,4 +1,5 @@
-"""Image preprocessing on the device, equal to the checkpoint's CLIP or LLaVA-NeXT image processor.
+"""Image preprocessing on the device, equal to the checkpoint's CLIP, LLaVA-NeXT or LLaVA-OneVision
+image processor.
 
 `device_pixels(images, image_processor, device, dtype)` returns the processor's
 `pixel_values` computed on `device`; the host only uploads each image's uint8 pixels.
@@ -37,11 +38,18 @@ The result is `[n, max_tiles, 3, h, w]`; `device_inputs` adds `image_sizes`. tra
 PIL processor misreads the channel axis of an image fitted to a 3-pixel side ([3, w, 3] is
 taken for channels-first) and tiles it wrongly; here it is tiled as 5.x tiles it.
 
+LLaVA-OneVision (`LlavaOnevisionImageProcessor` in 4.x, `...Pil` in 5.x: the PIL backend only) tiles
+the same way with no crop: tiles and base tile of the square `size` (4.x tiles at `size`, 5.x at a
+crop_size height when one is set: refused), each tile then resized to `size` (a no-op) and
+normalised. As the engine calls it, with a flat image list: every image is tiled (a nested list,
+several images of one prompt, would pad them to squares instead; not reproduced).
+
 Supported: `CLIPImageProcessor` / `CLIPImageProcessorFast` / `CLIPImageProcessorPil` with
 bicubic resampling, `size` {shortest_edge} or {height, width}, any crop, rescale and
 normalisation; `do_pad` only where it is a no-op (all images cropped to one size). LLaVA-NeXT
 processors with those CLIP steps, crop_size with a height, `size` {shortest_edge} or a square
-{height, width} (where 4.57 and 5.x agree). Not supported, so the processor runs: other
+{height, width} (where 4.57 and 5.x agree); LLaVA-OneVision's PIL processor with bicubic
+resampling, a square `size`, no crop_size and no center crop. Not supported, so the processor runs: other
 processor classes (LLaVA's pad-to-square `LlavaImageProcessor`, SigLIP, ...), other filters
 (bilinear: torchvision's CPU rounding depends on the CPU's instruction set), `longest_edge` /
 `max_height` sizes. Images: RGB PIL
@@ -64,6 +72,10 @@ _CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorP
 # any-resolution (LLaVA-NeXT): 4.x LlavaNextImageProcessor (PIL) / ...Fast (torchvision); 5.x
 # LlavaNextImageProcessor (torchvision) / ...Pil
 _ANYRES_CLASSES = ("LlavaNextImageProcessor", "LlavaNextImageProcessorFast", "LlavaNextImageProcessorPil")
+# LLaVA-OneVision: 4.x LlavaOnevisionImageProcessor (PIL) / ...Fast (torchvision); 5.x
+# LlavaOnevisionImageProcessor (torchvision) / ...Pil. Only the PIL backend is reproduced.
+_ONEVISION_CLASSES = ("LlavaOnevisionImageProcessor", "LlavaOnevisionImageProcessorFast",
+                      "LlavaOnevisionImageProcessorPil")
 _SIZE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width",
               "min_pixels", "max_pixels")
 
@@ -107,8 +119,8 @@ def pixel_plan(image_processor) -> PixelPlan:
     """The processor's preprocessing as a `PixelPlan`; ValueError naming what is unsupported."""
     ip = image_processor
     name = type(ip).__name__
-    if name not in _CLASSES + _ANYRES_CLASSES:
-        raise ValueError(f"{name} is not a CLIP or LLaVA-NeXT image processor")
+    if name not in _CLASSES + _ANYRES_CLASSES + _ONEVISION_CLASSES:
+        raise ValueError(f"{name} is not a CLIP, LLaVA-NeXT or LLaVA-OneVision image processor")
     bases = {c.__name__ for c in type(ip).__mro__}   # 4.x: BaseImageProcessor(Fast); 5.x: the backends
     if bases & {"TorchvisionBackend", "BaseImageProcessorFast"}:
         backend = "torchvision"
@@ -118,10 +130,14 @@ def pixel_plan(image_processor) -> PixelPlan:
         raise ValueError(f"{name} derives from no transformers image processor base class")
     if getattr(ip, "backend", backend) != backend:
         raise ValueError(f"{name} says its backend is {ip.backend!r}, its base class says {backend!r}")
+    onevision = name in _ONEVISION_CLASSES
+    if onevision and backend != "pil":
+        # (its tiles go through a torchvision resize to `size` this module has not been checked against)
+        raise ValueError(f"{name}: only LLaVA-OneVision's PIL backend is reproduced, not {backend!r}")
     if backend == "pil":
         _pillow_order()
     resize = None
-    anyres = name in _ANYRES_CLASSES
+    anyres = name in _ANYRES_CLASSES or onevision
     if ip.do_resize or anyres:      # LLaVA-NeXT resizes to the grid and the base tile whatever do_resize
         resample = getattr(ip.resample, "value", ip.resample)
         if resample not in (3, "bicubic"):
@@ -135,6 +151,8 @@ def pixel_plan(image_processor) -> PixelPlan:
         else:
             raise ValueError(f"size {size}: only shortest_edge or height and width are reproduced")
     crop = None
+    if onevision and ip.do_center_crop:      # (5.x would crop every tile, 4.x never does)
+        raise ValueError("do_center_crop: LLaVA-OneVision's processors do not crop alike across versions")
     if ip.do_center_crop:
         cs = _size(ip.crop_size)
         if set(cs) != {"height", "width"}:
@@ -149,23 +167,28 @@ def pixel_plan(image_processor) -> PixelPlan:
         if len(mean) != 3 or len(std) != 3:
             raise ValueError(f"image_mean {mean} / image_std {std}: expected 3 channels")
     plan = PixelPlan(backend, resize, crop, float(ip.rescale_factor) if ip.do_rescale else None, mean, std)
-    return replace(plan, anyres=_anyres_plan(ip, plan)) if anyres else plan
+    return replace(plan, anyres=_anyres_plan(ip, plan, onevision)) if anyres else plan
 
 
-def _anyres_plan(ip, plan: PixelPlan) -> AnyResPlan:
-    """LLaVA-NeXT's tiling settings, where transformers 4.57 and 5.x read them alike: tiles of
-    crop_size's height, the base tile of a square `size` (4.57 squares a {height, width} size to
-    its smaller side, 5.x does not)."""
+def _anyres_plan(ip, plan: PixelPlan, onevision: bool = False) -> AnyResPlan:
+    """The any-resolution tiling settings, where transformers 4.57 and 5.x read them alike. LLaVA-NeXT:
+    tiles of crop_size's height, the base tile of a square `size` (4.57 squares a {height, width}
+    size to its smaller side, 5.x does not). LLaVA-OneVision: tiles and base tile of the square
+    `size` (5.x would tile at a crop_size height, 4.x ignores crop_size: refused when set)."""
     cs, size = _size(ip.crop_size), _size(ip.size)
-    if "height" not in cs:
+    if onevision and "height" in cs:
+        raise ValueError(f"crop_size {cs}: LLaVA-OneVision tiles at `size` in transformers 4.x, at crop_size "
+                         "in 5.x")
+    if not onevision and "height" not in cs:
         raise ValueError(f"crop_size {cs}: any-resolution tiles need crop_size height")
-    tile = int(cs["height"])
+    tile = None if onevision else int(cs["height"])
     if set(size) == {"shortest_edge"}:
         base = (int(size["shortest_edge"]),) * 2
     elif set(size) == {"height", "width"} and size["height"] == size["width"]:
         base = (int(size["height"]),) * 2
     else:
         raise ValueError(f"size {size}: any-resolution needs shortest_edge or a square height and width")
+    tile = base[0] if tile is None else tile
     pins = tuple(tuple(int(v) for v in p) for p in (ip.image_grid_pinpoints or ()))
     bad = [p for p in pins if len(p) != 2 or min(p) <= 0 or p[0] % tile or p[1] % tile]
     if not pins or bad:
@@ -387,7 +410,7 @@ def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype 
     Returns
     -------
     Tensor: `image_processor(images, return_tensors="pt").pixel_values`: [n, 3, h, w]; for an
-    any-resolution (LLaVA-NeXT) processor [n, max_tiles, 3, h, w], each image's tiles (its base
+    any-resolution (LLaVA-NeXT, OneVision) processor [n, max_tiles, 3, h, w], each image's tiles (its base
     tile first) then zero tiles up to the most any image has (do_pad).
     """
     plan = pixel_plan(image_processor)

@@ -13,8 +13,9 @@ Weight names as LLaVA's in both layouts (`language_model.model.*` / `model.langu
 `vision_tower.vision_model.*` / `model.vision_tower.*`, `multi_modal_projector.*`,
 `image_newline`). The processor is transformers' `LlavaOnevisionProcessor` without its video
 processor (which needs torchvision): the image processor's PIL backend and the tokenizer, read
-from the published files offline. Images are preprocessed by that processor (not on the
-device: image_ops does not reproduce OneVision's resize-to-square tiles).
+from the published files offline. On CUDA the engine preprocesses images on the device by
+default (`image_ops`, bit-exact with this PIL processor: `supports(image_processor,
+vision.anyres)`); elsewhere, or with device_images=False, the processor does.
 """
 from __future__ import annotations
 
