@@ -317,6 +317,21 @@ def test_metrics_report_tokens_and_latency_histograms(server):
     assert server.metric("tabed_prompt_tokens_total") > 0 and server.metric("tabed_completion_tokens_total") > 0
 
 
+def test_prefix_cache_hits_in_usage_and_metrics(server):
+    """The same picture asked again: the second answer's usage reports the cached prompt tokens
+    (OpenAI's prompt_tokens_details.cached_tokens, the image's run among them), the answer is
+    the same, and /metrics counts the hit."""
+    scene = examples("S2", 1, seed=23)[0].images[0]
+    first = chat(server, _image_msg(data_url(scene), "what color is the sky ?"), 8)
+    second = chat(server, _image_msg(data_url(scene), "what color is the sky ?"), 8)
+    assert second.choices[0].message.content == first.choices[0].message.content
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)]
+    assert cached[1] == second.usage.prompt_tokens - 1 > cached[0]    # all but the last prompt token
+    assert server.metric("tabed_prompt_tokens_cached_total") >= cached[1]
+    assert server.metric("tabed_prefix_cache_hits_total") >= 1
+    assert 0 < server.metric("tabed_prefix_cache_hit_rate") < 1
+
+
 def _round(server, jobs, refs, clients):
     """Every job (an index into refs) once, `clients` at a time; returns latencies (s)."""
     def one(i):
