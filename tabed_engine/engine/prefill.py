@@ -64,7 +64,7 @@ class PrefillSteps:
 
     def embed(self, model, ids: list[int], spans, feats) -> torch.Tensor:
         """Token embeddings [len(ids), hidden] with image features placed at each span."""
-        x = model.lm.embed_tokens(torch.tensor(ids, device=self.device))
+        x = model.lm.embed_tokens(self.to_device(ids))     # (no device sync: the draft's rows run beside the target)
         for i, (start, n) in enumerate(spans):
             if feats[i].shape[0] != n:
                 raise ValueError(f"image {i} has {feats[i].shape[0]} features for {n} image tokens")

@@ -137,8 +137,12 @@ class ForwardContext:
         ar = torch.arange(T, device=dev)
         self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
         self.slots = lengths.long()[:, None] + tree_offset + ar[None, :]    # [R, T]
-        if fresh and R == 1 and tree_mask is None:
-            return                                  # causal SDPA over the new keys, no mask
+        if fresh and tree_mask is None:
+            # causal SDPA over the new keys, no mask: every row starts at slot 0, so a row's padding
+            # after its prompt is never attended to by its real tokens. (Several rows, the draft's
+            # views: a dense [R, 1, T, S] mask kept SDPA off its fused kernels, GQA with a mask falling
+            # to the math path, which materialises [R, heads, T, S] scores a layer.)
+            return
         s = torch.arange(kv_len, device=dev)                                # [S]
         rel = s[None, None, :] - lengths.long()[:, None, None]              # [R, 1, S]
         prefix = rel < 0

@@ -35,9 +35,12 @@ def prefill_draft(eng, rows, cache, pad_to: int = 0):
     for i, r in enumerate(rows):
         x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.feats)
     pos, offsets = prompt_positions([r.positions for r in rows], lens, Tm)
-    pos = pos.to(dev)
-    cache.pos_offset.copy_(torch.tensor(offsets))
-    lens = torch.tensor(lens, device=dev)
+    # host lists and tensors uploaded without a device sync (`Runner.to_device`): a blocking
+    # upload waits for the stream's queued work, and this runs on the side stream while the host
+    # has yet to read the request's first token (Runner.prefill)
+    pos = pos.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pos
+    cache.pos_offset.copy_(eng.to_device(offsets, cache.pos_offset.dtype))
+    lens = eng.to_device(lens)
     logits = draft.lm(cache, pos, embeds=x, logits_index=(lens - 1)[:, None], kv_len=eng.kv_bucket(Tm),
                       fresh=True)[:, 0]
     return lens, logits
