@@ -264,3 +264,19 @@ def test_qwen2_5_vl_multi_turn(tmp_path_factory, speculative):
     imgs = img + [random_image(4, 56)]
     third = both(on, off, turn3, imgs, speculative, sp)
     assert third.stats.cached_tokens == len(turn2) + len(out.token_ids) - 1
+
+
+def test_media_keys_follow_each_picture_not_the_pixel_rows():
+    """Qwen2.5-VL's pixel_values hold patch rows of every image ([patches, 1176]), so a key taken
+    from `pixel_values[i]` would be a patch row: two pictures sharing their first patch would
+    share a key. Keys follow the whole picture: equal for the same picture, different when one
+    pixel differs, even with such flat pixel values."""
+    from PIL import Image
+
+    a = Image.new("RGB", (28, 28), (10, 20, 30))
+    b = a.copy()
+    b.putpixel((27, 27), (11, 20, 30))
+    flat = torch.zeros(8, 1176)                       # identical rows for both images
+    keys = lambda ims: media_keys(Prepared([1] * 8, flat, [(0, 4), (4, 4)], ims))  # noqa: E731
+    assert keys([a, b])[0][2] != keys([a, b])[1][2]
+    assert keys([a, a.copy()])[0][2] == keys([a, a.copy()])[1][2]

@@ -45,24 +45,20 @@ def _digest(t: torch.Tensor) -> bytes:
 
 def media_keys(prep: Prepared) -> list[tuple[int, int, bytes]]:
     """(start, length, pixel hash) of each image then video run of `prep` (its `media_spans`
-    order), computed once and kept on `prep`. An image is hashed from its preprocessed pixels
-    when the host holds them; otherwise (pixels preprocessed later, on the device) from the
-    RGB image the processor receives, which determines them (same picture, same key; a
-    different picture, a different key)."""
+    order), computed once and kept on `prep`. An image is hashed from the RGB image the
+    processor receives, which determines its preprocessed pixels under the engine's one
+    processor (same picture, same key; a different picture, a different key); not from
+    `pixel_values`, whose first axis is not the image in every family (Qwen2.5-VL's holds
+    patch rows of all images)."""
     keys = getattr(prep, "_media_keys", None)
     if keys is not None:
         return keys
     digests = []
-    for i in range(prep.num_images):
-        pv = prep.pixel_values
-        if pv is not None and not pv.is_cuda:
-            digests.append(_digest(pv[i]))
-        else:
-            im = prep.images[i]
-            h = hashlib.blake2b(digest_size=16)
-            h.update(repr((im.mode, im.size)).encode())
-            h.update(im.tobytes())
-            digests.append(h.digest())
+    for im in prep.images or []:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((im.mode, im.size)).encode())
+        h.update(im.tobytes())
+        digests.append(h.digest())
     digests += [_digest(v) for v in (prep.video_pixels or [])]
     keys = [(s, n, d) for (s, n), d in zip(prep.media_spans, digests)]
     prep._media_keys = keys
