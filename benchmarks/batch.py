@@ -81,7 +81,8 @@ class BatchBench:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         self.eng = Engine(self.target, self.processor, draft=self.draft, device=dev, dtype=dt, views=("M", "T"),
-                          gamma=p.gamma, max_len=self.args.max_len, max_batch=self.args.max_batch)
+                          gamma=p.gamma, max_len=self.args.max_len, max_batch=self.args.max_batch,
+                          prefix_cache=False)   # the arrivals repeat one prompt: prefills measured cold
         self.words, self.image = words, random_image(0, p.vision["image_size"])
         gbs = copy_bandwidth_gbs(dev, p.copy_bytes, reps=10) if dev.type == "cuda" else None
         cfg = self.target.lm.cfg

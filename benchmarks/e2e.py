@@ -238,7 +238,8 @@ class Bench(E2EBench):
             torch.cuda.empty_cache()
         self.engines = {K: Engine(target, self.processor, draft=draft, device=dev, dtype=dt, views=views,
                                   policy=self.args.policy, gamma=p.gamma, max_len=p.max_len, timing=False,
-                                  max_batch=1, adaptive=False)   # every block a gamma-chain (see METHOD)
+                                  max_batch=1, adaptive=False,   # every block a gamma-chain (see METHOD)
+                                  prefix_cache=False)   # repeated prompts: every prefill after the first would hit
                         for K, views in VIEW_SETS.items()}
         # "<image>\n" + words: the newline and the words are the text tokens (BOS apart)
         self.prompt = "<image>\n " + words(0, p.text_tokens - 1, vocab)
@@ -434,7 +435,7 @@ class Bench(E2EBench):
         for shape in TREE_SHAPES:
             eng = Engine(base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype,
                          views=base.views, policy=self.args.policy, max_len=self.p.max_len, tree=shape,
-                         max_batch=1, adaptive=False)
+                         max_batch=1, adaptive=False, prefix_cache=False)
             depth, r = eng.tree.depth, {"nodes": eng.tree.nodes, "depth": eng.tree.depth}
             extra = [taus["trees"][shape]] if shape in taus.get("trees", {}) else []
             for tau, d in self.schedule_sweep(eng, [t for t in (*TREE_TAUS, *extra) if t - 1 <= depth], depth):

@@ -120,12 +120,13 @@ class DemoBench(E2EBench):
                 raise FileNotFoundError(f"no bundled checkpoint at {d}")
         t0 = time.perf_counter()
         base = Engine.from_pretrained(dirs["target"], dirs["draft"], device=dev, dtype=dt, views=DEMO_VIEWS,
-                                      policy=DEMO_POLICY, gamma=p.gamma, timing=False)
+                                      policy=DEMO_POLICY, gamma=p.gamma, timing=False, prefix_cache=False)
         single = Engine(base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=("M",),
-                        policy="uniform", gamma=p.gamma, timing=False)    # shares the loaded weights
+                        policy="uniform", gamma=p.gamma, timing=False,    # shares the loaded weights
+                        prefix_cache=False)
         tree = TreeConfig()                 # the default tree, over the demo's ensemble
         treed = Engine(base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=DEMO_VIEWS,
-                       policy=DEMO_POLICY, gamma=p.gamma, timing=False, tree=tree)
+                       policy=DEMO_POLICY, gamma=p.gamma, timing=False, tree=tree, prefix_cache=False)
         self.ar_engine, self.target_lvlm, self.processor = base, base.target, base.processor
         name = f"{DEMO_POLICY}[{'+'.join(DEMO_VIEWS)}]"
         self.engines = {name: base, "M": single,

@@ -155,7 +155,7 @@ class NextBench(e2e.Bench):
             torch.cuda.empty_cache()
         self.engines = {K: Engine(target, self.processor, draft=draft, draft_processor=self.draft_processor,
                                   device=dev, dtype=dt, views=views, policy=self.args.policy, gamma=p.gamma,
-                                  max_len=p.max_len, timing=False, max_batch=1, adaptive=False)
+                                  max_len=p.max_len, timing=False, max_batch=1, adaptive=False, prefix_cache=False)
                         for K, views in VIEW_SETS.items()}
         # "<image>\n" + words: the newline and the words are the text tokens (BOS apart)
         self.prompt = "<image>\n " + words(0, p.text_tokens - 1, vocab)

@@ -55,7 +55,7 @@ def main(argv=None):
         tree = None if name == "chain" else name
         eng = base if tree is None else Engine(
             base.target, base.processor, draft=base.draft, device=base.device, dtype=base.dtype, views=base.views,
-            policy=args.policy, max_len=bench.p.max_len, tree=tree, max_batch=1, adaptive=False)
+            policy=args.policy, max_len=bench.p.max_len, tree=tree, max_batch=1, adaptive=False, prefix_cache=False)
         depth = eng.tree.depth if tree else bench.p.gamma
         eng.bench_accept_schedule = accept_schedule(2.31, depth)
         eng.generate(bench.prompt, images=[bench.image], caption=CAPTION, sampling=sp)

@@ -115,7 +115,7 @@ class Bench(E2EBench):
         if self.cuda:
             torch.cuda.empty_cache()
         self.engines = {K: Engine(target, self.processor, draft=draft, device=dev, dtype=dt, views=views,
-                                  gamma=p.gamma, max_len=p.max_len, max_batch=1)
+                                  gamma=p.gamma, max_len=p.max_len, max_batch=1, prefix_cache=False)
                         for K, views in VIEW_SETS.items()}
         one, three = PROMPT_TOKENS[self.args.preset]
         self.prompts = {"1_image": self._prompt(1, one), "3_images": self._prompt(3, three)}
