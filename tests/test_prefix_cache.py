@@ -193,6 +193,32 @@ def test_the_off_switch():
     assert "prefix_cache" not in engine_kwargs(build_parser().parse_args(["serve", "--target", "t"]))
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_graph_path_suffix(speculative):
+    """What the GPU runs, on the CPU: the rest of the prompt padded to a 16-token bucket through
+    the (emulated) graph of its slot and bucket, every cache slot poisoned first; a rest longer
+    than SUFFIX_GRAPH_MAX prefills the whole prompt instead (no reuse)."""
+    from tabed_engine.engine import prefix_cache
+    from test_batch import emulated_graphs
+    target, draft, processor = loaded("llama")
+    on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
+                max_len=256, max_batch=2, adaptive=False)
+    off = engine(False, 2)
+    emulated_graphs(on)
+    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
+    img = [image(18)]
+    prompt = ids_of(on, user("What is shown in this photo?", True), img)
+    first = both(on, off, prompt, img, speculative)
+    turn2 = prompt + first.token_ids + tail_ids(on, "Why is that? Say it in other words, please.")
+    out = both(on, off, turn2, img, speculative)
+    assert out.stats.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    rest = len(turn2) - out.stats.cached_tokens
+    assert ("suffix", 0, -(-rest // 16) * 16) in on.runner.graphs.graphs
+    long_rest = turn2 + out.token_ids + tail_ids(on, "a b c d e f g h i j " * 8)
+    assert len(long_rest) - (len(turn2) + len(out.token_ids) - 1) > prefix_cache.SUFFIX_GRAPH_MAX
+    assert both(on, off, long_rest, img, speculative).stats.cached_tokens == 0
+
+
 # ---------------------------------------------------------------- the index alone
 def test_matching_needs_equal_pixels_not_only_equal_ids():
     img = 99
@@ -213,9 +239,12 @@ def test_pixel_keys_follow_the_picture():
         return Prepared([0, 9, 9], None, [(1, 2)], [im])
     assert media_keys(prep(20)) == media_keys(prep(20))
     assert media_keys(prep(20)) != media_keys(prep(21))
-    pix = torch.rand(1, 3, 4, 4)
-    host = Prepared([0, 9], pix, [(1, 1)], [image(20)])
-    assert media_keys(host)[0][2] != media_keys(Prepared([0, 9], pix + 1e-3, [(1, 1)], [image(20)]))[0][2]
+    # keyed by the picture the processor receives (its pixels follow from it), whatever
+    # pixel_values hold: a picture one pixel different is another key
+    other = image(20).copy()
+    other.putpixel((0, 0), tuple((c + 1) % 256 for c in other.getpixel((0, 0))))
+    assert media_keys(Prepared([0, 9], None, [(1, 1)], [other])) != media_keys(Prepared([0, 9], None, [(1, 1)],
+                                                                                         [image(20)]))
 
 
 def test_slot_choice_prefers_a_hit_then_least_recently_used():

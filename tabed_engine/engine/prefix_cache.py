@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -94,14 +95,13 @@ def common_prefix(a: Entry, ids: list[int], media: list[tuple[int, int, bytes]])
 class PrefixIndex:
     """Per batch slot, the entry its target row holds (see the module docstring).
 
-    `limit`: the most tokens an entry keeps (a row's later slots are where the speculative
-    lookahead of a longer request would write). `min_reuse`: shorter matches are not reused
-    (on the GPU a full prefill replays a captured graph; a short saving does not pay for the
-    eager suffix forward)."""
+    `limit`: the most tokens an entry keeps. `min_reuse`: shorter matches are not reused.
+    `max_suffix`: a match is reused only when at most this many prompt tokens are left to
+    prefill (None: any; see `new_index`)."""
 
-    def __init__(self, slots: int, limit: int, min_reuse: int = 1):
+    def __init__(self, slots: int, limit: int, min_reuse: int = 1, max_suffix: Optional[int] = None):
         self.entries: list[Optional[Entry]] = [None] * slots
-        self.limit, self.min_reuse = limit, min_reuse
+        self.limit, self.min_reuse, self.max_suffix = limit, min_reuse, max_suffix
         self.clock = 0
         self.lookups = self.hits = 0           # admissions and those that reused a prefix
         self.cached_tokens = self.prompt_tokens = 0
@@ -113,7 +113,9 @@ class PrefixIndex:
     def match(self, prep: Prepared) -> list[int]:
         """Each slot's reusable length for `prep` (at most len(ids) - 1)."""
         ids, media = prep.ids, media_keys(prep)
-        return [0 if e is None else min(common_prefix(e, ids, media), len(ids) - 1) for e in self.entries]
+        n = len(ids)
+        m = [0 if e is None else min(common_prefix(e, ids, media), n - 1) for e in self.entries]
+        return m if self.max_suffix is None else [c if n - c <= self.max_suffix else 0 for c in m]
 
     def pick(self, prep: Prepared, free: list[int], bucket) -> int:
         """The free slot a request takes: among the free slots below the bucket that the lowest
@@ -172,14 +174,29 @@ class PrefixIndex:
 
 
 # ---------------------------------------------------------------------- the runner's side
+# With CUDA graphs the rest of a prompt after its cached prefix runs as a captured graph per
+# slot and SUFFIX_STEP-token bucket, up to SUFFIX_GRAPH_MAX tokens (the decode kernels' query
+# limit); a longer rest prefills the whole prompt through its padded graph instead: eagerly, the
+# 7B target's forward of a 41-token rest took 39 ms of kernel launches against 18 ms for the
+# whole 616-token prompt's graph (H200, benchmarks/results/multiturn_llava-1.5-7b.md)
+SUFFIX_GRAPH_MAX = 64
+SUFFIX_STEP = 16
+
+
 def new_index(runner) -> Optional[PrefixIndex]:
-    """The runner's index (None with `Engine(prefix_cache=False)`). With the prefill graphs
-    (GPU) a match shorter than one prefill bucket is not reused: the padded graph replay of the
-    whole prompt costs about what the eager suffix forward would."""
+    """The runner's index (None with `Engine(prefix_cache=False)`)."""
     if not runner.eng.prefix_cache:
         return None
-    from tabed_engine.engine.prefill import PREFILL_STEP
-    return PrefixIndex(runner.max_batch, runner.max_len, PREFILL_STEP if runner.prefill_graphs else 1)
+    return PrefixIndex(runner.max_batch, runner.max_len,
+                       max_suffix=SUFFIX_GRAPH_MAX if runner.graphs is not None else None)
+
+
+def suffix_step(lm, cache, x: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, last: torch.Tensor,
+                kv_len: Optional[int] = None) -> torch.Tensor:
+    """The rest of one prompt, padded: x [1, P, hidden] at positions pos [1, P] after a committed
+    prefix of lens [1] tokens of the one-row `cache`; the logits of position `last` [1, 1] of the
+    P [1, V]. The padding after the prompt writes K/V past it (the next forward overwrites it)."""
+    return lm(cache, pos, embeds=x, lengths=lens, logits_index=last, kv_len=kv_len)[:, -1]
 
 
 def pick_slot(runner, req, slots: list) -> int:
@@ -222,6 +239,19 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
         tc.k[:, slot, :, :cached].copy_(tc.k[:, src, :, :cached])
         tc.v[:, slot, :, :cached].copy_(tc.v[:, src, :, :cached])
     dev = runner.device
+    T = n - cached
+    P = -(-T // SUFFIX_STEP) * SUFFIX_STEP
+    text_rest = all(s + m <= cached for s, m in prep.media_spans)
+    if runner.graphs is not None and text_rest and P <= SUFFIX_GRAPH_MAX and cached + P <= tc.max_len:
+        # (text after every image: an M-RoPE row's three ids are equal there, its slot + the
+        # row's offset, which the forward adds to these 1-D positions)
+        xp = torch.zeros(1, P, x.shape[-1], device=dev, dtype=x.dtype)
+        xp[0, :T] = x
+        inputs = dict(x=xp, pos=torch.arange(cached, cached + P, device=dev)[None],
+                      lens=torch.full((1,), cached, dtype=torch.int32, device=dev),
+                      last=torch.full((1, 1), T - 1, dtype=torch.long, device=dev))
+        return runner.graphs.run(("suffix", slot, P), partial(suffix_step, runner.target.lm,
+                                                               cache_rows(tc, slot, slot + 1)), inputs)
     if pos3 is None:
         pos = torch.arange(cached, n, device=dev)[None]
     else:
