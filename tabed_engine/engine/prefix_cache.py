@@ -178,7 +178,7 @@ class PrefixIndex:
 # slot and SUFFIX_STEP-token bucket, up to SUFFIX_GRAPH_MAX tokens (the decode kernels' query
 # limit); a longer rest prefills the whole prompt through its padded graph instead: eagerly, the
 # 7B target's forward of a 41-token rest took 39 ms of kernel launches against 18 ms for the
-# whole 616-token prompt's graph (H200, benchmarks/results/multiturn_llava-1.5-7b.md)
+# whole 616-token prompt's graph (H200, benchmarks/results/multiturn_llava-1.5-7b_eager_suffix.md)
 SUFFIX_GRAPH_MAX = 64
 SUFFIX_STEP = 16
 
