@@ -37,8 +37,9 @@ def prefill_draft(eng, rows, cache, pad_to: int = 0):
     pos, offsets = prompt_positions([r.positions for r in rows], lens, Tm)
     # host lists and tensors uploaded without a device sync (`Runner.to_device`): a blocking
     # upload waits for the stream's queued work, and this runs on the side stream while the host
-    # has yet to read the request's first token (Runner.prefill)
-    pos = pos.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pos
+    # has yet to read the request's first token (Runner.prefill); contiguous first: the slots
+    # are an expanded view (stride 0), which pin_memory refuses
+    pos = pos.contiguous().pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pos
     cache.pos_offset.copy_(eng.to_device(offsets, cache.pos_offset.dtype))
     lens = eng.to_device(lens)
     logits = draft.lm(cache, pos, embeds=x, logits_index=(lens - 1)[:, None], kv_len=eng.kv_bucket(Tm),
