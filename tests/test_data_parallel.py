@@ -130,8 +130,8 @@ def test_health_lists_every_replica(server):
     for pid in pids:      # NVLink multicast off from each replica's start (the test did not set it)
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        assert (env.get(b"NCCL_NVLS_ENABLE"), env.get(b"TORCH_SYMM_MEM_DISABLE_MULTICAST"),
-                env.get(b"NVSHMEM_DISABLE_NVLS")) == (b"0", b"1", b"1"), pid
+        want = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+        assert {k: env.get(k.encode(), b"").decode() for k in want} == want, pid
     log = server.log()
     assert "[replica 0] warm-up done in" in log and "[replica 1] warm-up done in" in log, log
 
