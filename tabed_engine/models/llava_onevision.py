@@ -26,6 +26,7 @@ from typing import Optional
 from tabed_engine.models import llava
 from tabed_engine.models.config import LMConfig
 from tabed_engine.models.decoder import LlamaLM
+from tabed_engine.models.loader import chat_template
 from tabed_engine.models.registry import Family, register
 from tabed_engine.models.vision import VisionEncoder
 
@@ -81,13 +82,7 @@ def load_processor(path: str):
     if os.path.isfile(os.path.join(path, "processor_config.json")):
         with open(os.path.join(path, "processor_config.json")) as f:
             settings = json.load(f)
-    template = getattr(tokenizer, "chat_template", None)
-    for name in ("chat_template.jinja", "chat_template.json"):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            with open(file) as f:
-                template = f.read() if name.endswith(".jinja") else json.load(f)["chat_template"]
-            break
+    template = chat_template(path, tokenizer)
     keep = ("num_image_tokens", "vision_feature_select_strategy", "image_token", "video_token", "vision_aspect_ratio")
     return _processor_class()(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                               **{k: settings[k] for k in keep if k in settings})

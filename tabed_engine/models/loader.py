@@ -306,3 +306,16 @@ def load_processor(path: str):
     except Exception as e:   # tokenizers/transformers raise many types for unreadable files
         raise ValueError(f"could not load the tokenizer/processor from {path!r}: {e}; check that "
                          f"the checkpoint directory holds its tokenizer and processor files") from e
+
+
+def chat_template(path: str, tokenizer) -> Optional[str]:
+    """The checkpoint's chat template: chat_template.jinja or chat_template.json where it ships
+    one (processors published for newer transformers keep it there), else the tokenizer's."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            if name.endswith(".jinja"):
+                with open(file, encoding="utf-8") as f:
+                    return f.read()
+            return read_json(file).get("chat_template")
+    return getattr(tokenizer, "chat_template", None)

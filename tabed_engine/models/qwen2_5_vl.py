@@ -15,12 +15,11 @@ published processor does.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Optional
 
 from tabed_engine.models.config import LMConfig
 from tabed_engine.models.decoder import LlamaLM
+from tabed_engine.models.loader import chat_template
 from tabed_engine.models.qwen2_5_vl_vision import QwenVision
 from tabed_engine.models.registry import Family, register
 
@@ -123,13 +122,7 @@ def load_processor(path: str) -> QwenVLProcessor:
     image_cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = image_cls.from_pretrained(path, local_files_only=True)
-    template = getattr(tok, "chat_template", None)
-    for name in ("chat_template.jinja", "chat_template.json"):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            with open(file) as f:
-                template = f.read() if name.endswith(".jinja") else json.load(f)["chat_template"]
-            break
+    template = chat_template(path, tok)
     return QwenVLProcessor(tok, image_processor, template)
 
 
