@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -17,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import provenance  # noqa: E402
+from _common import provenance, wall_ms  # noqa: E402
 
 def log(msg: str):
     print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -227,3 +228,23 @@ def resolve_device(args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     return args
+
+
+def ttft_runs(gen, repeats: int, device, name: str) -> dict:
+    """Time to first token of `gen()` (an `Engine.generate(..., max_new_tokens=1)` call): one
+    warm-up (prefill graphs, compilation), then `repeats` synchronized wall-clock runs; the
+    medians of the wall time and of the engine's own first-token and prefill times."""
+    gen()
+    walls, stats = [], []
+    for _ in range(repeats):
+        o, ms = wall_ms(gen, device)
+        if len(o.token_ids) != 1:
+            raise RuntimeError(f"{name}: {len(o.token_ids)} tokens, expected 1")
+        walls.append(ms)
+        stats.append(o.stats)
+    out = {"ttft_ms": statistics.median(walls), "ttft_runs_ms": walls,
+           "time_first_token_ms": statistics.median(s.time_first_token * 1e3 for s in stats),
+           "time_prefill_ms": statistics.median(s.time_prefill * 1e3 for s in stats),
+           "speculative": bool(stats[0].speculative)}
+    log(f"  {name}: TTFT {out['ttft_ms']:.1f} ms")
+    return out

@@ -48,7 +48,6 @@ import gc
 import inspect
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -58,10 +57,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402
-from _common import copy_bandwidth_gbs, event_ms, provenance, wall_ms  # noqa: E402
+from _common import copy_bandwidth_gbs, event_ms, provenance  # noqa: E402
 from e2e import TAU_MAIN, accept_schedule, decode_ms, geometric_schedule  # noqa: E402
 from e2e_common import (build_hf_random, check_limit, default_dtype, fmt, lm_weight_bytes, log,  # noqa: E402
-                        random_fill)
+                        random_fill, ttft_runs)
 
 # ---------------------------------------------------------------------------- shapes
 SIGLIP_OV = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16,
@@ -354,19 +353,7 @@ class FamilyBench(e2e.Bench):
             def gen():
                 return self.engine.generate(self.prompt, images=[self.image], speculative=speculative, sampling=sp)
 
-            gen()                                             # warm-up (prefill graphs, compilation)
-            walls, stats = [], []
-            for _ in range(self.p.repeats):
-                o, ms = wall_ms(gen, self.device)
-                if len(o.token_ids) != 1:
-                    raise RuntimeError(f"{name}: {len(o.token_ids)} tokens, expected 1")
-                walls.append(ms)
-                stats.append(o.stats)
-            out[name] = {"ttft_ms": statistics.median(walls), "ttft_runs_ms": walls,
-                         "time_first_token_ms": statistics.median(s.time_first_token * 1e3 for s in stats),
-                         "time_prefill_ms": statistics.median(s.time_prefill * 1e3 for s in stats),
-                         "speculative": bool(stats[0].speculative)}
-            log(f"  {name}: TTFT {out[name]['ttft_ms']:.1f} ms")
+            out[name] = ttft_runs(gen, self.p.repeats, self.device, name)
         return out
 
     def sd_gamma(self) -> dict:

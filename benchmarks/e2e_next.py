@@ -44,7 +44,7 @@ import e2e  # noqa: E402
 from _common import copy_bandwidth_gbs, wall_ms  # noqa: E402
 from e2e import CAPTION, CLIP_L336, TAU_MAIN, Preset  # noqa: E402
 from e2e_common import (add_common_args, build_hf_llava, check_limit, default_dtype, fmt,  # noqa: E402
-                        header_lines, lm_weight_bytes, log, resolve_device)
+                        header_lines, lm_weight_bytes, log, resolve_device, ttft_runs)
 
 # llava-hf/llava-v1.6-vicuna-7b-hf's image_grid_pinpoints, (height, width)
 PINPOINTS_V16 = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
@@ -279,19 +279,7 @@ class NextBench(e2e.Bench):
                 return eng.generate(self.prompt, images=[self.image], caption=CAPTION, speculative=speculative,
                                     sampling=sp)
 
-            gen()                                             # warm-up
-            walls, stats = [], []
-            for _ in range(self.p.repeats):
-                o, ms = wall_ms(gen, self.device)
-                if len(o.token_ids) != 1:
-                    raise RuntimeError(f"{name}: {len(o.token_ids)} tokens, expected 1")
-                walls.append(ms)
-                stats.append(o.stats)
-            out[name] = {"ttft_ms": statistics.median(walls), "ttft_runs_ms": walls,
-                         "time_first_token_ms": statistics.median(s.time_first_token * 1e3 for s in stats),
-                         "time_prefill_ms": statistics.median(s.time_prefill * 1e3 for s in stats),
-                         "speculative": bool(stats[0].speculative)}
-            log(f"  {name}: TTFT {out[name]['ttft_ms']:.1f} ms")
+            out[name] = ttft_runs(gen, self.p.repeats, self.device, name)
         return out
 
     def sd_sweep(self) -> dict:

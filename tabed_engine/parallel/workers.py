@@ -188,14 +188,6 @@ class ParentLink:
         except (EOFError, OSError):
             os._exit(0)          # rank 0 is gone: nothing left to serve
 
-    def wait_exit(self, timeout: float):
-        """Wait up to `timeout` seconds for a worker to exit (one whose collective failed may
-        still be on its way out), then `check`."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and all(p.poll() is None for p in self.procs):
-            time.sleep(0.01)
-        self.check()
-
     def send(self, msg: Any):
         try:
             _send(self.conn, msg)
