@@ -133,6 +133,31 @@ def test_draft_rows_catch_up_after_ar_blocks():
         assert full and all(a == 3 for a in full), out.stats.accepted_lengths
 
 
+def test_catch_up_leaves_rows_that_need_none_intact():
+    """Draft = target, one view: request A decodes autoregressively, then B joins (its draft rows
+    fresh from prefill, nothing to catch up) and every later block speculates. A's catch-up runs
+    with B in the batch; B's draft rows must keep their prompt, so B accepts every draft (the
+    padding of a catch-up once landed at slot 0 of such rows and B's drafts went wrong)."""
+    target, _, processor = loaded("llama")
+    eng = Engine(target, processor, draft=target, device="cpu", dtype=torch.float32, views=("M",), gamma=3,
+                 max_len=256, max_batch=2, prefix_cache=False)
+    eng.scheduler.cost = Scripted(("ar", "ar", "ar") + ("sd",) * 40, gamma=3)
+    names, prompts, imgs, _ = batch_inputs()
+    sp = SamplingParams(max_new_tokens=24, stop_at_eos=False)
+    a = eng.add_request(prompts[0], images=imgs[0], sampling=sp)
+    for _ in range(4):                                   # A's prefill, then three AR steps
+        eng.step()
+    b = eng.add_request(prompts[1], images=imgs[1], sampling=sp)
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    for rid in (a, b):
+        full = outs[rid].output.stats.accepted_lengths[:-1]          # the last block may be cut
+        assert full and all(x == 3 for x in full), (rid, outs[rid].output.stats.accepted_lengths)
+
+
 def _counts(alpha, n=1000):
     """(accepted, rejected) drafts of a request with acceptance rate `alpha` over n drafts."""
     return alpha * n, (1 - alpha) * n

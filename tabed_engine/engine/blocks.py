@@ -33,13 +33,20 @@ class SpeculativeSteps:
         need = {r.slot: r.tokens[r.draft_valid: len(r.tokens) - 2] for r in reqs[:b]
                 if r is not None and not r.finished and r.draft_valid < len(r.tokens) - 2}
         _, dcache, _ = self.views(b)
+        live = [r for r in reqs[:b] if r is not None and not r.finished]
         while need:
             n = min(CATCH_UP, max(len(t) for t in need.values()))
-            top = max(max(reqs[s_].view_len) + reqs[s_].draft_valid for s_ in need)
+            top = max(max(r.view_len) + r.draft_valid for r in live)
             T = CATCH_UP
             if top + T > self.eng.draft_len:      # no room for the padding: the exact length
                 T = n
             toks, lens = [[0] * T for _ in range(b * K)], [0] * (b * K)
+            # every live row is written: the rows with nothing to catch up at their committed
+            # end, where the next draft block writes before it reads (at slot 0 the padding
+            # overwrote their prompt's first draft KV, lowering their acceptance)
+            for r in live:
+                for k in range(K):
+                    lens[r.slot * K + k] = r.view_len[k] + r.draft_valid
             for slot, t in need.items():
                 r = reqs[slot]
                 chunk = t[:n]
