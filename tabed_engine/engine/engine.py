@@ -332,8 +332,9 @@ class Engine(RequestIntake, EngineLimits):
         images: one image per placeholder, each a PIL image, or a numpy array or tensor
         (HWC or CHW, 1/3/4 channels) of uint8 values 0..255 or float values in [0, 1]; for a
         list of prompts, one such list per prompt (or None).
-        videos (LLaVA-OneVision): one video per `<video>` placeholder, each a list of frames (as
-        images) or an array / tensor [frames, H, W, C]; for a list of prompts, one list per prompt.
+        videos (LLaVA-OneVision, Qwen2.5-VL): one video per video placeholder (`<video>`,
+        `<|video_pad|>`), each a list of frames of one size (as images) or an array / tensor
+        [frames, H, W, C]; for a list of prompts, one list per prompt.
         sampling: a `SamplingParams`, or one per prompt.
         caption: the C view's caption (a string, or one per image); `captions`: one per prompt.
         views: the subset of the engine's views the request's ensemble mixes (a tuple of names;

@@ -99,7 +99,9 @@ class PrefillSteps:
             x = self.embed(self.target, prep.ids, prep.media_spans, feats)[cached:]
         # M-RoPE ids of a prompt with images (None: its slots); the row's later positions follow
         # its cache slots shifted by the offset
-        pos3 = self.target.vision.positions(prep.ids, prep.image_spans, prep.image_sizes)
+        pos3 = self.target.vision.positions(prep.ids, prep.image_spans, prep.image_sizes,
+                                            videos=[(s, px) for (s, _), px in zip(prep.video_spans or [],
+                                                                                  prep.video_pixels or [])])
         self.tcache.pos_offset[slot] = 0 if pos3 is None else int(pos3.max()) + 1 - n
         if cached:
             return prefill_suffix(self, prep, x, slot, cached, src, pos3)

@@ -19,7 +19,7 @@ class Prepared:
     image_spans: list[tuple[int, int]]     # (start, length) of each image's token run
     images: list = None                    # the PIL images (for a captioner)
     draft_pixel_values: Optional[torch.Tensor] = None   # the draft processor's, when it has its own
-    video_pixels: Optional[list] = None    # per video: its frames' pixels [frames, 3, H, W]
+    video_pixels: Optional[list] = None    # per video: its frames' preprocessed pixels [frames, 3, H, W]
     video_spans: Optional[list] = None     # (start, length) of each video's token run
 
     @property
@@ -155,10 +155,12 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
     with_pixels=False: leave `pixel_values` None (the engine computes them on the device,
     `image_ops.device_pixels`); the text is tokenized without the image processor and each
     placeholder expanded to its image's count, as the processor does.
-    videos: one video per `<video>` placeholder (LLaVA-OneVision), each a list of frames or an
-    array / tensor [frames, H, W, C] (or [frames, C, H, W]); video_token_id and
-    video_tokens(frames) (its token count) come with them. The video's frames are preprocessed
-    here (`video_pixels`) and its placeholder expanded to its count."""
+    videos: one video per video placeholder (LLaVA-OneVision's `<video>`, Qwen2.5-VL's
+    `<|video_pad|>`), each a list of frames of one size or an array / tensor [frames, H, W, C]
+    (or [frames, C, H, W]); video_token_id and video_tokens(pixels) (the token count of a
+    video's preprocessed frames) come with them. The frames are preprocessed here
+    (`processor.video_pixels(frames)` where the processor has it, else `video_pixels`) and each
+    placeholder expanded to its video's count."""
     vids = _videos(videos, processor, video_token_id)
     if vids:
         prep = prepare(processor, prompt, images, image_token_id, tokens_per_image, with_pixels=False)
@@ -166,12 +168,14 @@ def prepare(processor, prompt: Any, images: Optional[Sequence], image_token_id: 
         if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
                                        and all(isinstance(m, dict) for m in prompt)):
             _check_count(ids.count(video_token_id), len(vids), "video")
-        ids = _expand_placeholders(ids, video_token_id, [video_tokens(len(v)) for v in vids])
+        own = getattr(processor, "video_pixels", None)
+        vpix = [own(v) if own is not None else video_pixels(processor.image_processor, v) for v in vids]
+        vcounts = [video_tokens(p) for p in vpix]
+        ids = _expand_placeholders(ids, video_token_id, vcounts)
         counts = [n for _, n in prep.image_spans]
         return Prepared(ids, pixels(processor, prep.images) if with_pixels else None,
                         split_runs(image_runs(ids, image_token_id), counts), prep.images,
-                        video_pixels=[video_pixels(processor.image_processor, v) for v in vids],
-                        video_spans=split_runs(image_runs(ids, video_token_id), [video_tokens(len(v)) for v in vids]))
+                        video_pixels=vpix, video_spans=split_runs(image_runs(ids, video_token_id), vcounts))
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
     images = list(images or [])
@@ -259,7 +263,11 @@ def _videos(videos, processor, video_token_id) -> list[list]:
         frames = list(v) if isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) == 4 else None
         if not frames:
             raise ValueError(f"video {i}: a video is a non-empty list of frames or an array [frames, H, W, C]")
-        out.append([_to_pil(f, j) for j, f in enumerate(frames)])
+        pil = [_to_pil(f, j) for j, f in enumerate(frames)]
+        if len({f.size for f in pil}) > 1:
+            raise ValueError(f"video {i}: its frames differ in size ({sorted({f.size for f in pil})} as (W, H)); "
+                             "a video's frames must all have one size")
+        out.append(pil)
     return out
 
 

@@ -10,7 +10,9 @@ transformers 4.5x's save_pretrained (`model.language_model.*`, `model.visual.*`,
 transformers' `Qwen2_5_VLProcessor` cannot be built without torchvision (its video processor),
 so the family's processor is `QwenVLProcessor`: the checkpoint's tokenizer, its PIL image
 processor and chat template, expanding each `<|image_pad|>` to the image's token count as the
-published processor does.
+published processor does. Videos (`<|video_pad|>`): the video processor's steps reproduced with
+the PIL image processor (`QwenVLProcessor.video_pixels`, the temporal grouping in
+`qwen2_5_vl_vision.patchify_video`), its settings read as transformers reads them (`video_settings`).
 """
 from __future__ import annotations
 
@@ -78,6 +80,47 @@ def image_token_id(config: dict) -> Optional[int]:
     return None if token is None else int(token)
 
 
+def video_token_id(config: dict) -> Optional[int]:
+    """`<|video_pad|>`'s id (151656 as published)."""
+    token = config.get("video_token_id", 151656)
+    return None if token is None else int(token)
+
+
+# transformers' Qwen2VLVideoProcessor class defaults (a video config without `size` / min / max pixels)
+VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
+
+
+def video_settings(path: str) -> dict:
+    """The video preprocessing of a checkpoint, read as transformers' video processor reads it:
+    `processor_config.json`'s "video_processor", else `video_preprocessor_config.json`, else
+    `preprocessor_config.json` (the published Qwen2.5-VL repositories ship only this one: videos
+    then take the images' min / max pixels). Returns min_pixels, max_pixels, image_mean,
+    image_std, rescale_factor, resample and the patch sizes; ValueError for settings the engine
+    does not reproduce."""
+    import json
+    import os
+
+    def load(name):
+        f = os.path.join(path, name)
+        return json.load(open(f)) if os.path.isfile(f) else None
+
+    d = (load("processor_config.json") or {}).get("video_processor") or load("video_preprocessor_config.json") \
+        or load("preprocessor_config.json") or {}
+    size = dict(d.get("size") or VIDEO_SIZE)
+    lo = d.get("min_pixels", size.get("shortest_edge"))
+    hi = d.get("max_pixels", size.get("longest_edge"))
+    off = [k for k in ("do_resize", "do_rescale", "do_normalize") if d.get(k) is False]
+    if off or d.get("cap_pixels_per_frame") or lo is None or hi is None:
+        raise ValueError(f"unsupported Qwen2.5-VL video preprocessing in {path} ({', '.join(off) or ''} off, "
+                         f"cap_pixels_per_frame={d.get('cap_pixels_per_frame')}, min/max pixels {lo}/{hi}): the "
+                         "engine resizes between min and max pixels, rescales and normalises every frame")
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+    return dict(min_pixels=int(lo), max_pixels=int(hi), image_mean=d.get("image_mean", list(OPENAI_CLIP_MEAN)),
+                image_std=d.get("image_std", list(OPENAI_CLIP_STD)), rescale_factor=d.get("rescale_factor", 1 / 255),
+                resample=d.get("resample", 3), patch_size=d.get("patch_size", 14),
+                temporal_patch_size=d.get("temporal_patch_size", 2), merge_size=d.get("merge_size", 2))
+
+
 class QwenVLProcessor:
     """Tokenizer + image processor + chat template of a Qwen2.5-VL checkpoint, with the call
     the engine's prompt path uses: `processor(text=..., images=..., return_tensors="pt")`
@@ -86,10 +129,33 @@ class QwenVLProcessor:
     image_token = "<|image_pad|>"
     video_token = "<|video_pad|>"
 
-    def __init__(self, tokenizer, image_processor, chat_template: Optional[str] = None):
+    def __init__(self, tokenizer, image_processor, chat_template: Optional[str] = None,
+                 video: Optional[dict] = None):
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video = video          # `video_settings` (None: the image processor's own)
+
+    def video_pixels(self, frames) -> "torch.Tensor":
+        """A video's frames (RGB PIL images of one size) preprocessed as transformers'
+        Qwen2-VL video processor does, without torchvision: each frame resized to
+        `smart_resize` of its size between the video min / max pixels, rescaled and normalised,
+        by this checkpoint's PIL image processor (so a frame's pixels are bit-identical to an
+        image's of the same size under the same settings). Returns [frames, 3, H, W] float32;
+        `QwenVision.video_features` groups the frames in temporal patches and flattens them."""
+        import torch
+
+        ip, v = self.image_processor, self.video
+        kw = {} if v is None else dict(size={"shortest_edge": v["min_pixels"], "longest_edge": v["max_pixels"]},
+                                       image_mean=v["image_mean"], image_std=v["image_std"],
+                                       rescale_factor=v["rescale_factor"], resample=v["resample"])
+        out = ip(list(frames), return_tensors="pt", **kw)
+        # the image processor's patch rows of each frame (repeated over the temporal patch) back
+        # to the frame: rows (gh/m, gw/m, m, m), columns (C, T, p, p)
+        p, m, T = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+        _, gh, gw = (int(x) for x in out["image_grid_thw"][0])
+        x = torch.as_tensor(out["pixel_values"]).reshape(len(frames), gh // m, gw // m, m, m, -1, T, p, p)[:, :, :, :, :, :, 0]
+        return x.permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(len(frames), -1, gh * p, gw * p).float().contiguous()
 
     def apply_chat_template(self, messages, **kwargs):
         """The chat template rendered by the tokenizer (text with one `<|image_pad|>` per image)."""
@@ -123,10 +189,17 @@ def load_processor(path: str) -> QwenVLProcessor:
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = image_cls.from_pretrained(path, local_files_only=True)
     template = chat_template(path, tok)
-    return QwenVLProcessor(tok, image_processor, template)
+    video = video_settings(path)
+    theirs = (video["patch_size"], video["temporal_patch_size"], video["merge_size"])
+    mine = (image_processor.patch_size, image_processor.temporal_patch_size, image_processor.merge_size)
+    if theirs != mine:
+        raise ValueError(f"the video processor's patch, temporal patch and merge sizes {theirs} differ from the "
+                         f"image processor's {mine}")
+    return QwenVLProcessor(tok, image_processor, template, video)
 
 
 FAMILY = register(Family(
     name="qwen2_5_vl", architectures=("Qwen2_5_VLForConditionalGeneration",), model_types=("qwen2_5_vl",),
     lm_config=lm_config, build_lm=LlamaLM, build_vision=build_vision, canonical_key=canonical_key,
-    image_layout=image_layout, image_token_id=image_token_id, load_processor=load_processor))
+    image_layout=image_layout, image_token_id=image_token_id, load_processor=load_processor,
+    video_token_id=video_token_id))

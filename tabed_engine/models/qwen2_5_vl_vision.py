@@ -70,9 +70,31 @@ def pool_grid(x: torch.Tensor, t: int, h: int, w: int, k: int) -> torch.Tensor:
     return p.permute(0, 2, 3, 1).reshape(-1, D).to(x.dtype)
 
 
+# seconds a video's frames are apart: frames are taken as sampled at 2 per second, the
+# Qwen2.5-VL processor's default fps (4.x) and qwen-vl-utils' FPS; a temporal patch of 2 frames
+# is then 1 s, an integer, so transformers versions that cast seconds per grid to int and those
+# that do not give the same temporal ids
+VIDEO_FPS = 2.0
+
+
+def patchify_video(pixels: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """A video's frames [F, C, H, W] -> flattened patches [t*gh*gw, C*temporal*patch*patch] as
+    transformers' Qwen2-VL video processor lays them out (`pixel_values_videos`): an odd frame
+    count padded by repeating the last frame, `temporal` consecutive frames a temporal patch,
+    rows ordered (t, gh/merge, gw/merge, merge, merge), columns (C, temporal, patch, patch)."""
+    if pad := -pixels.shape[0] % temporal:
+        pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
+    F_, C, H, W = pixels.shape
+    t, gh, gw = F_ // temporal, H // patch, W // patch
+    x = pixels.reshape(t, temporal, C, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * gh * gw, C * temporal * patch * patch)
+
+
 class QwenVision(nn.Module):
     """The vision tower of a Qwen2.5-VL checkpoint behind the engine's vision interface
-    (`select_images`, `image_features`, `tokens_per_image`, `positions`). The merger is part of
+    (`select_images`, `image_features`, `tokens_per_image`, `positions`; videos: `video_tokens`,
+    `video_features`, `pool_video`). The merger is part of
     the tower, so there is no separate projector. Image sizes map to patch grids through the
     processor's min / max pixels: `bind_processor` gives them (the engine does, with the
     checkpoint's processor)."""
@@ -131,13 +153,51 @@ class QwenVision(nn.Module):
         """Image tokens of each image of sizes [(height, width), ...] (pooled: the P view's)."""
         return [h * w for h, w in (self.merged_grid(s, pool) for s in sizes)]
 
-    def positions(self, ids, spans, sizes, pool: int = 0) -> Optional[torch.Tensor]:
+    def positions(self, ids, spans, sizes, pool: int = 0, videos=()) -> Optional[torch.Tensor]:
         """M-RoPE ids [3, len(ids)] of a prompt whose image i's token run is spans[i] (pooled
-        grids with pool), or None for a prompt without images (ids = slots)."""
-        if not spans:
+        grids with pool) and whose videos are `videos`: (start of its token run, its frames'
+        pixels [F, 3, H, W]) each; None for a prompt without either (ids = slots)."""
+        if not spans and not videos:
             return None
         blocks = [(start, 1, *self.merged_grid(s, pool), 1) for (start, _), s in zip(spans, sizes)]
-        return rope_index(len(ids), blocks)
+        interval = self.tokens_per_second * self.temporal / VIDEO_FPS    # (transformers: tps * second_per_grid_ts)
+        blocks += [(start, *self.video_grid(px, pool), interval) for start, px in videos]
+        return rope_index(len(ids), sorted(blocks))
+
+    # ------------------------------------------------------------------ videos
+    def video_grid(self, pixels: torch.Tensor, pool: int = 0) -> tuple[int, int, int]:
+        """A video's merged-token grid (t, rows, columns) from its frames' pixels [F, 3, H, W]
+        (`QwenVLProcessor.video_pixels`): t = ceil(F / temporal patch); pooled by pool x pool
+        windows per temporal slice if pool."""
+        F_, _, H, W = pixels.shape
+        f = self.patch * self.merge
+        if H % f or W % f:
+            raise ValueError(f"video frames of {H}x{W} pixels are not a multiple of {f} (patch x merge): "
+                             "preprocess them with the checkpoint's processor (QwenVLProcessor.video_pixels)")
+        t, h, w = -(-F_ // self.temporal), H // f, W // f
+        return (t, -(-h // pool), -(-w // pool)) if pool else (t, h, w)
+
+    def video_tokens(self, pixels: torch.Tensor, pool: int = 0) -> int:
+        """Tokens of one video: grid_t * grid_h * grid_w / merge² (transformers' count), pooled
+        per temporal slice with pool (the P view)."""
+        t, h, w = self.video_grid(pixels, pool)
+        return t * h * w
+
+    @torch.no_grad()
+    def video_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One video's merged features [t*h*w, hidden] from its frames' pixels [F, 3, H, W]: the
+        tower over its patches with video_grid_thw [[t, H/patch, W/patch]], as transformers'
+        `get_video_features` runs it on `pixel_values_videos`."""
+        t, h, w = self.video_grid(pixels)
+        patches = patchify_video(pixels, self.patch, self.merge, self.temporal)
+        dtype = self.tower.patch_embed.proj.weight.dtype
+        grid = torch.tensor([[t, h * self.merge, w * self.merge]], device=pixels.device)
+        return self.tower(patches.to(dtype), grid_thw=grid).pooler_output
+
+    def pool_video(self, feats: torch.Tensor, pixels: torch.Tensor, pool: int) -> torch.Tensor:
+        """The P view's video features: `video_features` averaged over pool x pool windows of
+        each temporal slice's merged grid (as images are)."""
+        return pool_grid(feats, *self.video_grid(pixels), pool) if pool else feats
 
     @torch.no_grad()
     def select_images(self, pixel_values: torch.Tensor, sizes=None) -> torch.Tensor:

@@ -193,7 +193,7 @@ class VisionEncoder(nn.Module):
     def bind_processor(self, image_processor):
         """Nothing to take: the token counts follow from the config (see `QwenVision`)."""
 
-    def positions(self, ids, spans, sizes, pool: int = 0) -> None:
+    def positions(self, ids, spans, sizes, pool: int = 0, videos=()) -> None:
         """1-D RoPE: a prompt's positions are its slots (see `QwenVision.positions`)."""
         return None
 
@@ -203,11 +203,18 @@ class VisionEncoder(nn.Module):
 
         _init_buffers(self.tower)
 
-    def video_tokens(self, frames: int) -> int:
-        """Tokens of a video of `frames` frames (ValueError for a family without videos)."""
+    def video_tokens(self, video, pool: int = 0) -> int:
+        """Tokens of a video: its frames' pixels [frames, 3, S, S] (or its frame count);
+        ValueError for a family without videos. pool is ignored: the model already pools each
+        frame, so the P view keeps M's video tokens."""
         if self.video_grid is None:
             raise ValueError("this model family takes no videos")
+        frames = video if isinstance(video, int) else video.shape[0]
         return frames * self.video_grid ** 2 + 1
+
+    def pool_video(self, feats: torch.Tensor, pixels: torch.Tensor, pool: int) -> torch.Tensor:
+        """The P view's video features: M's (see `video_tokens`)."""
+        return feats
 
     @torch.no_grad()
     def video_features(self, pixels: torch.Tensor, sel: Optional[torch.Tensor] = None) -> torch.Tensor:

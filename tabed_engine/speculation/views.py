@@ -5,7 +5,8 @@ T  text-only: each image's token run replaced by one escape token: the tokenizer
    token (`resolve_escape_token`), or, for a tokenizer without one, nothing (the image's
    tokens are dropped).
 P  image-pooled: the draft's vision feature grid average-pooled (24×24 -> 12×12 default;
-   Qwen2.5-VL: each image's merged grid over 2×2 windows, with its M-RoPE ids on the pooled grid).
+   Qwen2.5-VL: each image's merged grid, and each temporal slice of a video's, over 2×2 windows,
+   with its M-RoPE ids on the pooled grid; LLaVA-OneVision's videos keep M's features).
    Any-resolution (LLaVA-NeXT) drafts pool every tile's grid and the base tile's grid alike
    (g×g -> s×s), then pack the pooled tiles as the model packs full ones (anyres.py: unpadded
    to the image's aspect ratio at the pooled resolution, the newline after each pooled row,
@@ -92,10 +93,12 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
                                                              engine.device)
         sel = target_sel if same and target_sel is not None else \
             draft.vision.select_images(pixels.to(engine.device), prep.image_sizes)
-    # videos (LLaVA-OneVision): the draft's own frames' features in the M and P rows (pooled as
-    # the model pools every frame), an escape token in the T and C rows
+    # videos: the draft's own frames' features in the M and P rows (P: `pool_video`, Qwen2.5-VL
+    # pools each temporal slice's merged grid as it pools images; OneVision keeps M's, its frames
+    # already pooled by the model), an escape token in the T and C rows
     nv = prep.num_videos
-    vfeats = ([draft.vision.video_features(p.to(engine.device)) for p in prep.video_pixels]
+    vpix = [p.to(engine.device) for p in prep.video_pixels or []]
+    vfeats = ([draft.vision.video_features(p) for p in vpix]
               if nv and any(v in ("M", "P") for v in engine.views if v not in skip) else [])
     vid_tok = target.video_token_id
     img_tok = target.image_token_id
@@ -107,10 +110,12 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
         if v in ("M", "P") and media:
             pool = 0 if v == "M" else engine.pool_size or draft.vision.default_pool
             feats = [] if sel is None else draft.vision.image_features(sel, prep.image_sizes, pool=pool)
+            vf = [draft.vision.pool_video(f, p, pool) for f, p in zip(vfeats, vpix)]
             ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats],
-                                         [[vid_tok] * f.shape[0] for f in vfeats])
-            rows.append(ViewRow(ids, spans, [*feats, *vfeats],
-                                draft.vision.positions(ids, spans[:len(feats)], prep.image_sizes, pool)))
+                                         [[vid_tok] * f.shape[0] for f in vf])
+            rows.append(ViewRow(ids, spans, [*feats, *vf],
+                                draft.vision.positions(ids, spans[:len(feats)], prep.image_sizes, pool,
+                                                       videos=[(s, p) for (s, _), p in zip(spans[len(feats):], vpix)])))
         elif v == "T" and media:
             ids, _ = _replace_images(prep, [escape] * prep.num_images, [escape] * nv)
             rows.append(ViewRow(ids, [], []))
@@ -134,14 +139,16 @@ def view_lengths(engine, prep: Prepared, caption, skip: frozenset = frozenset())
     vision, sizes = engine.draft.vision, prep.image_sizes
     text = len(prep.ids) - sum(k for _, k in prep.media_spans)
     escaped = 0 if engine.escape_token is None else nv
-    vids = sum(vision.video_tokens(p.shape[0]) for p in prep.video_pixels or [])
+    pool = engine.pool_size or vision.default_pool
+    vids = sum(vision.video_tokens(p) for p in prep.video_pixels or [])
     out = []
     for v in engine.views:
         v = "T" if v in skip else v
         if v == "M":
             per = sum(vision.tokens_per_image(sizes)) + vids
         elif v == "P":
-            per = sum(vision.tokens_per_image(sizes, pool=engine.pool_size or vision.default_pool)) + vids
+            per = (sum(vision.tokens_per_image(sizes, pool=pool))
+                   + sum(vision.video_tokens(p, pool=pool) for p in prep.video_pixels or []))
         elif v == "T":
             per = 0 if engine.escape_token is None else n + nv
         elif caption is None and engine.captioner is not None and n:
