@@ -220,3 +220,31 @@ def test_prefix_cache_keys_the_video(dirs, hf):
     out = eng.generate(text, videos=other, sampling=SP, speculative=False)
     assert out.stats.cached_tokens <= start
     assert out.token_ids == reference(hf, eng.processor, text, images, other)
+
+
+def test_video_settings_read_as_transformers_reads_them(dirs, tmp_path):
+    """processor_config.json's "video_processor" over video_preprocessor_config.json over
+    preprocessor_config.json (the published repositories' only file: the images' min / max pixels);
+    the video's own min / max pixels decide its frames' size; settings the engine does not
+    reproduce are refused."""
+    import json
+    import shutil
+
+    from tabed_engine.models.qwen2_5_vl import load_processor, video_settings
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(dirs["target"], d)
+    assert (video_settings(str(d))["min_pixels"], video_settings(str(d))["max_pixels"]) == (256, 2304)
+    json.dump({"size": {"shortest_edge": 64, "longest_edge": 1024}, "patch_size": 4},
+              open(d / "video_preprocessor_config.json", "w"))
+    assert (video_settings(str(d))["min_pixels"], video_settings(str(d))["max_pixels"]) == (64, 1024)
+    json.dump({"video_processor": {"max_pixels": 512, "min_pixels": 64, "patch_size": 4}},
+              open(d / "processor_config.json", "w"))
+    assert video_settings(str(d))["max_pixels"] == 512
+    proc = load_processor(str(d))
+    px = proc.video_pixels(_videos([tiny_video(0, 2, 56, 56)], proc, 0)[0])
+    assert px.shape[-2:] == smart_resize(56, 56, 8, 64, 512) == (16, 16)
+    json.dump({"video_processor": {"min_pixels": 64, "max_pixels": 512, "cap_pixels_per_frame": True}},
+              open(d / "processor_config.json", "w"))
+    with pytest.raises(ValueError, match="cap_pixels_per_frame"):
+        video_settings(str(d))
