@@ -17,13 +17,16 @@ the PIL image processor (`QwenVLProcessor.video_pixels`, the temporal grouping i
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tabed_engine.models.config import LMConfig
 from tabed_engine.models.decoder import LlamaLM
 from tabed_engine.models.loader import chat_template
 from tabed_engine.models.qwen2_5_vl_vision import QwenVision
 from tabed_engine.models.registry import Family, register
+
+if TYPE_CHECKING:
+    import torch
 
 _VISION_KEYS = ("text_config", "vision_config")
 
