@@ -230,8 +230,11 @@ def assert_matches(counts: Counter, dist: dict, n: int):
     return worst
 
 
-LOSSLESS = {"M-uniform": (("M",), "uniform", False), "MT-kld": (("M", "T"), "kld", False),
-            "MT-kld-coupled": (("M", "T"), "kld", True)}   # the last: seeded, the Gumbel coupling
+# rejection sampling (unseeded, or seeded with reproducible=False). The seeded coupling's tokens
+# do not depend on the draft (AR == chain == tree per seed: tests/test_coupling.py), and its
+# distribution is checked there over 16,000 seeds per block kind: an engine-level run here would
+# repeat that at ~4 CPU-minutes
+LOSSLESS = {"M-uniform": (("M",), "uniform"), "MT-kld": (("M", "T"), "kld")}
 SAMPLES, SHARDS = 16000, 8
 SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
 
@@ -242,13 +245,13 @@ def sampling_engine(views, policy, device="cpu"):
                                   dtype=torch.float32, views=views, policy=policy, gamma=2, adaptive=False)
 
 
-def sample(eng, seeds, coupled=False):
-    """Counts of the generated 3-token sequences over `seeds`, and the drafts accepted; coupled:
-    by the seeded Gumbel coupling, else by rejection sampling (reproducible=False)."""
+def sample(eng, seeds):
+    """Counts of the generated 3-token sequences over `seeds`, and the drafts accepted, by
+    rejection sampling (seeded with reproducible=False: not the coupling)."""
     text, imgs = word_prompt(1)
     counts, accepted = Counter(), 0
     for i in seeds:
-        out = eng.generate(text, images=imgs, sampling=dataclasses.replace(SAMPLING, seed=i, reproducible=coupled))
+        out = eng.generate(text, images=imgs, sampling=dataclasses.replace(SAMPLING, seed=i, reproducible=False))
         counts[tuple(out.token_ids)] += 1
         accepted += sum(out.stats.accepted_lengths)
     return counts, accepted
@@ -282,8 +285,8 @@ def test_sampling_is_lossless(config, shard, exact_dist, tmp_path_factory):
     shard that completes the set checks all SAMPLES against the exact distribution, with the
     power to catch a 2% error."""
     n = SAMPLES // SHARDS
-    views, policy, coupled = LOSSLESS[config]
-    counts, accepted = sample(sampling_engine(views, policy), range(shard * n, (shard + 1) * n), coupled)
+    views, policy = LOSSLESS[config]
+    counts, accepted = sample(sampling_engine(views, policy), range(shard * n, (shard + 1) * n))
     assert accepted > n * 0.15  # drafts really were accepted (not a target-only path)
     assert set(counts) <= set(exact_dist)
     check_when_complete(tmp_path_factory, f"lossless-{config}", shard, SHARDS, counts, exact_dist, SAMPLES, 0.02)
