@@ -12,7 +12,7 @@ import torch
 from tabed_engine import Engine, SamplingParams, TreeConfig
 from tabed_engine.speculation import coupling
 from tabed_engine.speculation.coupling import gumbel
-from tabed_engine.speculation.sampling import RowSampling, pick_tokens, target_probs
+from tabed_engine.speculation.sampling import RowSampling, draft_filter, pick_tokens, target_probs
 from test_tree import CTX, V, TableLM, chi2_ok, exact_three, fake_cache, tables
 
 
@@ -75,12 +75,13 @@ def test_coupled_picks_follow_each_rows_filtered_distribution():
 
 # ---------------------------------------------------------------------------- one coupled block
 def coupled_block(kind, draft_tables, target_table, w, temperature, n, *, position_blind=False,
-                  draft_seed_shift=0, monkeypatch=None):
+                  draft_seed_shift=0, monkeypatch=None, top_k=0, top_p=1.0, filter_draft=True):
     """n requests with seeds 0..n-1 (rows of one batch) each run one coupled block from CTX (a
     chain of 2 or a tree `kind`) and are completed to three tokens by coupled AR steps of the
     target. position_blind: a hash that ignores the position (broken); draft_seed_shift: the
-    draft's noise under other seeds than the target's (broken). Returns (sequences, mean
-    accepted drafts)."""
+    draft's noise under other seeds than the target's (broken). top_k / top_p: the requests'
+    filters, which the draft applies to its proposals unless filter_draft is False (the draft
+    before it knew them). Returns (sequences, mean accepted drafts)."""
     from tabed_engine.speculation.chain import draft_block, verify_block
     from tabed_engine.speculation.tree import parse_tree, tree_draft, tree_verify
 
@@ -89,13 +90,14 @@ def coupled_block(kind, draft_tables, target_table, w, temperature, n, *, positi
         monkeypatch.setattr(coupling, "gumbel", lambda seed, pos, V: real(seed, pos * 0, V))
     K = draft_tables.shape[0]
     draft, target = TableLM(draft_tables), TableLM(target_table[None])
-    sp = SamplingParams(temperature=temperature, seed=0)
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
     rs = row_sampling([sp] * n, list(range(n)))
     inp2 = torch.tensor([CTX] * (n * K))
     lens = torch.zeros(n * K, dtype=torch.long)
     wt = torch.tensor([w] * n)
     tlens = torch.ones(n, dtype=torch.int32)             # the root (CTX[1]) sits at slot / position 1
-    noise = dict(row_seed=rs.seed + draft_seed_shift, coupled=rs.coupled, tlens=tlens)
+    noise = dict(row_seed=rs.seed + draft_seed_shift, coupled=rs.coupled, tlens=tlens,
+                 **(draft_filter(rs) if filter_draft else {}))
     unused = dict(seed=torch.tensor([123]), offset=torch.tensor([0]))   # the rejection path's noise
     if kind == "chain":
         gamma = 2
@@ -161,6 +163,27 @@ def test_draft_equal_to_target_is_always_accepted_under_shared_noise(kind):
     assert unshared == seqs
 
 
+@pytest.mark.parametrize("kind", ["chain", "3x2x2"])
+@pytest.mark.parametrize("filt", [dict(top_k=2), dict(top_p=0.6), dict(top_k=3, top_p=0.7)])
+def test_draft_equal_to_target_is_always_accepted_with_top_k_and_top_p(kind, filt):
+    """With the request's top-k / top-p (V = 5), a draft equal to the target still proposes the
+    target's coupled token every time: it applies the same filter to its proposals. A draft
+    that ignores the filter proposes tokens the target removed and loses accepted drafts (so
+    the setting tests the filter), and the tokens are the target's either way."""
+    _, target = tables(11)
+    one = target[None]
+    seqs, acc = coupled_block(kind, one, target, (1.0,), 0.8, 400, **filt)
+    depth = 2 if kind == "chain" else 3
+    assert acc == depth
+    blind, acc_blind = coupled_block(kind, one, target, (1.0,), 0.8, 400, filter_draft=False, **filt)
+    assert acc_blind < depth - 0.1        # measured: chain 1.28-1.55 of 2, tree 2.59-2.83 of 3
+    assert blind == seqs
+    # every row's first token is one the target's filter keeps
+    rs = row_sampling([SamplingParams(temperature=0.8, seed=0, **filt)], [0])
+    kept = target_probs(target[CTX[0], CTX[1]][None], rs)[0] > 0
+    assert all(kept[s[0]] for s in seqs) and not kept.all()
+
+
 # ---------------------------------------------------------------------------- through the engine
 @pytest.fixture(scope="module")
 def engine():
@@ -169,15 +192,21 @@ def engine():
                                   dtype=torch.float32, views=("M", "T"), policy="kld", gamma=3, max_batch=4)
 
 
-def test_seeded_request_is_the_same_alone_batched_ar_chain_and_tree(engine):
-    """A seeded sampled request gives the same tokens: AR alone, a chain alone, a tree alone, in
-    a batch of 4 with seeded (top-p) / unseeded, greedy / sampled others (AR and chains), and in
-    two identical batches; drafts are accepted; another seed gives other tokens."""
+# filters that change this fixture's tokens yet leave its perturbed draft drafts to accept: the
+# tiny model's distributions are flat (top-p 0.95 and top-k 120 gave the same tokens at T = 1),
+# and under top-k 40 the target's kept set and the draft's own top 40 overlap too little for
+# the coupled argmaxes to meet (0 of 13 blocks accepted a draft, with or without the filter)
+@pytest.mark.parametrize("filt", [dict(), dict(top_k=120), dict(top_p=0.95)], ids=["plain", "top_k", "top_p"])
+def test_seeded_request_is_the_same_alone_batched_ar_chain_and_tree(engine, filt):
+    """A seeded sampled request (plain, top-k or top-p, which its draft applies too) gives the
+    same tokens: AR alone, a chain alone, a tree alone, in a batch of 4 with seeded (top-p) /
+    unseeded, greedy / sampled others (AR and chains), and in two identical batches; drafts are
+    accepted; another seed gives other tokens."""
     from test_speculative import word_prompt
 
     text, imgs = word_prompt(1)
     other, o_imgs = word_prompt(2)
-    sp = SamplingParams(max_new_tokens=14, temperature=0.9, seed=7, stop_at_eos=False)
+    sp = SamplingParams(max_new_tokens=14, temperature=0.9, seed=7, stop_at_eos=False, **filt)
     engine.configure(tree=None)
     ar = engine.generate(text, images=imgs, sampling=sp, speculative=False).token_ids
     chain = engine.generate(text, images=imgs, sampling=sp)
@@ -203,6 +232,32 @@ def test_seeded_request_is_the_same_alone_batched_ar_chain_and_tree(engine):
         engine.configure(tree=None)
     assert engine.generate(text, images=imgs, sampling=dataclasses.replace(sp, seed=8),
                            speculative=False).token_ids != ar
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(3, 2, 2)])
+def test_draft_equal_to_target_accepts_every_draft_with_top_k_and_top_p(tree):
+    """Through the engine, a draft equal to the target (view M) under the coupling accepts every
+    drafted token of seeded requests with top-k 40 or top-p 0.8 (of 173 tokens), alone and as two
+    rows of one batch with different filters (each row's own), chains and trees, and the tokens
+    are AR's. A draft blind to the filters accepted 0-2 of 3 in most blocks here."""
+    from models import model_dir
+    from test_speculative import word_prompt
+
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha"), device="cpu", dtype=torch.float32,
+                                 views=("M",), gamma=3, max_batch=2, tree=tree)
+    text, imgs = word_prompt(1)
+    other, o_imgs = word_prompt(2)
+    sps = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, stop_at_eos=False, top_k=40),
+           SamplingParams(max_new_tokens=16, temperature=1.0, seed=6, stop_at_eos=False, top_p=0.8)]
+    ar = [eng.generate(p, images=im, sampling=sp, speculative=False).token_ids
+          for p, im, sp in zip((text, other), (imgs, o_imgs), sps)]
+    alone = [eng.generate(p, images=im, sampling=sp) for p, im, sp in zip((text, other), (imgs, o_imgs), sps)]
+    batched = eng.generate([text, other], images=[imgs, o_imgs], sampling=sps)
+    depth = 3 if tree is None else tree.depth
+    for out, want in zip(alone + batched, ar + ar):
+        full = out.stats.accepted_lengths[:-1]                     # the last block may be cut
+        assert out.token_ids == want
+        assert full and all(a == depth for a in full), out.stats.accepted_lengths
 
 
 def test_reproducible_false_keeps_rejection_sampling(engine):

@@ -13,7 +13,7 @@ from tabed_engine.engine.request import Request
 from tabed_engine.speculation.chain import (catch_up_forward, draft_block, forced_tree_path, pack_head,
                                             verify_block, view_tree_block)
 from tabed_engine.speculation.ensemble import history_step
-from tabed_engine.speculation.sampling import RowSampling, sampling_key, target_probs
+from tabed_engine.speculation.sampling import RowSampling, draft_filter, sampling_key, target_probs
 from tabed_engine.speculation.tree import node_depth_tensor, tree_draft, tree_history, tree_verify
 
 
@@ -206,8 +206,10 @@ class SpeculativeSteps:
             noise = tree.depth * b * tree.width * V
         d_in = dict(inp2=inp2, lens=dl, w=self.w[:b], seed=self.seed, offset=self.offset)
         couple = getattr(sp, "any_coupled", False)     # seeded rows draft under the shared noise
-        if couple:
-            d_in.update(row_seed=sp.seed, coupled=sp.coupled, tlens=tl)
+        if couple:                                     # ... and propose only what their filters keep
+            filt = draft_filter(sp)
+            d_in.update(row_seed=sp.seed, coupled=sp.coupled, tlens=tl, **filt)
+            couple = tuple(filt) or True
         res = self.run_graph(("draft", b, K, gamma, tree, greedy, temp, confidence, couple), draft_fn, d_in,
                              kv_len=self.kv_bucket(longest + g_max + eng.lookahead))
         self.offset.add_(noise)

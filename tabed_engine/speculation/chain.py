@@ -20,7 +20,7 @@ from tabed_engine.ops.chain_verify import chain_verify
 from tabed_engine.ops.ensemble_mix import ensemble_mix
 from tabed_engine.speculation.coupling import coupled_proposals, coupled_scores
 from tabed_engine.speculation.ensemble import confidence_weights
-from tabed_engine.speculation.sampling import target_probs
+from tabed_engine.speculation.sampling import row_filtered_probs, target_probs
 
 
 def prefill_draft(eng, rows, cache, pad_to: int = 0):
@@ -67,9 +67,9 @@ def prompt_positions(positions, lens, T: int):
     return pos, offsets
 
 
-def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coupled=None, tlens=None, *, B: int,
-                K: int, gamma: int, greedy: bool, temperature: float, confidence: bool, kv_len=None,
-                per_view: bool = False):
+def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coupled=None, tlens=None, top_k=None,
+                top_p=None, *, B: int, K: int, gamma: int, greedy: bool, temperature: float, confidence: bool,
+                kv_len=None, per_view: bool = False):
     """γ draft steps for B requests × K views (rows of one batch), fixed shapes, no host sync
     (captured as one CUDA graph on the GPU).
 
@@ -84,7 +84,10 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, cou
     row_seed [B] int64, coupled [B] bool, tlens [B] (sampling, optional): requests whose
     `coupled` is set propose argmax(log q + G(row_seed, position)) instead of a sample (the
     Gumbel coupling, `speculation.coupling`), d_i at position tlens + i (tlens: each request's
-    committed target length, where its last token sits).
+    committed target length, where its last token sits). top_k [B] int64 / top_p [B] float32
+    (optional, with row_seed; `sampling.draft_filter`): the requests' filters, applied to the
+    mixture a coupled proposal is drawn from (renormalised, at the draft's temperature), so it
+    is a token the target's filter keeps wherever q ranks tokens as the target does.
     """
     R, dev = B * K, inp2.device
     if per_view:
@@ -105,7 +108,8 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, cou
         tok, _, mix, lse = ensemble_mix(logits, step_w, greedy=greedy, seed=seed, offset=step_offset,
                                         temperature=temperature, return_mixture=not greedy, view_tokens_out=ids)
         if row_seed is not None:          # seeded requests: the coupling's proposal, in every view's row
-            prop, _ = coupled_proposals(mix, row_seed, tlens.long() + 1 + i)
+            q = mix if top_k is None and top_p is None else row_filtered_probs(torch.log(mix), top_k, top_p)
+            prop, _ = coupled_proposals(q, row_seed, tlens.long() + 1 + i)
             tok = torch.where(coupled, prop[:, 0], tok)
             if ids is not None:
                 ids = tok.repeat_interleave(K)

@@ -51,28 +51,49 @@ def sampling_key(sp: Sampling) -> tuple:
     return ("greedy",) if sp.greedy else (sp.temperature, sp.top_k, sp.top_p)
 
 
-def _row_probs(logits: torch.Tensor, rs: RowSampling, lse_out) -> torch.Tensor:
-    """`target_probs` with each row's own settings (rows = the first dimension of logits)."""
-    shape = (-1,) + (1,) * (logits.dim() - 1)
-    V = logits.shape[-1]
-    x = logits.float() / rs.temperature.view(shape)
-    if lse_out is not None:
-        torch.logsumexp(x, dim=-1, out=lse_out)
-    if rs.use_top_k or rs.use_top_p:
+def row_filtered_probs(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """softmax(x) restricted per row to its top-k, then its top-p (renormalised), as the target
+    filters: x [R, ..., V] float32 scores (logits / T, or a draft's log q); top_k [R] int64
+    (0 = none) and top_p [R] float32 (1 = none), None where no row of the batch uses that
+    filter (the sort is skipped). Zero exactly at the filtered tokens."""
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    V = x.shape[-1]
+    if top_k is not None or top_p is not None:
         sx, idx = torch.sort(x, dim=-1, descending=True)
-    if rs.use_top_k:
-        k = rs.top_k.view(shape)
+    if top_k is not None:
+        k = top_k.view(shape)
         kth = sx.gather(-1, (torch.where(k > 0, k.clamp(max=V), V) - 1).expand(*x.shape[:-1], 1))
         x = x.masked_fill(x < kth, float("-inf"))          # ties at the k-th value kept
     probs = torch.softmax(x, dim=-1)
-    if rs.use_top_p:
-        top_p = rs.top_p.view(shape)
+    if top_p is not None:
+        top_p = top_p.view(shape)
         sorted_p = probs.gather(-1, idx)
         before = sorted_p.cumsum(-1) - sorted_p           # mass strictly before each token
         drop_sorted = (before >= top_p) & (top_p < 1.0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draft_filter(rs: "Sampling") -> dict:
+    """The request filters a coupled draft applies to its proposals (`chain.draft_block`,
+    `tree.tree_draft` inputs top_k / top_p): the batch's per-row tensors for each filter some
+    row uses, none otherwise. Under the coupling a drafted token the target's filter removed is
+    never accepted (on the tiny fixture top-k 40 of 173 took a chain's acceptance to ~0)."""
+    if not isinstance(rs, RowSampling) or not rs.any_coupled:
+        return {}
+    return {name: t for name, t, used in (("top_k", rs.top_k, rs.use_top_k), ("top_p", rs.top_p, rs.use_top_p))
+            if used}
+
+
+def _row_probs(logits: torch.Tensor, rs: RowSampling, lse_out) -> torch.Tensor:
+    """`target_probs` with each row's own settings (rows = the first dimension of logits)."""
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    x = logits.float() / rs.temperature.view(shape)
+    if lse_out is not None:
+        torch.logsumexp(x, dim=-1, out=lse_out)
+    probs = row_filtered_probs(x, rs.top_k if rs.use_top_k else None, rs.top_p if rs.use_top_p else None)
     if rs.any_greedy:
         top = logits.argmax(-1, keepdim=True)
         onehot = torch.zeros_like(probs).scatter_(-1, top, 1.0)

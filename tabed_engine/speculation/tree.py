@@ -36,6 +36,7 @@ from tabed_engine.ops.tree_grow import TreeState, tree_grow, tree_start
 from tabed_engine.ops.verify_tree import verify_tree
 from tabed_engine.speculation.coupling import coupled_proposals, coupled_scores, tree_child_scores
 from tabed_engine.speculation.ensemble import confidence_weights
+from tabed_engine.speculation.sampling import row_filtered_probs
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,9 @@ def _confidence(logits: torch.Tensor, B: int, temperature: float) -> torch.Tenso
     return w.view(T, B, K).transpose(0, 1)
 
 
-def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coupled=None, tlens=None, *, B: int,
-               K: int, cfg: TreeConfig, greedy: bool, temperature: float, confidence: bool, kv_len=None,
-               _kernels=None):
+def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coupled=None, tlens=None, top_k=None,
+               top_p=None, *, B: int, K: int, cfg: TreeConfig, greedy: bool, temperature: float, confidence: bool,
+               kv_len=None, _kernels=None):
     """Draft one tree for B requests × K views (rows of one batch), fixed shapes, no host sync.
 
     inp2 [B*K, 2]: each row's last two tokens, written at slots lens, lens + 1 (lens [B*K]);
@@ -139,7 +140,11 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coup
     row_seed [B] int64, coupled [B] bool, tlens [B] (sampling, optional): a coupled request's
     children at depth d are the top k of log q + G(row_seed, tlens + d) (`coupling`: the first
     is the coupled proposal, the others the next guesses under the same noise), and the frontier
-    ranks them by `coupling.tree_child_scores` (the coupled chain always expanded).
+    ranks them by `coupling.tree_child_scores` (the coupled chain always expanded). top_k [B]
+    int64 / top_p [B] float32 (optional, with row_seed; `sampling.draft_filter`): the requests'
+    filters, applied to each node's mixture (renormalised, at the draft's temperature) before its
+    coupled children are picked, so they are tokens the target's filter keeps wherever q ranks
+    tokens as the target does (children past the kept tokens score -inf).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
     leaves; greedy: an empty tensor, as `draft_block`'s mixtures: the greedy walk reads only
@@ -186,6 +191,8 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coup
         kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels, **draw)   # [B, T, k]
         if row_seed is not None:       # seeded requests: children under the shared noise
             q = node_q.gather(1, draw["out_rows"][..., None].expand(B, T, V))
+            if top_k is not None or top_p is not None:
+                q = row_filtered_probs(torch.log(q), top_k, top_p)
             c_kids, perturbed = coupled_proposals(q, row_seed, tlens.long() + depth, k)
             kids = torch.where(coupled[:, None, None], c_kids, kids)
             logq = torch.where(coupled[:, None, None], tree_child_scores(perturbed), logq)
