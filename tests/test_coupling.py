@@ -184,6 +184,22 @@ def test_draft_equal_to_target_is_always_accepted_with_top_k_and_top_p(kind, fil
     assert all(kept[s[0]] for s in seqs) and not kept.all()
 
 
+def test_coupled_proposals_rank_kept_tokens_first_then_the_best_of_the_rest():
+    """With a keep mask, the proposals are the kept tokens by log q + G, then the filtered ones
+    by the same score (not arbitrary ids), whatever the mask's size against k."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.softmax(3 * torch.randn(6, 50, generator=g), -1)
+    keep = torch.rand(6, 50, generator=g) < 0.1
+    keep[:, 0] = True                                             # at least one kept token a row
+    seed, pos = torch.arange(6), torch.full((6,), 9)
+    ids, _ = coupling.coupled_proposals(q, seed, pos, 8, keep)
+    score = torch.log(q) + gumbel(seed, pos, 50)
+    for r in range(6):
+        kept = [int(i) for i in score[r].argsort(descending=True) if keep[r, i]]
+        rest = [int(i) for i in score[r].argsort(descending=True) if not keep[r, i]]
+        assert ids[r].tolist() == (kept + rest)[:8]
+
+
 # ---------------------------------------------------------------------------- through the engine
 @pytest.fixture(scope="module")
 def engine():

@@ -94,17 +94,30 @@ def coupled_scores(logits: torch.Tensor, probs: torch.Tensor, temperature, seed:
     return x + gumbel(_rows(seed, pos.dim()), pos, x.shape[-1])
 
 
-def coupled_proposals(q: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor, k: int = 1):
+# below any kept token's log q + G (log q >= -104 in float32, G in [-3.2, 22.9]) and below
+# CHAIN_BONUS, so a tree's coupled chain still ranks first
+FILTERED_PENALTY = 256.0
+
+
+def coupled_proposals(q: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor, k: int = 1,
+                      keep: torch.Tensor | None = None):
     """The draft's proposals under the shared noise: the top k of log q + G(seed, pos).
 
     q: [R, ..., V] draft mixture probabilities, seed [R] int64, pos [R] int64 (one position per
     row: a tree's frontier nodes of one request sit at the same depth). k = 1 is the coupled
     draft token (the chain); k > 1 adds the next guesses (a tree node's children, distinct).
+    keep: optional bool [R, ..., V], the tokens the request's top-k / top-p keep (the draft's
+    estimate of the target's filter): the others score FILTERED_PENALTY lower, so the first
+    proposal is a kept token and a tree's further children are kept ones first, then the best
+    of the rest (not arbitrary ids: the draft's kept set can be narrower than the target's).
     Returns (ids [R, ..., k] int64, their perturbed scores log q + G [R, ..., k] float32)."""
     logq = torch.log(q.float())
     g = gumbel(seed, pos, q.shape[-1])                                         # [R, V]
     g = g.view(g.shape[:1] + (1,) * (q.dim() - 2) + g.shape[1:])
-    top = (logq + g).topk(k, dim=-1)
+    scores = logq + g
+    if keep is not None:
+        scores = torch.where(keep, scores, scores - FILTERED_PENALTY)
+    top = scores.topk(k, dim=-1)
     return top.indices, top.values
 
 

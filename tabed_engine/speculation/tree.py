@@ -142,9 +142,9 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coup
     is the coupled proposal, the others the next guesses under the same noise), and the frontier
     ranks them by `coupling.tree_child_scores` (the coupled chain always expanded). top_k [B]
     int64 / top_p [B] float32 (optional, with row_seed; `sampling.draft_filter`): the requests'
-    filters, applied to each node's mixture (renormalised, at the draft's temperature) before its
-    coupled children are picked, so they are tokens the target's filter keeps wherever q ranks
-    tokens as the target does (children past the kept tokens score -inf).
+    filters, applied to each node's mixture (at the draft's temperature): its coupled children
+    are the kept tokens first (the first child, the coupled proposal, always one), then the
+    best of the others (`coupling.FILTERED_PENALTY`).
     Returns (tokens [B, N] (tokens[:, 0] is the root's token), parents [B, N] (-1 for the
     root), node_q [B, N, V] fp32 mixture each node's children were drawn from (zeros at
     leaves; greedy: an empty tensor, as `draft_block`'s mixtures: the greedy walk reads only
@@ -191,9 +191,8 @@ def tree_draft(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, coup
         kids, logq = mix_topk(new_logits, wk, k, temperature, kernel=_kernels, **draw)   # [B, T, k]
         if row_seed is not None:       # seeded requests: children under the shared noise
             q = node_q.gather(1, draw["out_rows"][..., None].expand(B, T, V))
-            if top_k is not None or top_p is not None:
-                q = row_filtered_probs(torch.log(q), top_k, top_p)
-            c_kids, perturbed = coupled_proposals(q, row_seed, tlens.long() + depth, k)
+            keep = None if top_k is None and top_p is None else row_filtered_probs(torch.log(q), top_k, top_p) > 0
+            c_kids, perturbed = coupled_proposals(q, row_seed, tlens.long() + depth, k, keep)
             kids = torch.where(coupled[:, None, None], c_kids, kids)
             logq = torch.where(coupled[:, None, None], tree_child_scores(perturbed), logq)
         tree_grow(st, kids, logq, pad=P, n_nodes=n_nodes, n_fed=n_fed, width=W, last=depth == D, kernel=_kernels)
