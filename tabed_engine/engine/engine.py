@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 from tabed_engine.config import SamplingParams, check_int, check_real
+from tabed_engine.engine.chunked import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from tabed_engine.engine.intake import RequestIntake
 from tabed_engine.engine.limits import EngineLimits
 from tabed_engine.engine.options import (KEEP, check_draft_vocab, check_options, check_same_tokenizer, is_batch,
@@ -40,6 +41,7 @@ class Engine(RequestIntake, EngineLimits):
                  grid_step: float = 0.1, timing: bool = False, cuda_graphs: bool = True,
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
                  adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None,
+                 prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK,
                  prefix_cache: bool = True):
         self.gamma, self.views, self.ensemble = check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
@@ -68,6 +70,9 @@ class Engine(RequestIntake, EngineLimits):
         # chain drafted with weights that have no evidence yet
         self.view_tree = bool(view_tree)
         self.timing = timing
+        # prompt tokens a scheduler step may prefill: a longer prompt is prefilled in chunks, the
+        # running requests decoding between them (engine/chunked.py; None: whole prompts)
+        self.prefill_chunk = prefill_chunk
         self.captioner = captioner
         self.escape_token = self._escape_token(escape_token)
         # (a vision side whose image grids follow the processor's settings takes them: Qwen2.5-VL's
@@ -165,6 +170,7 @@ class Engine(RequestIntake, EngineLimits):
         check_options(*(args[k] for k in ("gamma", "views", "policy", "window", "weight_temperature",
                                            "grid_step", "max_len", "pool_size", "captioner")))
         parse_tree(args["tree"])
+        check_prefill_chunk(args["prefill_chunk"])
         if isinstance(tensor_parallel, bool) or tensor_parallel != 1:
             from tabed_engine.parallel.startup import from_pretrained_tp
 
@@ -226,6 +232,17 @@ class Engine(RequestIntake, EngineLimits):
         if self._adaptive is not None:
             return self._adaptive
         return self.runner.graphs is not None
+
+    @property
+    def prefill_chunk(self) -> Optional[int]:
+        """Prompt tokens one scheduler step may prefill (None: no limit). A prompt longer than
+        this is prefilled in chunks over several steps, the running requests decoding between
+        them; may be changed between steps (`engine/chunked.py`, docs/serving.md)."""
+        return self._prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value):
+        self._prefill_chunk = check_prefill_chunk(value)
 
     def configure(self, *, views=None, policy=None, window=None, gamma=None, tree=KEEP,
                   weight_temperature=KEEP, grid_step=None, view_tree=None, adaptive=KEEP):

@@ -26,7 +26,10 @@ class GenerationStats:
     # first block then drafted the mixture with weights[0])
     view_tree_view: Optional[str] = None
     views: tuple[str, ...] = ()
+    prefill_chunks: int = 0           # target forwards of the prompt's prefill (> 1: chunked prefill)
     time_queued: float = 0.0          # from add_request to the start of the request's prefill
+    # from the prefill's start to the first token: with chunked prefill, the steps between its
+    # chunks (the running requests' blocks) included, as in time_first_token
     time_prefill: float = 0.0
     time_first_token: float = 0.0     # from add_request to the first new token on the host
     time_draft: float = 0.0

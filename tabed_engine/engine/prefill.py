@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -59,6 +60,35 @@ def prefill_step(lm, cache: KVCache, x: torch.Tensor, slot: torch.Tensor, last: 
         pos = torch.arange(x.shape[1], device=x.device)[None]
     return lm(cache, pos, embeds=x, logits_index=last, fresh=True, slot=slot)[:, -1]
 
+@dataclass(eq=False)
+class PrefillJob:
+    """One request's prefill in progress (`PrefillSteps.prefill_begin`): the prompt's tokens
+    [0, done) have their KV in target row `slot`; the first `cached` came from the prefix cache
+    (copied from row `src` by the first chunk)."""
+
+    req: Request
+    slot: int
+    cached: int
+    src: Optional[int]
+    x: torch.Tensor                   # embeddings of the prompt's tokens [cached, n) [n - cached, hidden]
+    pos3: Optional[torch.Tensor]      # the prompt's M-RoPE ids [3, n] (None: the slots)
+    sel: Optional[torch.Tensor]       # the target's selected image features (the draft's views reuse them)
+    vision_done: object               # event: the vision tower done (where the views may start)
+    t0: float
+    done: int = 0
+    chunks: int = 0
+    logits: Optional[torch.Tensor] = None     # the last prompt position's [1, V], after the last chunk
+
+    @property
+    def n(self) -> int:
+        return len(self.req.prep.ids)
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return self.n - self.done
+
+
 class PrefillSteps:
     """`Runner`'s prefill side (a mixin: it reads the runner's caches, graphs and streams)."""
 
@@ -90,6 +120,13 @@ class PrefillSteps:
         before the next prefill of the same bucket). `cached` > 0: the prompt's first `cached`
         tokens' KV is reused from row `src` (`prefix_cache.prefill_suffix`; `feats` may then be
         None when every image lies inside them)."""
+        x, pos3 = self.lm_inputs(prep, feats, slot, cached)
+        return self.prefill_range(prep, x, slot, cached, len(prep.ids), pos3, src)
+
+    def lm_inputs(self, prep: Prepared, feats, slot: int, cached: int = 0):
+        """What every chunk of a target prefill reads: the embeddings of the prompt's tokens from
+        `cached` on [n - cached, hidden] (image features in place) and its M-RoPE ids [3, n] (None:
+        the slots); sets the row's `pos_offset` and drops its prefix-cache entry."""
         n = len(prep.ids)
         if self.prefix is not None:
             self.prefix.forget(slot)            # the row is written over from here on
@@ -103,11 +140,20 @@ class PrefillSteps:
                                             videos=[(s, px) for (s, _), px in zip(prep.video_spans or [],
                                                                                   prep.video_pixels or [])])
         self.tcache.pos_offset[slot] = 0 if pos3 is None else int(pos3.max()) + 1 - n
-        if cached:
-            return prefill_suffix(self, prep, x, slot, cached, src, pos3)
+        return x, pos3
+
+    def prefill_range(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
+                      pos3: Optional[torch.Tensor], src: Optional[int] = None) -> torch.Tensor:
+        """Prefill prompt tokens [start, end) into target row `slot`, whose KV holds [0, start)
+        (or, with `src`, copies it from row `src` first); returns the logits of position end - 1
+        [1, V]. x: their embeddings [end - start, hidden]; pos3: the whole prompt's M-RoPE ids or
+        None. From 0 a fresh prefill (padded graph or eager), else `prefix_cache.prefill_suffix`."""
+        if start:
+            return prefill_suffix(self, prep, x, slot, start, src, pos3, end=end)
+        n = end
         P = prefill_bucket(n, self.max_len, self.prefill_graph_max) if self.prefill_graphs else None
         if P is None:           # eager at the prompt's own length
-            pos = torch.arange(n, device=self.device)[None] if pos3 is None else pos3[:, None].to(self.device)
+            pos = torch.arange(n, device=self.device)[None] if pos3 is None else pos3[:, None, :n].to(self.device)
             return self.target.lm(cache_rows(self.tcache, slot, slot + 1), pos, embeds=x[None],
                                   logits_index=torch.tensor([[n - 1]], device=self.device),
                                   kv_len=self.kv_bucket(n), fresh=True)[:, -1]
@@ -118,7 +164,7 @@ class PrefillSteps:
         last_t.fill_(n - 1)
         if self._prefill_pos is not None:       # (padding: ids past the prompt, never attended to)
             self._prefill_pos[:, 0, :P].copy_(torch.arange(P).expand(3, P) if pos3 is None else
-                                              torch.cat([pos3, torch.arange(n, P).expand(3, P - n)], 1))
+                                              torch.cat([pos3[:, :n], torch.arange(n, P).expand(3, P - n)], 1))
         return self._prefill_padded(P)
 
     def _prefill_inputs(self):
@@ -187,12 +233,20 @@ class PrefillSteps:
 
     def prefill(self, req: Request, slot: int):
         """Prefill `req` into `slot` (target row and, speculating, its K draft rows) and pick
-        its first token. One host read (the first token)."""
+        its first token, in one go. One host read (the first token)."""
+        job = self.prefill_begin(req, slot)
+        self.prefill_chunk(job)
+        self.prefill_finish(job)
+
+    def prefill_begin(self, req: Request, slot: int) -> PrefillJob:
+        """Start `req`'s prefill in `slot`: the slot's sampling settings, the prefix-cache lookup,
+        the vision tower (once for the request) and the embeddings of the whole prompt; the
+        target's tokens then run in chunks (`prefill_chunk`) and `prefill_finish` ends it."""
         self.allocate()
         t0 = time.perf_counter()
         req.stats.time_queued = t0 - req.arrival
         req.slot = slot
-        sp, K = req.sp, self.K
+        sp = req.sp
         v = self.to_device([1.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.greedy], torch.float32)
         self.row_temp[slot:slot + 1].copy_(v[0:1])
         self.row_top_k[slot:slot + 1].copy_(v[1:2])
@@ -209,15 +263,50 @@ class PrefillSteps:
             req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
         sel, feats = (None, None) if covered else self.encode(req.prep)
         vision_done = self._record()         # where the draft's views may start (they share `sel`)
-        logits = self.prefill_lm(req.prep, feats, slot, cached, src)
+        x, pos3 = self.lm_inputs(req.prep, feats, slot, cached)
+        return PrefillJob(req, slot, cached, src, x, pos3, sel, vision_done, t0, done=cached)
+
+    def prefill_chunk(self, job: PrefillJob, tokens: Optional[int] = None) -> int:
+        """Run the job's next chunk: at most `tokens` prompt tokens (None: all that are left)
+        after those whose KV the row holds. Returns the tokens run. Until the last chunk the row
+        is parked at its prefilled length (`parked`: blocks write their garbage for the slot
+        there, where the next chunk writes over it)."""
+        n, start = job.n, job.done
+        end = n if tokens is None else min(n, start + tokens)
+        x = job.x[start - job.cached:end - job.cached]
+        logits = self.prefill_range(job.req.prep, x, job.slot, start, end, job.pos3,
+                                    job.src if start == job.cached else None)
+        job.done, job.chunks = end, job.chunks + 1
+        if end == n:
+            job.logits = logits
+            self.parked.pop(job.slot, None)
+        else:
+            self.parked[job.slot] = end
+        self.pending = None               # a queued block saw the row parked where this chunk wrote
+        return end - start
+
+    def prefill_abandon(self, job: PrefillJob):
+        """A prefill that will not finish (it failed or was aborted): the slot is free again."""
+        self.parked.pop(job.slot, None)
+        if self.prefix is not None:
+            self.prefix.forget(job.slot)
+        self.pending = None
+
+    def prefill_finish(self, job: PrefillJob):
+        """After the last chunk: pick the first token from the last prompt position's logits,
+        prefill the draft's views (speculating) and set the slot's weights and history; the
+        request then decodes with the batch."""
+        req, slot, cached, logits = job.req, job.slot, job.cached, job.logits
+        sp, K = req.sp, self.K
         req.stats.cached_tokens = cached
+        req.stats.prefill_chunks = job.chunks
         # (the coupling's position of the first token: the prompt's length)
         first = pick_tokens(logits, sp, req.generator, self.to_device([req.n_prompt]) if sp.coupled else None)
         host = self._host("first", (1,))
         host.copy_(first, non_blocking=True)
         ready = self._record()
         if req.speculative:
-            first_q = self._prefill_views(req, sel, slot, vision_done)
+            first_q = self._prefill_views(req, job.sel, slot, job.vision_done)
             # the slot's views, weights and history queued behind the target's prefill before the
             # first token is read: their host work overlaps the device's, not the token's delivery
             if self._side is not None:
@@ -242,7 +331,7 @@ class PrefillSteps:
         req.append([int(host[0])])
         req.stats.time_first_token = time.perf_counter() - req.arrival
         self.pending = None               # the batch changed: the queued block is stale
-        req.stats.time_prefill = time.perf_counter() - t0
+        req.stats.time_prefill = time.perf_counter() - job.t0
 
     def _prefill_views(self, req: Request, sel, slot: int, after) -> torch.Tensor:
         """Build `req`'s draft views and prefill them into the slot's K draft rows; returns each

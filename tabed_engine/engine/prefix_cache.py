@@ -226,16 +226,19 @@ def rows_written(runner, slots: list, b: int):
         runner.prefix.damaged([i for i in range(b) if slots[i] is None or slots[i].finished])
 
 
-def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int, src: int,
-                   pos3: Optional[torch.Tensor]) -> torch.Tensor:
+def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int, src: Optional[int],
+                   pos3: Optional[torch.Tensor], end: Optional[int] = None) -> torch.Tensor:
     """Prefill target row `slot` from `cached` on: rows [0, cached) of slot `src` copied first
-    (unless it is `slot`), then the prompt's remaining tokens run as new tokens of a row whose
-    committed length is `cached` (eager: the masked SDPA path, or on CUDA the decode kernels up
-    to 64 tokens). x: the remaining tokens' embeddings [n - cached, hidden]; pos3: the whole
-    prompt's M-RoPE ids [3, n] or None (the row's `pos_offset` is already the prompt's: the
-    forward adds it back). Returns the last prompt position's logits [1, V]."""
-    tc, n = runner.tcache, len(prep.ids)
-    if src != slot:
+    (unless it is `slot` or None), then the prompt's tokens [cached, end) (default: to the
+    prompt's end) run as new tokens of a row whose committed length is `cached` (eager: the
+    masked SDPA path, or on CUDA the decode kernels up to 64 tokens). A chunk of a chunked
+    prefill is the same call (`PrefillSteps.prefill_chunk`). x: those tokens' embeddings
+    [end - cached, hidden]; pos3: the whole prompt's M-RoPE ids [3, n] or None (the row's
+    `pos_offset` is already the prompt's: the forward adds it back). Returns the logits of
+    position end - 1 [1, V]."""
+    tc = runner.tcache
+    n = len(prep.ids) if end is None else end
+    if src is not None and src != slot:
         tc.k[:, slot, :, :cached].copy_(tc.k[:, src, :, :cached])
         tc.v[:, slot, :, :cached].copy_(tc.v[:, src, :, :cached])
     dev = runner.device
@@ -255,7 +258,7 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
     if pos3 is None:
         pos = torch.arange(cached, n, device=dev)[None]
     else:
-        pos = (pos3[:, cached:].to(dev) - tc.pos_offset[slot])[:, None]
+        pos = (pos3[:, cached:n].to(dev) - tc.pos_offset[slot])[:, None]
     lengths = torch.full((1,), cached, dtype=torch.int32, device=dev)
     last = torch.full((1, 1), n - 1 - cached, dtype=torch.long, device=dev)
     return runner.target.lm(cache_rows(tc, slot, slot + 1), pos, embeds=x[None], lengths=lengths,

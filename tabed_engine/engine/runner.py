@@ -68,6 +68,9 @@ class Runner(PrefillSteps, SpeculativeSteps):
         self._allocated = False
         self.bench_accept_schedule = None
         self.prefix = new_index(self)       # what each slot's target row holds (prefix caching)
+        # slots whose request is between prefill chunks -> the prompt tokens their target row
+        # holds: a block writes the slot's garbage row from there (the next chunk overwrites it)
+        self.parked: dict[int, int] = {}
 
     # ------------------------------------------------------------------ memory
     def allocate(self):
@@ -159,9 +162,10 @@ class Runner(PrefillSteps, SpeculativeSteps):
 
     def _target_inputs(self, reqs, b):
         """Host-built (committed target lengths [b] int32, last tokens [b], the longest length),
-        in one copy to the device; sets `active` [b]."""
-        rows = [[r.n_prompt + len(r.tokens) - 1, r.tokens[-1], 1] if r is not None and not r.finished else [0, 0, 0]
-                for r in reqs[:b]]
+        in one copy to the device; sets `active` [b]. An empty slot's length is 0, or where a
+        chunked prefill parked it (`parked`)."""
+        rows = [[r.n_prompt + len(r.tokens) - 1, r.tokens[-1], 1] if r is not None and not r.finished
+                else [self.parked.get(i, 0), 0, 0] for i, r in enumerate(reqs[:b])]
         v = self.to_device(rows)                                  # [b, 3]
         self.active[:b].copy_(v[:, 2])
         return v[:, 0].int(), v[:, 1], max(row[0] for row in rows)

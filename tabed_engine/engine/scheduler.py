@@ -10,10 +10,13 @@ Requests of one batch either all speculate or all decode autoregressively (`Requ
 their sampling settings may differ: greedy, temperature, top-k and top-p are per row); a request
 of the other kind waits until the batch drains, and once it is the oldest waiting request no
 newer request of the running kind is admitted before it (first come, first served).
+
+With a prefill budget (`Engine.prefill_chunk`) a step prefills at most that many prompt tokens
+and a longer prompt is prefilled in chunks over several steps, the running requests decoding
+between them (`engine/chunked.py`).
 """
 from __future__ import annotations
 
-import random
 import secrets
 import threading
 import time
@@ -22,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from tabed_engine.engine.chunked import ChunkedAdmission
 from tabed_engine.engine.prefix_cache import pick_slot, retire, rows_written
 from tabed_engine.engine.request import Request, RequestOutput
 from tabed_engine.engine.runner import Runner, bucket_of
@@ -144,7 +148,7 @@ class CostModel:
         return choice
 
 
-class Scheduler:
+class Scheduler(ChunkedAdmission):
     """Waiting queue, batch slots and the step loop (see the module docstring)."""
 
     def __init__(self, runner: Runner, cost: CostModel):
@@ -158,13 +162,14 @@ class Scheduler:
         self.kinds: Counter = Counter()      # blocks run per kind (0 = AR, g = a chain of g)
         self._batch_gen = torch.Generator(device=runner.device)
         self._batch_gen.manual_seed(secrets.randbits(63))
+        self.filling = None                  # a request between prefill chunks (`ChunkedAdmission`)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request):
         with self._lock:
             rid = req.request_id
             if any(r.request_id == rid for r in self.waiting) or \
-                    any(r is not None and r.request_id == rid for r in self.slots):
+                    any(r is not None and r.request_id == rid for r in self.taken()):
                 raise ValueError(f"request id {rid!r} is already queued or running")
             self.waiting.append(req)
 
@@ -173,6 +178,7 @@ class Scheduler:
         ids = {r.request_id for r in reqs}
         with self._lock:
             self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        self._drop_filling(ids, "abort")
         for i, r in enumerate(self.slots):
             if r is not None and r.request_id in ids:
                 self.slots[i] = None
@@ -184,7 +190,7 @@ class Scheduler:
             self._aborts.add(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots)
+        return bool(self.waiting) or self.filling is not None or any(r is not None for r in self.slots)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -195,6 +201,11 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         with torch.inference_mode():
             self._apply_aborts(outputs)
+            budget = self.runner.eng.prefill_chunk
+            if budget is not None or self.filling is not None:
+                self.step_chunked(outputs, budget)
+                self._retire()
+                return outputs
             kind = self.runner.pending_kind(self.slots)
             if kind is not None and self._admissible():
                 # the next block is queued already and an admission would discard it: finish it first
@@ -204,12 +215,15 @@ class Scheduler:
                 self._next = None                    # nor a kind chosen for the batch before
             else:
                 self._block(outputs)
-        for i, r in enumerate(self.slots):            # retire
+        self._retire()
+        return outputs
+
+    def _retire(self):
+        for i, r in enumerate(self.slots):
             if r is not None and r.finished:
                 self.cost.observe(r.alpha)
                 retire(self.runner, r)                # its row's KV stays for later prompts
                 self.slots[i] = None
-        return outputs
 
     def _admissible(self) -> bool:
         """Whether the oldest waiting request can be admitted now."""
@@ -219,9 +233,10 @@ class Scheduler:
     def _head_fits(self) -> bool:
         """(lock held) A free slot and the oldest waiting request of the running batch's kind
         (or no batch running): else it waits for the batch to drain."""
-        if not self.waiting or None not in self.slots:
+        slots = self.taken()
+        if not self.waiting or None not in slots:
             return False
-        live = next((r for r in self.slots if r is not None), None)
+        live = next((r for r in slots if r is not None), None)
         return live is None or self.waiting[0].batch_key == live.batch_key
 
     def _block(self, outputs, kind: Optional[int] = None):
@@ -288,6 +303,7 @@ class Scheduler:
                 else:
                     keep.append(r)
             self.waiting = keep
+        self._drop_filling(aborts, "abort", outputs)
         for i, r in enumerate(self.slots):
             if r is not None and r.request_id in aborts and not r.finished:
                 r.finish("abort")
@@ -309,14 +325,7 @@ class Scheduler:
             try:
                 self.runner.prefill(head, slot)
                 if first_in_batch:
-                    # the batch's draws follow its first request's seed: a seeded batch call
-                    # reproduces (the runner's noise seed, the batch generator). Derived on the
-                    # host: a device draw read here would wait for the draft views' prefill
-                    # queued behind the first token, and delay its output
-                    rng = random.Random(head.generator.initial_seed())
-                    self.runner.seed.fill_(rng.getrandbits(62))
-                    self.runner.offset.zero_()
-                    self._batch_gen.manual_seed(rng.getrandbits(62))
+                    self._seed_batch(head)
             except Exception as e:                   # this request fails alone
                 self.runner.pending = None
                 head.finish("error", f"{type(e).__name__}: {e}")

@@ -42,6 +42,10 @@ def add_engine_options(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens a scheduler step may prefill: a longer prompt is prefilled in chunks of N, "
+                        "the running requests decoding between them (default: the engine's, docs/serving.md; "
+                        "0 = whole prompts)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of earlier requests whose prompt (tokens and images) starts the "
                         "same way (prefix caching: on by default, docs/serving.md)")
@@ -55,6 +59,7 @@ def engine_kwargs(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, views=args.views, policy=args.policy, window=args.window,
                 gamma=args.gamma, view_tree=not args.no_view_tree, escape_token=args.escape_token,
                 tree=args.tree, max_len=args.max_len, **({"adaptive": False} if args.no_adaptive else {}),
+                **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else {}),
                 **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}),
                 **({"prefix_cache": False} if args.no_prefix_cache else {}))
 

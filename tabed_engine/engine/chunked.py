@@ -1,0 +1,173 @@
+"""Chunked prefill: each scheduler step spends at most `Engine.prefill_chunk` prompt tokens on
+prefills, so an arriving long prompt does not stall the running requests' decoding for its
+whole prefill.
+
+A prompt longer than the budget is prefilled in chunks (`PrefillSteps.prefill_chunk`): chunk k
+runs the prompt's tokens [start, end) as new tokens of the request's target row, which holds the
+KV of [0, start) (the prefix cache's suffix prefill, `prefix_cache.prefill_suffix`, is the same
+call). The vision tower runs once, before the first chunk, and the embeddings of the whole prompt
+are built then and sliced per chunk, so a chunk may end inside an image's run of tokens; M-RoPE
+ids are the whole prompt's, sliced alike. Between chunks the request's slot is reserved (no other
+request takes it) and parked: the blocks the running batch runs meanwhile write the slot's
+garbage row from the prefilled length on, where the next chunk writes over it
+(`Runner.parked`). The draft's views are prefilled whole with the last chunk (the draft is small
+and its views are other token sequences than the target's: see docs/serving.md), and the request
+joins the batch with its first token.
+
+One step with chunking on: the block queued ahead, if any, is finished (a chunk must not run
+between a block queued with the slot parked at one length and its successor), then the prefill
+work (the request between chunks first, then waiting requests first come, first served, while
+the budget lasts; a prompt that would need splitting starts only at the start of a step's
+budget), then, if requests were decoding at the start of the step and no block ran yet, one
+block. The chunk and the block are separate forwards of one step.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from typing import Optional
+
+from tabed_engine.engine.prefill import PREFILL_GRAPH_MAX, PrefillJob
+from tabed_engine.engine.prefix_cache import pick_slot
+from tabed_engine.engine.request import RequestOutput
+
+# the budget by default: the longest prompt the target prefills as one captured graph. Prompts up
+# to it (a LLaVA-1.5 prompt) prefill in one replay as before; a longer one is split, its first
+# chunk still a graph; the later chunks run eagerly, which on the GPU costs kernel launches
+# (benchmarks/results/multiturn_llava-1.5-7b_eager_suffix.md), so smaller chunks are a choice
+# for a server whose decode latency matters more than its prompts' TTFT
+DEFAULT_PREFILL_CHUNK = PREFILL_GRAPH_MAX
+
+
+def check_prefill_chunk(value) -> Optional[int]:
+    """`Engine(prefill_chunk=)`: prompt tokens a step may prefill, as an int >= 1, or None for no
+    limit (None or 0: each prompt prefills whole, as one step)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"prefill_chunk must be an int (prompt tokens per step) or None, got "
+                        f"{type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"prefill_chunk must be a positive int (prompt tokens per step), or 0 / None for "
+                         f"unchunked prefill, got {value}")
+    return int(value) or None
+
+
+def merged(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request, in the order of their first appearance (a request that joined
+    the batch this step has its first token and the step's block's tokens)."""
+    by_id: dict[str, RequestOutput] = {}
+    for o in outputs:
+        m = by_id.get(o.request_id)
+        if m is None:
+            by_id[o.request_id] = RequestOutput(o.request_id, list(o.new_token_ids), o.new_text, o.finished, o.output)
+        else:
+            m.new_token_ids += o.new_token_ids
+            m.new_text += o.new_text
+            m.finished = m.finished or o.finished
+            m.output = o.output if o.output is not None else m.output
+    return list(by_id.values())
+
+
+class ChunkedAdmission:
+    """The scheduler's chunked-prefill steps (a mixin of `Scheduler`: it reads its slots, queue,
+    lock and block runner). `filling`: the request between prefill chunks, or None."""
+
+    filling: Optional[PrefillJob] = None
+
+    def taken(self) -> list:
+        """The slots, with the one reserved for the request between chunks taken."""
+        slots = list(self.slots)
+        if self.filling is not None:
+            slots[self.filling.slot] = self.filling.req
+        return slots
+
+    def step_chunked(self, outputs: list, budget: Optional[int]):
+        """One step with a prefill budget of `budget` tokens (None: unlimited; see the module
+        docstring). Returns nothing; the step's outputs are appended to `outputs`."""
+        if self.filling is None and not self._admissible():
+            self._block(outputs)
+            return
+        decoding = any(r is not None and not r.finished for r in self.slots)
+        kind = self.runner.pending_kind(self.slots)
+        blocked = kind is not None
+        if blocked:                     # the block queued ahead first: a chunk would make it stale
+            self._block(outputs, kind)
+        self._prefill_work(outputs, math.inf if budget is None else budget)
+        self._last = None               # the next block's time includes no prefill
+        self._next = None
+        if decoding and not blocked:
+            self._block(outputs)
+        outputs[:] = merged(outputs)
+
+    def _prefill_work(self, outputs: list, budget):
+        """Chunks and whole prefills of at most `budget` prompt tokens in all."""
+        left = budget
+        if self.filling is not None:
+            left -= self._run_chunk(self.filling, left, outputs)
+        while left > 0 and self.filling is None:
+            with self._lock:
+                if not self._head_fits():
+                    break
+                head = self.waiting[0]
+                if left < budget and head.n_prompt > left:
+                    break                # it would be split: it starts the next step's budget
+                self.waiting.popleft()
+            slot = pick_slot(self.runner, head, self.taken())
+            try:
+                job = self.runner.prefill_begin(head, slot)
+            except Exception as e:       # this request fails alone
+                self._fail(head, None, e, outputs)
+                continue
+            left -= self._run_chunk(job, left, outputs)
+
+    def _run_chunk(self, job: PrefillJob, left, outputs: list) -> int:
+        """The job's next chunk (at most `left` tokens); after its last, the request joins the
+        batch. Returns the tokens spent."""
+        self.filling = job
+        try:
+            ran = self.runner.prefill_chunk(job, None if left == math.inf else int(left))
+            if job.left == 0:
+                self.filling = None
+                first_in_batch = all(r is None for r in self.slots)
+                self.runner.prefill_finish(job)
+                if first_in_batch:
+                    self._seed_batch(job.req)
+        except Exception as e:           # this request fails alone
+            self._fail(job.req, job, e, outputs)
+            return 0 if left == math.inf else left
+        if job.left == 0:
+            if not job.req.finished:
+                self.slots[job.slot] = job.req
+            outputs.append(self._output(job.req, list(job.req.tokens)))
+        return ran
+
+    def _fail(self, req, job: Optional[PrefillJob], e: Exception, outputs: list):
+        self.runner.pending = None
+        if job is not None:
+            self.runner.prefill_abandon(job)
+        if self.filling is job:
+            self.filling = None
+        req.finish("error", f"{type(e).__name__}: {e}")
+        outputs.append(self._output(req, []))
+
+    def _drop_filling(self, ids: set, reason: str, outputs: Optional[list] = None):
+        """End the request between chunks if its id is in `ids` (an abort or a closed stream)."""
+        job = self.filling
+        if job is None or job.req.request_id not in ids:
+            return
+        self.filling = None
+        self.runner.prefill_abandon(job)
+        job.req.finish(reason)
+        if outputs is not None:
+            outputs.append(self._output(job.req, []))
+
+    def _seed_batch(self, head):
+        """The batch's draws follow its first request's seed: a seeded batch call reproduces
+        (the runner's noise seed, the batch generator). Derived on the host: a device draw read
+        here would wait for the draft views' prefill queued behind the first token."""
+        rng = random.Random(head.generator.initial_seed())
+        self.runner.seed.fill_(rng.getrandbits(62))
+        self.runner.offset.zero_()
+        self._batch_gen.manual_seed(rng.getrandbits(62))
