@@ -1,7 +1,9 @@
 """A request's prefill: its images through the vision tower, the target's prompt padded to a
 64-token bucket and replayed as that bucket's CUDA graph (eager on the CPU and above
 `PREFILL_GRAPH_MAX` tokens), and the draft's views prefilled beside it (on a second stream on
-the GPU; the first token is read without waiting for them)."""
+the GPU; the first token is read without waiting for them). A prefill runs in three parts
+(`prefill_begin`, `prefill_chunk` once or more, `prefill_finish`) so that a long prompt can be
+prefilled in chunks between the running requests' blocks (`engine/chunked.py`)."""
 from __future__ import annotations
 
 import contextlib
