@@ -157,12 +157,15 @@ def _dot_step(x, w, acc, DOT_FP32: tl.constexpr):
     return tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
 
 
-@triton.jit
-def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, K_CHUNK, stride_xm, stride_wn,
+@triton.jit(do_not_specialize=["M", "M_TILES"])
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, M_TILES, N, K, K_CHUNK, stride_xm, stride_wn,
                      stride_ym, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                      SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0)
+    # programs m_tile = 0 .. M_TILES - 1 of one weight tile are consecutive (they run together and
+    # share its reads in L2); one row tile (M_TILES = 1) is the plain weight-stream kernel
+    pid = tl.program_id(0) // M_TILES
+    m_tile = tl.program_id(0) % M_TILES
     HALF: tl.constexpr = BLOCK_N // 2
     if GLU:  # weight = [gate; up] (N = 2I): this program's first half of rows gates, second half up
         t = tl.arange(0, BLOCK_N)
@@ -173,7 +176,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, K_C
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped weight rows: no mask in the loop
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT:  # this program's K_CHUNK columns (a multiple of BLOCK_K)
@@ -256,6 +259,21 @@ _DOT_CONFIGS: dict = {
 }
 
 
+# Row-count-invariant products (`gemv_rows(..., invariant=True)`): every call tiles its rows by
+# this many, whatever M, so a row's product is the same instruction sequence alone or among others.
+INVARIANT_BLOCK_M = 16
+
+
+def invariant_launch(N: int, K: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, stages) of the row-count-invariant product of an
+    [N, K] weight: from the shape and dtype only, never from the number of rows, and never split
+    over K (a row's sum runs over K in one order). float32 keeps two stages (4-byte tiles)."""
+    BN, BK, warps, stages = _dot_config(N, K, INVARIANT_BLOCK_M)[:4]
+    if dtype == torch.float32:
+        stages = min(stages, 2)
+    return INVARIANT_BLOCK_M, BN, BK, warps, stages
+
+
 def dot_block_m(M: int) -> int:
     """The row tile for M rows: the next power of two, at least 16 (the tensor-core tile)."""
     return max(16, triton.next_power_of_2(M))
@@ -327,7 +345,7 @@ def _checked_config(config):
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = False, out=None,
-              glu_epilogue: bool | None = None, config=None):
+              glu_epilogue: bool | None = None, config=None, invariant: bool = False):
     """y = x @ weight^T (+ bias) for 1-64 rows of activations on tensor cores.
 
     x [..., K] with at most `MAX_DOT_ROWS` rows in all, weight [N, K] with unit last stride,
@@ -342,7 +360,12 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
     weight bytes), the last to finish summing the fp32 partials in split order (and applying the
     GLU gate: split launches always take it in the epilogue). Results do not depend on the
     config beyond the fp32 summation order, and not on timing.
+    `invariant`: any number of rows, tiled by `INVARIANT_BLOCK_M` with `invariant_launch`'s
+    config (`config` is refused), so each row's output has the same bits whatever M is;
+    float32 too (exact fp32 products, no TF32).
     """
+    if invariant:
+        return _gemv_rows_invariant(x, weight, bias, glu, out, config)
     N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _HALF_DTYPES, "float16 or bfloat16", False, glu)
     if not 1 <= M <= MAX_DOT_ROWS:
         raise ValueError(f"gemv_rows: 1 to {MAX_DOT_ROWS} rows of activations, got {M} (shape {tuple(x.shape)})")
@@ -365,9 +388,35 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
         cnt = _counters(x.device, tiles)
     else:
         part = cnt = y  # unused
-    _gemv_dot_kernel[(tiles, splits)](x2, weight, b, y, part, cnt, M, N, K, chunk, x2.stride(0), weight.stride(0),
+    _gemv_dot_kernel[(tiles, splits)](x2, weight, b, y, part, cnt, M, 1, N, K, chunk, x2.stride(0), weight.stride(0),
                                       y.shape[-1], HAS_BIAS=bias is not None, GLU=glu, BLOCK_M=block_m, BLOCK_N=BN,
                                       BLOCK_K=BK, STAGES=stages, EVEN_K=K % BK == 0, SPLIT=splits > 1,
                                       DOT_FP32=x.device.type != "cuda", PDL=use_pdl, num_warps=warps,
                                       launch_pdl=use_pdl)
+    return y
+
+
+def _gemv_rows_invariant(x, weight, bias, glu, out, config):
+    """`gemv_rows(..., invariant=True)`: M rows as M / INVARIANT_BLOCK_M row tiles of one launch
+    config (`invariant_launch`); the GLU gate in the epilogue (the same bits as a `silu_mul`
+    launch after the product, and no choice that could follow M)."""
+    if config is not None:
+        raise ValueError("gemv_rows: invariant products take no config (theirs depends on the shape only)")
+    N, K, M, y = _checked("gemv_rows", x, weight, bias, out, _FLOAT_DTYPES, "a float dtype", False, glu)
+    if M == 0:
+        return y
+    block_m, BN, BK, warps, stages = invariant_launch(N, K, x.dtype)
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    use_pdl = pdl(x.device)
+    b = bias if bias is not None else weight  # placeholder pointer, never read
+    tiles = triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN)
+    m_tiles = triton.cdiv(M, block_m)
+    _gemv_dot_kernel[(tiles * m_tiles, 1)](x2, weight, b, y, y, y, M, m_tiles, N, K, K, x2.stride(0),
+                                           weight.stride(0), y.shape[-1], HAS_BIAS=bias is not None, GLU=glu,
+                                           BLOCK_M=block_m, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,
+                                           EVEN_K=K % BK == 0, SPLIT=False,
+                                           DOT_FP32=x.device.type != "cuda" or x.dtype == torch.float32,
+                                           PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
     return y

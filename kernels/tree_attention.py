@@ -279,8 +279,24 @@ def _pick_splits(device, base_programs, queries_per_kv, max_blocks):
     return max(1, min(triton.cdiv(sms, base_programs), cap))
 
 
+# Row-count-invariant attention (`invariant=True`): the tensor-core kernel for every call (one
+# query too), 16-row query tiles and this many key splits (fewer only for a cache of fewer key
+# blocks): a launch config from the cache's shape alone, never from the rows or nodes launched.
+INVARIANT_SPLITS = 4
+
+
+def invariant_launch(S: int, D: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, splits, num_warps, stages) of the invariant attention over a cache of
+    S slots and head dim D: a node's keys are dealt to the same splits and summed in the same
+    order whether it is an AR step's one query or one of a chain's nodes, alone or in a batch."""
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    stages = 2 if (dtype == torch.float32 or BLOCK_D > 128) else 3
+    return 16, BLOCK_N, max(1, min(INVARIANT_SPLITS, triton.cdiv(S, BLOCK_N))), 4, stages
+
+
 def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=None, num_splits=None,
-                   config=None, tree_slots=None):
+                   config=None, tree_slots=None, invariant=False):
     """Triton tree attention; see `tabed_engine.ops.tree_attention` for the contract.
 
     q [R, N, H, D], k_cache/v_cache [R, Hkv, S, D] (any strides, unit last stride), lengths [R]
@@ -289,7 +305,12 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
     with any of block_m / num_warps / splits, overrides the N > 1 kernel's launch
     (`benchmarks/bench_tree_attention.py --sweep`). `tree_slots` (default N, at most 64): the
     tree slots lengths[r] + j the bits may name, when the N queries are the last of them.
+    `invariant`: `invariant_launch`'s config whatever R and N (`num_splits` / `config` refused),
+    so a query's output does not depend on the other rows and nodes of the launch: a chain's
+    node j (slot lengths[r] + j) gets the bits an AR step at that length gets.
     """
+    if invariant and (num_splits is not None or config is not None):
+        raise ValueError("tree_attention: invariant calls take no num_splits / config")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(f"q must be [R, N, H, D] and k/v caches [R, Hkv, S, D], got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -329,11 +350,14 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
 
     scale = D ** -0.5 if scale is None else float(scale)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the kernel
-    if N == 1 and tree_slots == 1:
+    if N == 1 and tree_slots == 1 and not invariant:
         return _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, num_splits)
 
     group = H // Hkv
     config = config or {}
+    if invariant:
+        block_m, _, splits, warps, _ = invariant_launch(S, D, q.dtype)
+        config = {"block_m": block_m, "splits": splits, "num_warps": warps}
     # up to 32 queries per kv head: 16-query tiles (more programs, each with fewer rows to
     # combine); past that one 64-query tile reads K/V once (tree_attention_sweep.json)
     BLOCK_M = config.get("block_m") or (16 if N * group <= 32 else 64)

@@ -42,7 +42,7 @@ class Engine(RequestIntake, EngineLimits):
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
                  adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None,
                  prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, invariant: bool = False):
         self.gamma, self.views, self.ensemble = check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         check_int("max_batch", max_batch, 1)
@@ -134,6 +134,15 @@ class Engine(RequestIntake, EngineLimits):
         # finished requests' KV kept in their slots and reused by prompts that start the same
         # way (engine/prefix_cache.py)
         self.prefix_cache = prefix_cache
+        if not isinstance(invariant, bool):
+            raise TypeError(f"invariant must be a bool, got {type(invariant).__name__}")
+        # decode and verification with launch configs that do not follow the number of rows
+        # (models/decoder.py `LlamaLM.invariant`): on the GPU a request's tokens do not depend on
+        # speculation or on the batch around it
+        self.invariant = invariant
+        for model in (target, draft):
+            if model is not None:
+                model.lm.invariant = invariant
         self.runner = self.runner_class(self, self._max_batch(max_batch, memory_fraction), cuda_graphs)
         self.scheduler = self._new_scheduler()
         self._ids = itertools.count()

@@ -101,6 +101,7 @@ class ForwardContext:
                  tree_bits=None, tree_offset: int = 0):
         # lengths: [R] committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
         dev = lengths.device
+        self.invariant = False  # the model sets it for its kernel-path calls (`LlamaLM.invariant`)
         kernels = dev.type == "cuda" and T <= 64 and not fresh
         if tree_offset and (tree_bits is None or fresh or slot is not None or tree_offset + T > 64):
             raise ValueError(f"tree_offset={tree_offset} needs tree_bits, no fresh prefill or slot, and "
@@ -168,6 +169,10 @@ class LlamaLM(nn.Module):
         self._rope = None
         self._ropes_outgrown = []   # CUDA graphs captured with an earlier table read it by address
         self._mrope_index = None
+        # row-count-invariant decode (`Engine(..., invariant=True)`): calls on the kernel path
+        # (decode, verification, tree nodes on CUDA) run launch configs that do not depend on
+        # the number of rows, so a row's logits have the same bits alone or among others
+        self.invariant = False
 
     def rope(self, max_pos: int, device):
         """[P, 2 * head_dim] float32: the cos table, then the sin table, per position (one
@@ -229,6 +234,7 @@ class LlamaLM(nn.Module):
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
         ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot, tree_bits, tree_offset)
+        ctx.invariant = self.invariant and ctx.tree_bits is not None
         # the table spans the cache: a draft's cache may be longer than the draft's position
         # limit (it has the target's length); a request's draft rows stay within the limit
         # (`Engine._draft_room`, checked when it is added), and only the slots drafted past a
@@ -242,5 +248,5 @@ class LlamaLM(nn.Module):
         _, x = self.norm.add_forward(x, delta)  # the last residual add and the final norm: one kernel on CUDA
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(x)
+        logits = self.lm_head(x, invariant=ctx.invariant)
         return logits.float() if float_logits else logits

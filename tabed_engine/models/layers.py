@@ -53,7 +53,8 @@ silu_mul = silu_mul_op
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose 1-64-row calls on CUDA run the Triton GEMVs (`ops.gemv.linear`).
+    """nn.Linear whose 1-64-row calls on CUDA run the Triton GEMVs (`ops.gemv.linear`); with
+    `invariant=True` every CUDA call runs the row-count-invariant kernel.
 
     parallel: "column", "row" or None (see the module docstring); parts: the output sizes of
     the projections fused in it (q, k, v rows of `qkv_proj`), each sharded on its own."""
@@ -68,10 +69,10 @@ class Linear(nn.Linear):
         self.parallel = parallel
         self.parts = (out_features,) if parts is None else tuple(parts)
 
-    def forward(self, x, *, gated: bool = False, glu: bool = False):
+    def forward(self, x, *, gated: bool = False, glu: bool = False, invariant: bool = False):
         # every call of the projection goes through here (the MLP's fused SiLU gate too), so a
         # tensor-parallel subclass adds its collective in one place
-        return linear(x, self.weight, self.bias, gated=gated, glu=glu)
+        return linear(x, self.weight, self.bias, gated=gated, glu=glu, invariant=invariant)
 
 
 class RMSNorm(nn.Module):
@@ -118,13 +119,15 @@ class Attention(nn.Module):
         # x: [R, T, hidden]; k_cache/v_cache: [R, kv, S, hd] (this layer)
         R, T, _ = x.shape
         cfg = self.cfg
-        qkv = self.qkv_proj(x)                                  # [R, T, (h + 2 kv) * hd]
+        inv = ctx.invariant
+        qkv = self.qkv_proj(x, invariant=inv)                   # [R, T, (h + 2 kv) * hd]
         if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernels
             # one launch rotates q and k and writes k, v at cache slots lengths[r] + t
             q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.write32,
                               cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
-            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits, tree_slots=ctx.tree_slots)
-            return self.o_proj(out.reshape(R, T, -1))
+            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits, tree_slots=ctx.tree_slots,
+                                 invariant=inv)
+            return self.o_proj(out.reshape(R, T, -1), invariant=inv)
         if ctx.fresh and use_kernel(qkv, cfg.head_dim):  # CUDA prefill: one launch
             q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg)
         else:
@@ -196,8 +199,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False, parallel="column", parts=(inter, inter))
         self.down_proj = Linear(inter, cfg.hidden_size, bias=False, parallel="row")
 
-    def forward(self, x):
-        kind = gemv_kind(x, self.gate_up_proj.weight)
+    def forward(self, x, invariant: bool = False):
+        kind = gemv_kind(x, self.gate_up_proj.weight, invariant=invariant)
+        if kind == "invariant":  # any rows: the gate in the invariant product's epilogue
+            return self.down_proj(self.gate_up_proj(x, glu=True, invariant=True), invariant=True)
         if kind == "rows":  # 2-64 rows: the SiLU gate in the gate/up GEMV's epilogue
             return self.down_proj(self.gate_up_proj(x, glu=True))
         gate_up = self.gate_up_proj(x)
@@ -221,6 +226,6 @@ class DecoderLayer(nn.Module):
         # (None before the first layer), and the layer returns (x, its MLP output) the same way.
         x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, k_cache, v_cache, ctx))
-        return x, self.mlp(h)
+        return x, self.mlp(h, ctx.invariant)
 
 

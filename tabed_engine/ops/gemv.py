@@ -13,6 +13,11 @@
   (`silu_mul`) first;
 everything else (prefill, matrices narrower than `MIN_FEATURES`, float32 rows, the CPU) runs
 the reference (cuBLAS on the GPU).
+
+`invariant=True` (the engine's row-count-invariant decode path, `Engine(..., invariant=True)`):
+on CUDA every call, any number of rows and any float dtype, runs one tensor-core kernel whose
+launch config depends on the weight's shape only (`gemv_rows(..., invariant=True)`), so a row's
+output has the same bits alone, among a verification's rows or in a batch.
 """
 from __future__ import annotations
 
@@ -53,9 +58,13 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated:
     return silu_mul_reference(y) if glu else y
 
 
-def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
-    """The path `linear` takes for these arguments: "row" (one row, Triton GEMV), "rows"
-    (2-64 rows in float16/bfloat16, tensor-core GEMV) or None (the reference)."""
+def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None, *, invariant: bool = False):
+    """The path `linear` takes for these arguments: "invariant" (`invariant` on CUDA: the
+    row-count-invariant kernel), "row" (one row, Triton GEMV), "rows" (2-64 rows in
+    float16/bfloat16, tensor-core GEMV) or None (the reference)."""
+    if invariant and x.is_cuda and weight.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16,
+                                                                          torch.float32):
+        return "invariant"
     if not (x.is_cuda and min(weight.shape) >= MIN_FEATURES and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1 and x.shape[-1] > 0):
         return None
@@ -70,7 +79,7 @@ def gemv_kind(x: torch.Tensor, weight: torch.Tensor, bias=None):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = False,
-           glu: bool = False) -> torch.Tensor:
+           glu: bool = False, invariant: bool = False) -> torch.Tensor:
     """y = x @ weight^T (+ bias); `gated`: x is [..., 2K] = [gate | up] and the product
     uses silu(gate) * up; `glu`: weight is [gate; up] ([2I, K]) and y = silu(gate) * up of
     the product ([..., I]).
@@ -87,6 +96,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
         Apply the SwiGLU gate to x first.
     glu : bool
         Apply the SwiGLU gate to the product (on the 2-64-row path in the GEMV's epilogue).
+    invariant : bool
+        On CUDA, the row-count-invariant kernel (see the module docstring); the reference elsewhere.
 
     Returns
     -------
@@ -95,7 +106,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, gated: bool = Fa
     """
     if gated and glu:
         raise ValueError("linear: gated and glu are exclusive")
-    kind = gemv_kind(x, weight, bias)
+    kind = gemv_kind(x, weight, bias, invariant=invariant)
+    if kind == "invariant":
+        from tabed_engine.kernels.gemv import gemv_rows
+
+        return gemv_rows(silu_mul(x) if gated else x, weight, bias, glu=glu, invariant=True)
     if kind == "row":
         from tabed_engine.kernels.gemv import gemv
 

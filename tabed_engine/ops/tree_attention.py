@@ -113,6 +113,7 @@ def tree_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     tree_slots: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Tree attention: the Triton kernel for CUDA tensors, else the reference.
 
@@ -134,6 +135,9 @@ def tree_attention(
     tree_slots : int, optional
         Tree slots lengths[r] + j the bits may name, N to 64 (default N): the N queries sit at
         the last N of them, nodes fed by an earlier call before (a tree drafted depth by depth).
+    invariant : bool
+        On CUDA, one launch config whatever R and N (`kernels.tree_attention.invariant_launch`):
+        a chain node's output has the bits of an AR step at its length, alone or in a batch.
 
     Returns
     -------
@@ -144,7 +148,7 @@ def tree_attention(
         from tabed_engine.kernels import tree_attention as _k
 
         return _k.tree_attention(q, k_cache, v_cache, lengths, tree_mask, scale=scale, out=out,
-                                 tree_slots=tree_slots)
+                                 tree_slots=tree_slots, invariant=invariant)
     result = tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, scale=scale, tree_slots=tree_slots)
     if out is None:
         return result

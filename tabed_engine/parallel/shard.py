@@ -106,8 +106,8 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias, parallel="row")
         self.cuts, self.tp = [cut], tp
 
-    def forward(self, x, *, gated: bool = False, glu: bool = False):
-        y = all_reduce(linear(x, self.weight, None, gated=gated, glu=glu).contiguous(), self.tp)
+    def forward(self, x, *, gated: bool = False, glu: bool = False, invariant: bool = False):
+        y = all_reduce(linear(x, self.weight, None, gated=gated, glu=glu, invariant=invariant).contiguous(), self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -119,8 +119,9 @@ class VocabParallelHead(Linear):
         super().__init__(in_features, padded, bias=bias, parallel="column")
         self.vocab, self.cuts, self.tp = vocab, [cut], tp
 
-    def forward(self, x, *, gated: bool = False, glu: bool = False):
-        return gather_last(linear(x, self.weight, self.bias, gated=gated, glu=glu), self.tp, self.vocab)
+    def forward(self, x, *, gated: bool = False, glu: bool = False, invariant: bool = False):
+        return gather_last(linear(x, self.weight, self.bias, gated=gated, glu=glu, invariant=invariant), self.tp,
+                           self.vocab)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -49,6 +49,9 @@ def add_engine_options(p: argparse.ArgumentParser):
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of earlier requests whose prompt (tokens and images) starts the "
                         "same way (prefix caching: on by default, docs/serving.md)")
+    p.add_argument("--invariant", action="store_true",
+                   help="row-count-invariant decoding on the GPU: a request's tokens have the same bits with "
+                        "or without speculation and alone or in any batch (chains; docs/api.md for its cost)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the target over N processes, one GPU each from --device's index on (on the "
                         "CPU: N processes); this process starts and stops the workers (docs/parallel.md)")
@@ -61,7 +64,8 @@ def engine_kwargs(args) -> dict:
                 tree=args.tree, max_len=args.max_len, **({"adaptive": False} if args.no_adaptive else {}),
                 **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else {}),
                 **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}),
-                **({"prefix_cache": False} if args.no_prefix_cache else {}))
+                **({"prefix_cache": False} if args.no_prefix_cache else {}),
+                **({"invariant": True} if args.invariant else {}))
 
 
 def build_parser() -> argparse.ArgumentParser:
