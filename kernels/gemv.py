@@ -261,7 +261,10 @@ _DOT_CONFIGS: dict = {
 
 # Row-count-invariant products (`gemv_rows(..., invariant=True)`): every call tiles its rows by
 # this many, whatever M, so a row's product is the same instruction sequence alone or among others.
-INVARIANT_BLOCK_M = 16
+# 64 (a warp group's wgmma tile): one row tile for an AR step of up to 64 requests, where 16-row
+# tiles re-ran the weight stream per 16 rows on the slower mma.sync path
+# (benchmarks/results/invariance_llava-1.5-7b.md)
+INVARIANT_BLOCK_M = 64
 
 
 def invariant_launch(N: int, K: int, dtype: torch.dtype):
