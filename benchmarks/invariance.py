@@ -7,6 +7,7 @@ For each path, N greedy requests of T new tokens (one image + words each):
   all N batched at B = 16 and B = 64 (AR and SD, continuous batching: requests join as others
   leave); the share of requests whose tokens equal the alone-AR tokens, and where the first
   differing token sits;
+* TTFT: median time to first token of the alone AR requests (cold prefills, prefix cache off);
 * speed: AR ms/token at B = 1 and B = 64, SD at a fixed tau (the geometric acceptance
   schedule of benchmarks/e2e.py, NOT lossless: timing only) at B = 1 and B = 64, with the
   copy-bandwidth floor of the target's weights measured in the same run.
@@ -82,6 +83,7 @@ class InvarianceBench:
 
         sp = SamplingParams(max_new_tokens=self.args.new_tokens, stop_at_eos=False)
         outs = eng.generate(prompts, images=[[self.image]] * len(prompts), sampling=sp, speculative=speculative)
+        self.ttft += [o.stats.time_first_token for o in outs]
         return [list(o.token_ids) for o in outs]
 
     def timed(self, eng, B: int, speculative: bool, tau):
@@ -115,8 +117,11 @@ class InvarianceBench:
         name = "invariant" if invariant else "default"
         res = {}
         eng = self.engine(invariant, 64)
+        self.ttft = []
         alone_ar = [self.tokens(eng, [p], False)[0] for p in self.prompts]
-        log(f"{name}: alone AR done")
+        ttft = sorted(self.ttft[len(self.ttft) // 2:])        # the second half: graphs captured
+        res["ttft_ms_median_alone_ar"] = ttft[len(ttft) // 2] * 1e3
+        log(f"{name}: alone AR done, TTFT median {res['ttft_ms_median_alone_ar']:.2f} ms")
         runs = {"alone_sd": [self.tokens(eng, [p], True)[0] for p in self.prompts]}
         log(f"{name}: alone SD done")
         for B in (16, 64):

@@ -184,15 +184,16 @@ def test_engine_option_and_cli(tmp_path):
 @pytest.mark.parametrize("tree", [None])
 def test_gpu_bf16_sd_equals_ar_bitwise(tree):
     """bf16 on the GPU with `invariant=True`: greedy SD tokens == AR tokens bit for bit, every
-    request alone and the same requests batched (AR and SD), 48 requests of 48 tokens; the
-    default path is run beside it for the record (not asserted: it differs)."""
+    request alone and the same requests batched (AR and SD), 48 requests of 48 tokens, and with
+    a small prefill budget (chunks cut anywhere)."""
     from models import model_dir
     from tabed_engine import Engine, SamplingParams
     from test_prefill_graphs import _prompt
 
+    # (prefix cache on: the repeated prompts hit it, and a hit must not change the bits either)
     eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
                                  dtype=torch.bfloat16, invariant=True, max_batch=16, max_len=512,
-                                 prefix_cache=False, adaptive=False, tree=tree)
+                                 adaptive=False, tree=tree)
     cases = [_prompt(i % 3, 3 + (7 * i) % 61) for i in range(48)]
     texts, imgs = [c[0] for c in cases], [c[1] for c in cases]
     sp = SamplingParams(max_new_tokens=48)
@@ -200,6 +201,34 @@ def test_gpu_bf16_sd_equals_ar_bitwise(tree):
     alone_sd = [eng.generate(t, images=im, sampling=sp).token_ids for t, im in cases]
     batch_ar = [o.token_ids for o in eng.generate(texts, images=imgs, sampling=sp, speculative=False)]
     batch_sd = [o.token_ids for o in eng.generate(texts, images=imgs, sampling=sp)]
+    eng.prefill_chunk = 23
+    chunked_sd = [o.token_ids for o in eng.generate(texts, images=imgs, sampling=sp)]
     assert alone_sd == alone_ar
     assert batch_ar == alone_ar
     assert batch_sd == alone_ar
+    assert chunked_sd == alone_ar
+
+
+def test_invariant_prefill_any_cut_same_tokens(monkeypatch):
+    """`prefill_invariant` (the GPU path of an invariant engine, forced here on the CPU): a
+    prompt prefilled through forwards of at most 64 new tokens, after a prefix-cache hit or in a
+    chunked prefill, gives the greedy tokens of the plain prefill (float32)."""
+    from models import model_dir
+    from tabed_engine import Engine, SamplingParams
+    from tabed_engine.engine.runner import Runner
+    from test_prefill_graphs import _prompt
+
+    sp = SamplingParams(max_new_tokens=12)
+    cases = [_prompt(2, 40), _prompt(1, 90), _prompt(0, 5)]
+    plain = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), max_batch=2, prefix_cache=False)
+    want = [plain.generate(t, images=im, sampling=sp).token_ids for t, im in cases]
+    calls = []
+    real = Runner.prefill_invariant
+    monkeypatch.setattr(Runner, "invariant_prefill", property(lambda self: True))
+    monkeypatch.setattr(Runner, "prefill_invariant", lambda self, *a: calls.append(a[3:5]) or real(self, *a))
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), max_batch=2)
+    for budget in (None, 29):
+        eng.prefill_chunk = budget
+        for (t, im), w in zip(cases, want):
+            assert eng.generate(t, images=im, sampling=sp).token_ids == w
+    assert calls and any(start > 0 for start, _ in calls)

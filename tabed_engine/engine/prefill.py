@@ -32,6 +32,9 @@ PREFILL_STEP = 64
 # longer prompts prefill eagerly: there the kernels outlast the host's launches, all a graph
 # removes, and the padding costs more (benchmarks/results/ttft_llava-1.5-7b.json, graph vs eager)
 PREFILL_GRAPH_MAX = 1664
+# an invariant engine prefills through the decode kernels, at most this many tokens a forward
+# (the tree-attention kernel's node limit)
+INVARIANT_PREFILL_STEP = 64
 
 
 def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Optional[int]:
@@ -149,7 +152,10 @@ class PrefillSteps:
         """Prefill prompt tokens [start, end) into target row `slot`, whose KV holds [0, start)
         (or, with `src`, copies it from row `src` first); returns the logits of position end - 1
         [1, V]. x: their embeddings [end - start, hidden]; pos3: the whole prompt's M-RoPE ids or
-        None. From 0 a fresh prefill (padded graph or eager), else `prefix_cache.prefill_suffix`."""
+        None. From 0 a fresh prefill (padded graph or eager), else `prefix_cache.prefill_suffix`;
+        with `Engine(invariant=True)` on the GPU, `prefill_invariant`."""
+        if self.invariant_prefill:
+            return self.prefill_invariant(prep, x, slot, start, end, pos3, src)
         if start:
             return prefill_suffix(self, prep, x, slot, start, src, pos3, end=end)
         n = end
@@ -168,6 +174,36 @@ class PrefillSteps:
             self._prefill_pos[:, 0, :P].copy_(torch.arange(P).expand(3, P) if pos3 is None else
                                               torch.cat([pos3[:, :n], torch.arange(n, P).expand(3, P - n)], 1))
         return self._prefill_padded(P)
+
+    @property
+    def invariant_prefill(self) -> bool:
+        """Prefill through `prefill_invariant` (an invariant engine on the GPU)."""
+        return self.eng.invariant and self.device.type == "cuda"
+
+    def prefill_invariant(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
+                          pos3: Optional[torch.Tensor], src: Optional[int] = None) -> torch.Tensor:
+        """`prefill_range` of an invariant engine: tokens [start, end) as eager forwards of at
+        most INVARIANT_PREFILL_STEP new tokens over the row's KV, each through the decode path's
+        row-count-invariant kernels (a chain of new tokens). A token's KV and logits then have
+        the same bits however the prompt is cut (a cold prefill, a prefix-cache hit, chunks of
+        any budget) and the bits a decode step at its position would give."""
+        tc = self.tcache
+        if src is not None and src != slot and start:
+            tc.k[:, slot, :, :start].copy_(tc.k[:, src, :, :start])
+            tc.v[:, slot, :, :start].copy_(tc.v[:, src, :, :start])
+        row = cache_rows(tc, slot, slot + 1)
+        logits = None
+        for s in range(start, end, INVARIANT_PREFILL_STEP):
+            e = min(end, s + INVARIANT_PREFILL_STEP)
+            if pos3 is None:
+                pos = torch.arange(s, e, device=self.device)[None]
+            else:    # the forward adds the row's offset back
+                pos = (pos3[:, s:e].to(self.device) - tc.pos_offset[slot])[:, None]
+            logits = self.target.lm(row, pos, embeds=x[None, s - start:e - start],
+                                    lengths=torch.full((1,), s, dtype=torch.int32, device=self.device),
+                                    logits_index=torch.full((1, 1), e - 1 - s, dtype=torch.long, device=self.device),
+                                    kv_len=self.kv_bucket(e))[:, -1]
+        return logits
 
     def _prefill_inputs(self):
         """The padded prefill's static inputs, one set shared by every bucket's graph: embeddings
