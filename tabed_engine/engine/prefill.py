@@ -182,27 +182,17 @@ class PrefillSteps:
 
     def prefill_invariant(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
                           pos3: Optional[torch.Tensor], src: Optional[int] = None) -> torch.Tensor:
-        """`prefill_range` of an invariant engine: tokens [start, end) as eager forwards of at
-        most INVARIANT_PREFILL_STEP new tokens over the row's KV, each through the decode path's
-        row-count-invariant kernels (a chain of new tokens). A token's KV and logits then have
-        the same bits however the prompt is cut (a cold prefill, a prefix-cache hit, chunks of
-        any budget) and the bits a decode step at its position would give."""
-        tc = self.tcache
-        if src is not None and src != slot and start:
-            tc.k[:, slot, :, :start].copy_(tc.k[:, src, :, :start])
-            tc.v[:, slot, :, :start].copy_(tc.v[:, src, :, :start])
-        row = cache_rows(tc, slot, slot + 1)
+        """`prefill_range` of an invariant engine: tokens [start, end) as forwards of at most
+        INVARIANT_PREFILL_STEP new tokens over the row's KV (`prefix_cache.prefill_suffix`: a
+        captured graph per slot and padded length where it can), each through the decode
+        path's row-count-invariant kernels (a chain of new tokens). A token's KV and logits then
+        have the same bits however the prompt is cut (a cold prefill, a prefix-cache hit, chunks
+        of any budget) and the bits a decode step at its position would give."""
         logits = None
         for s in range(start, end, INVARIANT_PREFILL_STEP):
             e = min(end, s + INVARIANT_PREFILL_STEP)
-            if pos3 is None:
-                pos = torch.arange(s, e, device=self.device)[None]
-            else:    # the forward adds the row's offset back
-                pos = (pos3[:, s:e].to(self.device) - tc.pos_offset[slot])[:, None]
-            logits = self.target.lm(row, pos, embeds=x[None, s - start:e - start],
-                                    lengths=torch.full((1,), s, dtype=torch.int32, device=self.device),
-                                    logits_index=torch.full((1, 1), e - 1 - s, dtype=torch.long, device=self.device),
-                                    kv_len=self.kv_bucket(e))[:, -1]
+            logits = prefill_suffix(self, prep, x[s - start:e - start], slot, s, src if s == start else None, pos3,
+                                    end=e)
         return logits
 
     def _prefill_inputs(self):

@@ -244,10 +244,10 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
     dev = runner.device
     T = n - cached
     P = -(-T // SUFFIX_STEP) * SUFFIX_STEP
-    text_rest = all(s + m <= cached for s, m in prep.media_spans)
-    if runner.graphs is not None and text_rest and P <= SUFFIX_GRAPH_MAX and cached + P <= tc.max_len:
-        # (text after every image: an M-RoPE row's three ids are equal there, its slot + the
-        # row's offset, which the forward adds to these 1-D positions)
+    plain_pos = pos3 is None or all(s + m <= cached for s, m in prep.media_spans)
+    if runner.graphs is not None and plain_pos and P <= SUFFIX_GRAPH_MAX and cached + P <= tc.max_len:
+        # (1-D positions: RoPE, or M-RoPE on text after every image, where a row's three ids are
+        # equal, its slot + the row's offset, which the forward adds to these positions)
         xp = torch.zeros(1, P, x.shape[-1], device=dev, dtype=x.dtype)
         xp[0, :T] = x
         inputs = dict(x=xp, pos=torch.arange(cached, cached + P, device=dev)[None],
