@@ -174,6 +174,14 @@ def test_engine_option_and_cli(tmp_path):
         Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), invariant=1)
     eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), invariant=True, max_batch=2)
     assert eng.invariant and eng.target.lm.invariant and eng.draft.lm.invariant
+    assert not eng.view_tree                          # the first block a mixture chain
+    with pytest.raises(ValueError, match="chains only"):
+        eng.configure(tree="5x2x2")
+    with pytest.raises(ValueError, match="chains only"):
+        eng.configure(view_tree=True)
+    eng.configure(gamma=3)                            # still usable
+    with pytest.raises(ValueError, match="chains only"):
+        Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), invariant=True, tree=True)
     args = build_parser().parse_args(["generate", "--target", "t", "--invariant", "--prompt", "p"])
     assert engine_kwargs(args)["invariant"] is True
     args = build_parser().parse_args(["generate", "--target", "t", "--prompt", "p"])
@@ -181,8 +189,7 @@ def test_engine_option_and_cli(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tree", [None])
-def test_gpu_bf16_sd_equals_ar_bitwise(tree):
+def test_gpu_bf16_sd_equals_ar_bitwise():
     """bf16 on the GPU with `invariant=True`: greedy SD tokens == AR tokens bit for bit, every
     request alone and the same requests batched (AR and SD), 48 requests of 48 tokens, and with
     a small prefill budget (chunks cut anywhere)."""
@@ -193,7 +200,7 @@ def test_gpu_bf16_sd_equals_ar_bitwise(tree):
     # (prefix cache on: the repeated prompts hit it, and a hit must not change the bits either)
     eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
                                  dtype=torch.bfloat16, invariant=True, max_batch=16, max_len=512,
-                                 adaptive=False, tree=tree)
+                                 adaptive=False)
     cases = [_prompt(i % 3, 3 + (7 * i) % 61) for i in range(48)]
     texts, imgs = [c[0] for c in cases], [c[1] for c in cases]
     sp = SamplingParams(max_new_tokens=48)

@@ -140,6 +140,14 @@ class Engine(RequestIntake, EngineLimits):
         # (models/decoder.py `LlamaLM.invariant`): on the GPU a request's tokens do not depend on
         # speculation or on the batch around it
         self.invariant = invariant
+        if invariant:
+            # a tree's nodes sit at other cache slots than plain decoding puts their tokens, so
+            # their attention sums in another order: chains only, and the first block a mixture
+            # chain rather than a tree of the views' chains
+            if self.tree is not None:
+                raise ValueError("invariant=True covers chains only (a tree node's attention is not the AR "
+                                 "step's): pass tree=None")
+            self.view_tree = False
         for model in (target, draft):
             if model is not None:
                 model.lm.invariant = invariant
@@ -269,6 +277,9 @@ class Engine(RequestIntake, EngineLimits):
                 ens.temperature if weight_temperature is KEEP else weight_temperature,
                 ens.grid_step if grid_step is None else grid_step, self.max_len, self.pool_size, self.captioner)
             new_tree = self.tree if tree is KEEP else parse_tree(tree)
+            if self.invariant and (new_tree is not None or view_tree):
+                raise ValueError("invariant=True covers chains only (a tree node's attention is not the AR "
+                                 "step's): no tree= or view_tree=True")
             if view_tree is not None:
                 self.view_tree = bool(view_tree)
             if adaptive is not KEEP:
