@@ -216,10 +216,12 @@ def test_gpu_bf16_sd_equals_ar_bitwise():
     assert chunked_sd == alone_ar
 
 
-def test_invariant_prefill_any_cut_same_tokens(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_invariant_prefill_any_cut_same_tokens(monkeypatch, graphs):
     """`prefill_invariant` (the GPU path of an invariant engine, forced here on the CPU): a
     prompt prefilled through forwards of at most 64 new tokens, after a prefix-cache hit or in a
-    chunked prefill, gives the greedy tokens of the plain prefill (float32)."""
+    chunked prefill, gives the greedy tokens of the plain prefill (float32); `graphs`: with the
+    CUDA graphs' buffers emulated (the padded suffix graphs, image tokens inside them)."""
     from models import model_dir
     from tabed_engine import Engine, SamplingParams
     from tabed_engine.engine.runner import Runner
@@ -234,8 +236,14 @@ def test_invariant_prefill_any_cut_same_tokens(monkeypatch):
     monkeypatch.setattr(Runner, "invariant_prefill", property(lambda self: True))
     monkeypatch.setattr(Runner, "prefill_invariant", lambda self, *a: calls.append(a[3:5]) or real(self, *a))
     eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), max_batch=2)
+    if graphs:
+        from test_batch import emulated_graphs
+
+        emulated_graphs(eng)
     for budget in (None, 29):
         eng.prefill_chunk = budget
         for (t, im), w in zip(cases, want):
             assert eng.generate(t, images=im, sampling=sp).token_ids == w
     assert calls and any(start > 0 for start, _ in calls)
+    if graphs:
+        assert any(k[0] == "suffix" for k in eng.runner.graphs.graphs)
