@@ -192,7 +192,8 @@ def test_engine_option_and_cli(tmp_path):
 def test_gpu_bf16_sd_equals_ar_bitwise():
     """bf16 on the GPU with `invariant=True`: greedy SD tokens == AR tokens bit for bit, every
     request alone and the same requests batched (AR and SD), 48 requests of 48 tokens, and with
-    a small prefill budget (chunks cut anywhere)."""
+    a small prefill budget (chunks cut anywhere); seeded sampled requests batched with SD ==
+    alone with AR."""
     from models import model_dir
     from tabed_engine import Engine, SamplingParams
     from test_prefill_graphs import _prompt
@@ -214,6 +215,12 @@ def test_gpu_bf16_sd_equals_ar_bitwise():
     assert batch_ar == alone_ar
     assert batch_sd == alone_ar
     assert chunked_sd == alone_ar
+    # seeded sampling (the coupling): its draws read the logits' bits too
+    seeded = [SamplingParams(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=100 + i) for i in range(16)]
+    few = cases[:16]
+    s_ar = [eng.generate(t, images=im, sampling=p, speculative=False).token_ids for (t, im), p in zip(few, seeded)]
+    s_batch = [o.token_ids for o in eng.generate([c[0] for c in few], images=[c[1] for c in few], sampling=seeded)]
+    assert s_batch == s_ar
 
 
 @pytest.mark.parametrize("graphs", [False, True])
