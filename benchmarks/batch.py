@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import random
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
 from e2e import PRESETS, geometric_schedule  # noqa: E402
-from e2e_common import build_hf_llava, default_dtype, lm_weight_bytes, log  # noqa: E402
+from e2e_common import build_llava_pair, lm_weight_bytes, log  # noqa: E402
 
 BATCHES = (1, 4, 16, 64)
 TAUS = (1.0, 2.31, 4.0)
@@ -63,21 +62,10 @@ class BatchBench:
 
     def setup(self):
         from tabed_engine import Engine
-        from tabed_engine.models.loader import lvlm_from_hf
-        from tabed_engine.models.tiny import build_processor, random_image, words
+        from tabed_engine.models.tiny import random_image, words
 
         p, dev, dt = self.p, self.dev, self.dt
-        vocab = p.target["vocab_size"]
-        self.processor = build_processor(vocab, p.vision["image_size"], p.vision["patch_size"], "default")
-        image_token = self.processor.tokenizer.convert_tokens_to_ids("<image>")
-        hf_t = build_hf_llava(p.vision, p.target, dev, dt, p.init_std, 0, image_token)
-        hf_d = build_hf_llava(p.vision, p.draft, dev, dt, p.init_std, 1, image_token)
-        with torch.no_grad():
-            hf_d.model.vision_tower.load_state_dict(hf_t.model.vision_tower.state_dict())
-        with default_dtype(dt):
-            self.target, self.draft = lvlm_from_hf(hf_t, dev, dt), lvlm_from_hf(hf_d, dev, dt)
-        del hf_t, hf_d
-        gc.collect()
+        self.processor, _, self.target, self.draft = build_llava_pair(p, dev, dt)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         self.eng = Engine(self.target, self.processor, draft=self.draft, device=dev, dtype=dt, views=("M", "T"),

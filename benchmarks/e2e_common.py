@@ -114,6 +114,28 @@ def build_lvlm(vision: dict, text: dict, device, dtype):
     return lvlm
 
 
+def build_llava_pair(p, device, dtype):
+    """A LLaVA preset's processor (`tiny.build_processor`), its image token id, and its target and
+    draft as the engine's LVLMs with random weights (seeds 0 and 1), the draft given the
+    target's vision tower (a shared tower, as the published 68M draft has)."""
+    import gc
+
+    from tabed_engine.models.loader import lvlm_from_hf
+    from tabed_engine.models.tiny import build_processor
+
+    processor = build_processor(p.target["vocab_size"], p.vision["image_size"], p.vision["patch_size"], "default")
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    hf_t = build_hf_llava(p.vision, p.target, device, dtype, p.init_std, 0, image_token)
+    hf_d = build_hf_llava(p.vision, p.draft, device, dtype, p.init_std, 1, image_token)
+    with torch.no_grad():
+        hf_d.model.vision_tower.load_state_dict(hf_t.model.vision_tower.state_dict())
+    with default_dtype(dtype):
+        target, draft = lvlm_from_hf(hf_t, device, dtype), lvlm_from_hf(hf_d, device, dtype)
+    del hf_t, hf_d
+    gc.collect()
+    return processor, image_token, target, draft
+
+
 def lm_weight_bytes(lvlm) -> int:
     """Bytes the target LM reads per decode step: all LM weights except the embedding table."""
     lm = lvlm.lm

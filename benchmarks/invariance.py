@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth_gbs, provenance  # noqa: E402
 from e2e import PRESETS, geometric_schedule  # noqa: E402
-from e2e_common import build_hf_llava, default_dtype, lm_weight_bytes, log  # noqa: E402
+from e2e_common import build_llava_pair, lm_weight_bytes, log  # noqa: E402
 
 
 def first_diff(a, b):
@@ -50,21 +50,11 @@ class InvarianceBench:
                   "requests": args.requests, "new_tokens": args.new_tokens, "gamma": args.gamma, "paths": {}}
 
     def setup(self):
-        from tabed_engine.models.loader import lvlm_from_hf
-        from tabed_engine.models.tiny import build_processor, random_image, words
+        from tabed_engine.models.tiny import random_image, words
 
         p, dev, dt = self.p, self.dev, self.dt
         vocab = p.target["vocab_size"]
-        self.processor = build_processor(vocab, p.vision["image_size"], p.vision["patch_size"], "default")
-        image_token = self.processor.tokenizer.convert_tokens_to_ids("<image>")
-        hf_t = build_hf_llava(p.vision, p.target, dev, dt, p.init_std, 0, image_token)
-        hf_d = build_hf_llava(p.vision, p.draft, dev, dt, p.init_std, 1, image_token)
-        with torch.no_grad():
-            hf_d.model.vision_tower.load_state_dict(hf_t.model.vision_tower.state_dict())
-        with default_dtype(dt):
-            self.target, self.draft = lvlm_from_hf(hf_t, dev, dt), lvlm_from_hf(hf_d, dev, dt)
-        del hf_t, hf_d
-        gc.collect()
+        self.processor, _, self.target, self.draft = build_llava_pair(p, dev, dt)
         self.image = random_image(0, p.vision["image_size"])
         # prompts of different lengths: 20 to 59 words after the image
         self.prompts = ["<image>\n " + words(2000 + i, 20 + (7 * i) % 40, vocab) for i in range(self.args.requests)]
@@ -116,7 +106,7 @@ class InvarianceBench:
         a = self.args
         name = "invariant" if invariant else "default"
         res = {}
-        eng = self.engine(invariant, 64)
+        eng = self.engine(invariant, max(a.batches + a.timed_batches))
         self.ttft = []
         alone_ar = [self.tokens(eng, [p], False)[0] for p in self.prompts]
         ttft = sorted(self.ttft[len(self.ttft) // 2:])        # the second half: graphs captured
@@ -124,7 +114,7 @@ class InvarianceBench:
         log(f"{name}: alone AR done, TTFT median {res['ttft_ms_median_alone_ar']:.2f} ms")
         runs = {"alone_sd": [self.tokens(eng, [p], True)[0] for p in self.prompts]}
         log(f"{name}: alone SD done")
-        for B in (16, 64):
+        for B in a.batches:
             for spec in (False, True):
                 key = f"batch{B}_{'sd' if spec else 'ar'}"
                 outs = []
@@ -137,7 +127,7 @@ class InvarianceBench:
                         "first_diff": sorted(d for d in diffs if d is not None)}
             log(f"{name}: {key} equal to alone AR: {res[key]['equal']} / {len(diffs)}")
         speed = {}
-        for B in (1, 64):
+        for B in a.timed_batches:
             speed[f"ar_B{B}_ms_per_token"] = self.timed(eng, B, False, None)
             speed[f"sd_tau{a.tau}_B{B}_ms_per_token"] = self.timed(eng, B, True, a.tau)
             log(f"{name}: B={B} AR {speed[f'ar_B{B}_ms_per_token']:.3f} ms/token, "
@@ -177,6 +167,8 @@ def main(argv=None):
     ap.add_argument("--gamma", type=int, default=2)
     ap.add_argument("--tau", type=float, default=2.31)
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64], help="batch sizes of the equality runs")
+    ap.add_argument("--timed-batches", type=int, nargs="+", default=[1, 64], help="batch sizes timed")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     InvarianceBench(args).run()

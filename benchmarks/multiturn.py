@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import PRESETS  # noqa: E402
-from e2e_common import E2EBench, add_common_args, build_hf_llava, default_dtype, fmt, log, resolve_device  # noqa: E402
+from e2e_common import E2EBench, add_common_args, build_llava_pair, fmt, log, resolve_device  # noqa: E402
 
 SHAPE = {"llava-1.5-7b": dict(first=616, new=40, answer=32), "tiny": dict(first=44, new=12, answer=8)}
 TURNS = 4
@@ -51,21 +51,10 @@ class Bench(E2EBench):
 
     def setup(self) -> dict:
         from tabed_engine import Engine
-        from tabed_engine.models.loader import lvlm_from_hf
-        from tabed_engine.models.tiny import build_processor
 
         p, dev, dt = self.p, self.device, self.dtype
         t0 = time.perf_counter()
-        self.processor = build_processor(p.target["vocab_size"], p.vision["image_size"], p.vision["patch_size"],
-                                         "default")
-        image_token = self.processor.tokenizer.convert_tokens_to_ids("<image>")
-        hf_target = build_hf_llava(p.vision, p.target, dev, dt, p.init_std, 0, image_token)
-        hf_draft = build_hf_llava(p.vision, p.draft, dev, dt, p.init_std, 1, image_token)
-        with torch.no_grad():
-            hf_draft.model.vision_tower.load_state_dict(hf_target.model.vision_tower.state_dict())
-        with default_dtype(dt):
-            target, draft = lvlm_from_hf(hf_target, dev, dt), lvlm_from_hf(hf_draft, dev, dt)
-        del hf_target, hf_draft
+        self.processor, image_token, target, draft = build_llava_pair(p, dev, dt)
         # random weights may answer with the image token, which a token-id prompt then reads as
         # an image: its head row zeroed (logit 0, below the maximum of the other random logits)
         with torch.no_grad():
