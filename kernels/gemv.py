@@ -380,11 +380,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
         glu_epilogue = N * K < GLU_EPILOGUE_MAX or splits > 1
     if glu and not glu_epilogue:
         return silu_mul(gemv_rows(x, weight, bias, config=config), out=y)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    use_pdl = pdl(x.device)
-    b = bias if bias is not None else weight  # placeholder pointer, never read
+    x2, b, use_pdl = _launch_inputs(x, weight, bias, M, K)
     tiles = triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN)
     if splits > 1:
         part = torch.empty(splits, block_m, N, device=x.device, dtype=torch.float32)
@@ -399,6 +395,14 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias=None, *, glu: bool = F
     return y
 
 
+def _launch_inputs(x, weight, bias, M: int, K: int):
+    """(x as [M, K] with a unit last stride, the bias pointer or a never-read placeholder, PDL on)."""
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2, (bias if bias is not None else weight), pdl(x.device)
+
+
 def _gemv_rows_invariant(x, weight, bias, glu, out, config):
     """`gemv_rows(..., invariant=True)`: M rows as M / INVARIANT_BLOCK_M row tiles of one launch
     config (`invariant_launch`); the GLU gate in the epilogue (the same bits as a `silu_mul`
@@ -409,11 +413,7 @@ def _gemv_rows_invariant(x, weight, bias, glu, out, config):
     if M == 0:
         return y
     block_m, BN, BK, warps, stages = invariant_launch(N, K, x.dtype)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    use_pdl = pdl(x.device)
-    b = bias if bias is not None else weight  # placeholder pointer, never read
+    x2, b, use_pdl = _launch_inputs(x, weight, bias, M, K)
     tiles = triton.cdiv(N // 2, BN // 2) if glu else triton.cdiv(N, BN)
     m_tiles = triton.cdiv(M, block_m)
     _gemv_dot_kernel[(tiles * m_tiles, 1)](x2, weight, b, y, y, y, M, m_tiles, N, K, K, x2.stride(0),
