@@ -18,6 +18,7 @@ class GenerationStats:
     speculative: bool
     prompt_tokens: int = 0
     cached_tokens: int = 0            # prompt tokens whose prefill a cached prefix saved (prefix caching)
+    draft_cached_tokens: int = 0      # the same for the draft's view rows, summed over the views
     new_tokens: int = 0
     target_forwards: int = 0          # decode/verify forwards after the prefill
     accepted_lengths: list[int] = field(default_factory=list)   # drafted tokens accepted per block

@@ -18,6 +18,7 @@ from tabed_engine.engine.graphs import private_stream
 from tabed_engine.engine.prefix_cache import prefill_suffix
 from tabed_engine.engine.prompt import Prepared
 from tabed_engine.engine.request import Request
+from tabed_engine.engine.view_cache import prefill_views
 from tabed_engine.models.decoder import KVCache, cache_rows
 from tabed_engine.speculation.chain import prefill_draft
 from tabed_engine.speculation.ensemble import state_rows
@@ -248,6 +249,8 @@ class PrefillSteps:
             return 0
         self.allocate()
         rows = [ViewRow([0] * P, [], []) for P in prefill_buckets(self.dcache.max_len, self.dcache.max_len)]
+        if self.view_prefix is not None:
+            self.view_prefix.forget(0)
         for row in rows:
             prefill_draft(self, [row] * self.K, cache_rows(self.dcache, 0, self.K))
         self.pending = None
@@ -388,7 +391,8 @@ class PrefillSteps:
             # padded to a prompt-length bucket: the eager forward's per-shape costs (kernel
             # selection and compilation on the GPU) are paid once per bucket, not per length
             pad = prefill_bucket(longest, self.dcache.max_len, self.dcache.max_len) or 0
-            _, first_q = prefill_draft(self, rows, cache_rows(self.dcache, slot * K, slot * K + K), pad)
+            # cached prefixes of the view rows reused (engine/view_cache.py)
+            first_q, req.stats.draft_cached_tokens = prefill_views(self, req.prep, rows, skip, slot, pad)
         if side is not None:
             # the caching allocator must not hand these to the other stream while still in use
             main = torch.cuda.current_stream()

@@ -15,9 +15,9 @@ head_dim]). Slots above the batch's bucket are never touched by a block, so pref
 there survive running traffic; a free slot inside the bucket is written by every block (its
 garbage row writes at length 0) and loses its entry when a block runs (`damaged`).
 
-Only the target's row is cached: the draft's views are prefilled as before (they differ per
-view: T has no image, P pools, C has the caption text, and a view prefill overlaps the
-target's on the GPU, off the first token's path).
+The draft's view rows have an index of their own (`engine/view_cache.py`): they differ per
+view (T has no image, P pools, C has the caption text) and are looked up when the views are
+prefilled, after the target's prompt; `retire` and `rows_written` keep both up to date.
 
 Everything here is host state updated from the scheduler's deterministic inputs (the
 requests' tokens and pixels, the order of admissions and blocks), so tensor-parallel ranks,
@@ -75,11 +75,23 @@ class Entry:
     used: int                          # the index's clock at the last use (LRU)
 
 
+def _shared(a: list[int], b: list[int]) -> int:
+    """The length of the common start of two id lists (a bisection over slice comparisons, which
+    run in C: every admission compares its prompt with every slot's row, the views' too)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n                      # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
+    return lo
+
+
 def common_prefix(a: Entry, ids: list[int], media: list[tuple[int, int, bytes]]) -> int:
     """Tokens at the start of `ids` (with its media runs) whose KV equals `a`'s: equal ids, and
     any media run starting before the cut equal in start, length and pixel hash."""
-    n = min(len(a.ids), len(ids))
-    m = next((i for i in range(n) if a.ids[i] != ids[i]), n)
+    m = _shared(a.ids, ids)
     for x, y in zip(a.media, media):
         if min(x[0], y[0]) >= m:
             break
@@ -213,17 +225,25 @@ def retire(runner, req):
     """`req` leaves its slot: the row keeps its KV for later requests (a failed one's is dropped)."""
     if runner.prefix is None or req.slot is None:
         return
+    views = getattr(runner, "view_prefix", None)
     if req.finish_reason == "error":
         runner.prefix.forget(req.slot)
-    else:
-        runner.prefix.release(req.slot, req.prep, req.tokens)
+        if views is not None:
+            views.forget(req.slot)
+        return
+    runner.prefix.release(req.slot, req.prep, req.tokens)
+    if views is not None and req.speculative and req.view_len:   # (an AR request leaves its draft rows alone)
+        views.release(req.slot, req.tokens[:req.draft_valid])
 
 
 def rows_written(runner, slots: list, b: int):
     """A block runs over slots [0, b): its rows of free slots compute garbage written from slot
-    0 of the row (`Runner._target_inputs`), so what they held is gone."""
-    if runner.prefix is not None:
-        runner.prefix.damaged([i for i in range(b) if slots[i] is None or slots[i].finished])
+    0 of the row (`Runner._target_inputs`; their draft rows too, `_draft_inputs`), so what they
+    held is gone."""
+    free = [i for i in range(b) if slots[i] is None or slots[i].finished]
+    for index in (runner.prefix, getattr(runner, "view_prefix", None)):
+        if index is not None:
+            index.damaged(free)
 
 
 def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int, src: Optional[int],

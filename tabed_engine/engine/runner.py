@@ -22,6 +22,7 @@ from tabed_engine.engine.blocks import SpeculativeSteps
 from tabed_engine.engine.graphs import GraphCache
 from tabed_engine.engine.prefill import PREFILL_GRAPH_MAX, PrefillSteps
 from tabed_engine.engine.prefix_cache import new_index
+from tabed_engine.engine.view_cache import new_view_index
 from tabed_engine.models.decoder import KVCache, cache_rows
 from tabed_engine.speculation.ensemble import EnsembleState, state_rows
 from tabed_engine.speculation.sampling import RowSampling, pick_tokens
@@ -68,6 +69,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
         self._allocated = False
         self.bench_accept_schedule = None
         self.prefix = new_index(self)       # what each slot's target row holds (prefix caching)
+        self.view_prefix = new_view_index(self)   # ... and each of its draft rows (engine/view_cache.py)
         # slots whose request is between prefill chunks -> the prompt tokens their target row
         # holds: a block writes the slot's garbage row from there (the next chunk overwrites it)
         self.parked: dict[int, int] = {}
