@@ -233,26 +233,53 @@ def test_rows_written_by_running_blocks_are_not_reused(monkeypatch):
     assert all(c < 8 for c, _ in plan)
 
 
-def test_qwen2_5_vl_multi_turn(monkeypatch, tmp_path_factory):
-    """An M-RoPE draft: the reused rows keep their 3-D positions, the rest continues them (a
-    second image after the cached prefix included); M, T and P (2x2-pooled merged grids)."""
-    from tabed_engine.models.tiny import random_image
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(engine with the cache, engine without) on a tiny Qwen2.5-VL pair: M, T and P views."""
     from tabed_engine.models.tiny_qwen2_5_vl import build_tiny_qwen2_5_vl
     root = tmp_path_factory.mktemp("qwen_views")
     build_tiny_qwen2_5_vl(str(root / "t"))
     build_tiny_qwen2_5_vl(str(root / "d"), layout="nested", perturb=0.05)
     kw = dict(device="cpu", dtype=torch.float32, views=("M", "T", "P"), gamma=3, policy="kld")
-    on = Engine.from_pretrained(str(root / "t"), str(root / "d"), **kw)
-    off = Engine.from_pretrained(str(root / "t"), str(root / "d"), prefix_cache=False, **kw)
+    return (Engine.from_pretrained(str(root / "t"), str(root / "d"), **kw),
+            Engine.from_pretrained(str(root / "t"), str(root / "d"), prefix_cache=False, **kw))
+
+
+def test_qwen2_5_vl_multi_turn(monkeypatch, qwen):
+    """An M-RoPE draft: the reused rows keep their 3-D positions, the rest continues them (a
+    second image after the cached prefix included); M, T and P (2x2-pooled merged grids)."""
+    from tabed_engine.models.tiny import random_image
+    on, off = qwen
+    reset(on)
     probe = Probe(monkeypatch, on, off)
     img = [random_image(3, 40)]
-    sp = SamplingParams(max_new_tokens=8)
     prompt = ids_of(on, user("What is shown?", True), img)
-    out, _, rows, _ = both(probe, on, off, prompt, img, sp)
+    out, _, rows, _ = both(probe, on, off, prompt, img)
     turn2 = prompt + out.token_ids + tail_ids(on, "Compare:", with_image=True)
     imgs = img + [random_image(4, 56)]
-    _, plan, rows2, _ = both(probe, on, off, turn2, imgs, sp)
+    _, plan, rows2, _ = both(probe, on, off, turn2, imgs)
     assert all(len(a) <= c < len(b) for (c, _), a, b in zip(plan, rows, rows2))
+
+
+def test_qwen2_5_vl_video(monkeypatch, qwen):
+    """Videos: the same frames again reuse the M and P rows past the video; other frames of the
+    same size stop them where the video starts (the T row, an escape token, is reused whole)."""
+    from tabed_engine.models.tiny_qwen2_5_vl import tiny_video
+    on, off = qwen
+    reset(on)
+    probe = Probe(monkeypatch, on, off)
+    content = [{"type": "video"}, {"type": "text", "text": "What happens in the video?"}]
+    text = on.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=False)
+    video = tiny_video(5, 4, 28, 44)
+    both(probe, on, off, text, None, videos=[video])
+    tok = on.target.video_token_id
+    _, plan, rows, _ = both(probe, on, off, text, None, videos=[video])
+    for v, (c, _), ids in zip(on.views, plan, rows):
+        assert c == len(ids) - 1 if v == "T" else c >= sum(image_span(ids, tok)), (v, plan)
+    _, plan, rows, _ = both(probe, on, off, text, None, videos=[video[::-1].copy()])
+    for v, (c, _), ids in zip(on.views, plan, rows):
+        assert c == (len(ids) - 1 if v == "T" else image_span(ids, tok)[0]), (v, plan)
 
 
 def test_a_draft_with_its_own_processor(monkeypatch):
