@@ -149,6 +149,19 @@ def test_an_autoregressive_turn_leaves_the_draft_rows(monkeypatch):
         assert len(before) <= c <= len(before) + len(out.token_ids)
 
 
+def test_a_request_mixing_fewer_views(monkeypatch):
+    """A request leaving P out of its mixture has a T row in P's place: it is copied from the
+    slot's T row (another view's row), and all stays equal."""
+    on, off = pair(("M", "T", "P"))
+    probe = Probe(monkeypatch, on)
+    img = [image(50)]
+    prompt = ids_of(on, user("What is shown in this photo?", True), img)
+    out, _, rows, _ = both(probe, on, off, prompt, img)
+    turn2 = prompt + out.token_ids + tail_ids(on, "Why?")
+    _, plan, rows2, _ = both(probe, on, off, turn2, img, views=("M", "T"))
+    assert rows2[2] == rows2[1] and plan[2] == (plan[1][0], 1) and plan[1][0] >= len(rows[1])
+
+
 def test_chunked_prefill(monkeypatch):
     """A prompt prefilled in chunks of 16 tokens looks its views up after the last chunk."""
     on, off = pair()
