@@ -322,6 +322,10 @@ def test_plan_prefers_its_own_row_and_falls_back_when_nothing_is_saved():
     # the last token is never reused; a view that misses makes the forward as long: no reuse
     assert idx.plan([([1, 2, 3, 4], []), ([1, 2, 9], [])], 0) == [(3, 0), (2, 1)]
     assert idx.plan([([1, 2, 3, 4, 5], []), ([7, 7, 7, 7, 7, 7], [])], 0) == [(0, None), (0, None)]
+    idx.max_suffix = 1                       # (the GPU's limit: a longer rest prefills whole)
+    assert idx.plan([([1, 2, 3, 4, 5], []), ([1, 2, 9, 9], [])], 0) == [(4, 0), (3, 1)]
+    assert idx.plan([([1, 2, 3, 4, 5, 6], []), ([1, 2, 9, 9], [])], 0) == [(0, None), (0, None)]
+    idx.max_suffix = None
     # media: the same ids with another picture (or the same picture pooled) stop at the run
     idx.hold(1, [([5, 8, 8, 6], [(1, 2, b"a" + b"M")]), ([5, 8, 8, 6], [(1, 2, b"a" + b"P2")])])
     assert idx.plan([([5, 8, 8, 6, 7], [(1, 2, b"a" + b"M")]), ([5, 8, 8, 6, 7], [(1, 2, b"b" + b"M")])], 0) \
