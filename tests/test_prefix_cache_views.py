@@ -362,5 +362,12 @@ def test_fit_plan_and_copies_read_sources_before_writing():
     assert (cache.k[:, 2, :, :4] == 3).all() and (cache.k[:, 2, :, 4:] == 2).all()
     assert (cache.k[:, 3, :, :3] == 2).all() and (cache.v[:, 3, :, :3] == -2).all()
     assert (cache.k[:, 3, :, 3:] == 3).all()
+    # one source for both views, itself a destination: read whole before either is written
+    for r in range(4):
+        cache.k[:, r] = float(r)
+    copy_rows(cache, 1, [(5, 3), (3, 3), (2, 0)])
+    assert (cache.k[:, 1, :, :5] == 3).all() and (cache.k[:, 1, :, 5:] == 1).all()
+    assert (cache.k[:, 2, :, :3] == 3).all() and (cache.k[:, 2, :, 3:] == 2).all()
+    assert (cache.k[:, 3, :, :2] == 0).all() and (cache.k[:, 3, :, 2:] == 3).all()
     copy_rows(cache, 2, [(2, 0), (0, None)])
     assert (cache.k[:, 2, :, :2] == 0).all() and (cache.k[:, 0] == 0).all()

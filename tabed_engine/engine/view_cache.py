@@ -149,9 +149,11 @@ def copy_rows(cache: KVCache, first: int, plan):
     """Each view's reused KV into its row (row first + k) from its source row, sources read before
     any row of the request is written (a source may be another view's row)."""
     moves = [(first + k, s, c) for k, (c, s) in enumerate(plan) if s is not None and s != first + k]
-    dst = {d for d, _, _ in moves}
+    dst, need = {d for d, _, _ in moves}, {}
+    for _, s, c in moves:
+        need[s] = max(c, need.get(s, 0))
     src = {s: (cache.k[:, s, :, :c].clone(), cache.v[:, s, :, :c].clone()) if s in dst else None
-           for _, s, c in moves}
+           for s, c in need.items()}
     for d, s, c in moves:
         kv = src[s]
         cache.k[:, d, :, :c].copy_(cache.k[:, s, :, :c] if kv is None else kv[0][:, :, :c])
