@@ -114,6 +114,7 @@ class ViewIndex:
             self.forget(i)
 
     def account(self, cached: int, n: int):
+        """One speculative admission: `cached` of its views' `n` tokens (summed over the views) reused."""
         self.lookups += 1
         self.hits += cached > 0
         self.cached_tokens += cached
