@@ -258,6 +258,30 @@ def qwen(tmp_path_factory):
             Engine.from_pretrained(str(root / "t"), str(root / "d"), prefix_cache=False, **kw))
 
 
+def test_a_failed_view_prefill_forgets_the_rows(monkeypatch):
+    """A request whose views' prefill fails (its draft rows half written) leaves nothing to
+    reuse: the next try prefills its views whole, and right."""
+    from tabed_engine.engine import view_cache
+    on, off = pair()
+    probe = Probe(monkeypatch, on)
+    img = [image(51)]
+    prompt = ids_of(on, user("What is shown in this photo?", True), img)
+    out, *_ = both(probe, on, off, prompt, img)
+    turn2 = prompt + out.token_ids + tail_ids(on, "Why?")
+    real = view_cache.prefill_rows
+
+    def broken(runner, rows, cache, cached, P):
+        cache.k[:, :, :, :4] = float("nan")              # what a failure may leave behind
+        raise RuntimeError("device failure")
+
+    monkeypatch.setattr(view_cache, "prefill_rows", broken)
+    with pytest.raises(RuntimeError, match="device failure"):
+        on.generate(turn2, images=img, sampling=SP)
+    monkeypatch.setattr(view_cache, "prefill_rows", real)
+    again, plan, *_ = both(probe, on, off, turn2, img)
+    assert plan == [(0, None), (0, None)] and again.stats.draft_cached_tokens == 0
+
+
 def test_qwen2_5_vl_multi_turn(monkeypatch, qwen):
     """An M-RoPE draft: the reused rows keep their 3-D positions, the rest continues them (a
     second image after the cached prefix included); M, T and P (2x2-pooled merged grids)."""
