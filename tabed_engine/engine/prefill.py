@@ -193,7 +193,7 @@ class PrefillSteps:
         for s in range(start, end, INVARIANT_PREFILL_STEP):
             e = min(end, s + INVARIANT_PREFILL_STEP)
             logits = prefill_suffix(self, prep, x[s - start:e - start], slot, s, src if s == start else None, pos3,
-                                    end=e)
+                                    end=e, media_graphs=True)
         return logits
 
     def _prefill_inputs(self):

@@ -247,7 +247,7 @@ def rows_written(runner, slots: list, b: int):
 
 
 def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int, src: Optional[int],
-                   pos3: Optional[torch.Tensor], end: Optional[int] = None) -> torch.Tensor:
+                   pos3: Optional[torch.Tensor], end: Optional[int] = None, media_graphs: bool = False) -> torch.Tensor:
     """Prefill target row `slot` from `cached` on: rows [0, cached) of slot `src` copied first
     (unless it is `slot` or None), then the prompt's tokens [cached, end) (default: to the
     prompt's end) run as new tokens of a row whose committed length is `cached` (eager: the
@@ -255,7 +255,9 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
     prefill is the same call (`PrefillSteps.prefill_chunk`). x: those tokens' embeddings
     [end - cached, hidden]; pos3: the whole prompt's M-RoPE ids [3, n] or None (the row's
     `pos_offset` is already the prompt's: the forward adds it back). Returns the logits of
-    position end - 1 [1, V]."""
+    position end - 1 [1, V]. The captured suffix graphs (per slot and padded length) serve rests
+    of text after every image, and with `media_graphs` (an invariant engine's prefill) any rest
+    whose positions are 1-D."""
     tc = runner.tcache
     n = len(prep.ids) if end is None else end
     if src is not None and src != slot:
@@ -264,10 +266,12 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
     dev = runner.device
     T = n - cached
     P = -(-T // SUFFIX_STEP) * SUFFIX_STEP
-    plain_pos = pos3 is None or all(s + m <= cached for s, m in prep.media_spans)
-    if runner.graphs is not None and plain_pos and P <= SUFFIX_GRAPH_MAX and cached + P <= tc.max_len:
-        # (1-D positions: RoPE, or M-RoPE on text after every image, where a row's three ids are
-        # equal, its slot + the row's offset, which the forward adds to these positions)
+    text_rest = all(s + m <= cached for s, m in prep.media_spans)
+    graphed = text_rest or (media_graphs and pos3 is None)
+    if runner.graphs is not None and graphed and P <= SUFFIX_GRAPH_MAX and cached + P <= tc.max_len:
+        # (text after every image: an M-RoPE row's three ids are equal there, its slot + the
+        # row's offset, which the forward adds to these 1-D positions; `media_graphs`: image
+        # tokens too where positions are 1-D RoPE, an invariant engine's prefill)
         xp = torch.zeros(1, P, x.shape[-1], device=dev, dtype=x.dtype)
         xp[0, :T] = x
         inputs = dict(x=xp, pos=torch.arange(cached, cached + P, device=dev)[None],
