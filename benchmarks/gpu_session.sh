@@ -2,7 +2,7 @@
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
 #   (stages: env build test kernels bench layer-kernels profile profile-prefill profile-tree e2e e2e-next ttft batch
-#    serve e2e-demo world e2e-families)
+#    serve e2e-demo world e2e-families invariance)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -99,6 +99,11 @@ for stage in "$@"; do
       # weights): TTFT, AR vs the weight floor, SD over chain lengths at tau 2.31, transformers (7B)
       timeout ${FAMILIES_TIMEOUT:-470} $PY benchmarks/e2e_families.py --out "$OUT" --budget-s ${FAMILIES_BUDGET:-420} \
         ${FAMILIES_ARGS:-} 2>&1 | grep -v Warn | tail -90
+      ;;
+    invariance)
+      # bf16 token equality (SD vs AR, batched vs alone) and speed: the default path vs invariant=True
+      timeout ${INVARIANCE_TIMEOUT:-560} $PY benchmarks/invariance.py --out "$OUT" ${INVARIANCE_ARGS:-} 2>&1 \
+        | grep -v Warn | tail -30
       ;;
     e2e-demo)
       # bundled trained pair, real acceptance (no override), S1-S5 x 10 prompts
