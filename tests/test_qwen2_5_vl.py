@@ -151,9 +151,9 @@ def test_both_key_layouts_load_alike(dirs, target):
 
 
 @functools.lru_cache(maxsize=None)
-def sd_engine(target_dir, draft_dir, views, tree, policy="kld", gamma=3):
+def sd_engine(target_dir, draft_dir, views, tree, policy="kld", gamma=3, **kw):
     return Engine.from_pretrained(target_dir, draft_dir, device="cpu", dtype=torch.float32, views=views,
-                                  policy=policy, gamma=gamma, tree=tree, adaptive=False)
+                                  policy=policy, gamma=gamma, tree=tree, adaptive=False, **kw)
 
 
 @pytest.mark.parametrize("tree", [None, TreeConfig(3, 2, 2)], ids=["chain", "tree"])
@@ -173,7 +173,8 @@ def test_identical_draft_accepts_every_token(dirs, tree, monkeypatch):
     """A draft with the target's weights (M view) drafts exactly the target's tokens only with
     the right M-RoPE positions in its prefill and in every drafted and verified position after
     it; the broken variant (the draft rows' position offsets left at 0) loses acceptance."""
-    eng = sd_engine(dirs["target"], dirs["same"], ("M",), tree, policy="uniform")
+    # no prefix cache: the second run must prefill its draft rows again, not reuse the first's
+    eng = sd_engine(dirs["target"], dirs["same"], ("M",), tree, policy="uniform", prefix_cache=False)
     text, images = chat(eng, "two images")
     out = eng.generate(text, images=images, sampling=SP)
     assert all(n == 3 for n in out.stats.accepted_lengths[:-1]), out.stats.accepted_lengths
