@@ -71,6 +71,9 @@ class BatchBench:
         self.eng = Engine(self.target, self.processor, draft=self.draft, device=dev, dtype=dt, views=("M", "T"),
                           gamma=p.gamma, max_len=self.args.max_len, max_batch=self.args.max_batch,
                           prefix_cache=False)   # the arrivals repeat one prompt: prefills measured cold
+        self.default_chunk = self.eng.prefill_chunk
+        if self.args.prefill_chunks is None:
+            self.args.prefill_chunks = [self.default_chunk or 0]
         self.words, self.image = words, random_image(0, p.vision["image_size"])
         gbs = copy_bandwidth_gbs(dev, p.copy_bytes, reps=10) if dev.type == "cuda" else None
         cfg = self.target.lm.cfg
@@ -164,13 +167,26 @@ class BatchBench:
         return out
 
     def mixed(self) -> dict:
-        """Poisson arrivals of requests with different prompt and answer lengths, at each rate."""
+        """Poisson arrivals of requests with different prompt and answer lengths, at each rate and
+        prefill budget (`Engine.prefill_chunk`; 0: each prompt prefills whole)."""
         warm = self.eng.warmup()         # every bucket's graphs captured before the arrivals start
-        out = {f"rate={rate:g}": self.arrivals(rate) for rate in self.args.rates}
+        out = {}
+        for chunk in self.args.prefill_chunks:
+            self.eng.prefill_chunk = chunk or None
+            for rate in self.args.rates:
+                out[f"rate={rate:g},chunk={chunk}"] = self.arrivals(rate, chunk)
+                self.R["mixed"] = out
+                self.save()
+        self.eng.prefill_chunk = self.default_chunk
         out["warmup_s"] = warm
         return out
 
-    def arrivals(self, rate: float) -> dict:
+    def arrivals(self, rate: float, chunk: int) -> dict:
+        """One arrival run per mode (AR, SD at tau 2.31). Latencies as the serving benchmarks
+        report them: TTFT from arrival; TPOT a request's mean time per output token after its
+        first; ITL the gaps between successive deliveries of new tokens to one request (a
+        speculative block delivers several tokens at once: one gap); each engine step's wall
+        time, whose median is the bound's yardstick (ITL p99 <= 2x the median step)."""
         from tabed_engine import SamplingParams
 
         eng, args = self.eng, self.args
@@ -182,7 +198,7 @@ class BatchBench:
         out = {}
         for mode, tau in (("ar", None), ("sd", 2.31)):
             eng.bench_accept_schedule = geometric_schedule(tau, self.p.gamma) if tau else None
-            pending, done = list(reqs), {}
+            pending, done, last, gaps, steps = list(reqs), {}, {}, [], []
             t0 = time.perf_counter()
             while pending or eng.has_unfinished():
                 now = time.perf_counter() - t0
@@ -193,21 +209,37 @@ class BatchBench:
                 if not eng.has_unfinished():
                     time.sleep(min(0.001, max(0.0, pending[0][0] - now)))
                     continue
-                for o in eng.step():
+                t_step = time.perf_counter()
+                outs = eng.step()
+                t_end = time.perf_counter()
+                steps.append(t_end - t_step)
+                for o in outs:
+                    if o.new_token_ids:
+                        if o.request_id in last:
+                            gaps.append(t_end - last[o.request_id])
+                        last[o.request_id] = t_end
                     if o.finished:
                         done[o.request_id] = o.output
             wall = time.perf_counter() - t0
             outs = list(done.values())
             ttft = [o.stats.time_first_token * 1e3 for o in outs]
-            itl = [(o.stats.time_total - o.stats.time_first_token) / (len(o.token_ids) - 1) * 1e3
-                   for o in outs if len(o.token_ids) > 1]
-            out[mode] = {"requests": len(outs), "wall_s": wall,
+            tpot = [(o.stats.time_total - o.stats.time_first_token) / (len(o.token_ids) - 1) * 1e3
+                    for o in outs if len(o.token_ids) > 1]
+            itl = [g * 1e3 for g in gaps]
+            step_p50 = pct([s * 1e3 for s in steps], 50)
+            out[mode] = {"requests": len(outs), "wall_s": wall, "prefill_chunk": chunk,
                          "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+                         "requests_per_s": len(outs) / wall,
                          # the share of the run spent in prefills (the batch's decode waits meanwhile)
                          "prefill_share": sum(o.stats.time_prefill for o in outs) / wall,
                          "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
-                         "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99)}
-            log(f"mixed {rate:g}/s {mode}: {out[mode]}")
+                         "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
+                         # the per-request mean ITL of earlier results files is tpot here
+                         "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
+                         "step_ms_p50": step_p50, "step_ms_p99": pct([s * 1e3 for s in steps], 99),
+                         "steps": len(steps),
+                         "itl_p99_over_step_p50": pct(itl, 99) / step_p50 if itl and step_p50 else None}
+            log(f"mixed {rate:g}/s chunk {chunk} {mode}: {out[mode]}")
         eng.bench_accept_schedule = None
         return out
 
@@ -240,8 +272,9 @@ class BatchBench:
         t0 = time.perf_counter()
         self.R["setup"] = self.setup()
         self.save()
-        self.R["fixed"] = self.fixed()
-        self.save()
+        if self.args.fixed:
+            self.R["fixed"] = self.fixed()
+            self.save()
         if self.args.sampling:
             self.R["sampling"] = self.sampling()
             self.save()
@@ -266,6 +299,10 @@ def main(argv=None):
                     help="mixed runs: arrivals per second (40/s of 616-token prompts keeps an H200 busy "
                          "with prefills most of the time)")
     ap.add_argument("--sampling", type=int, default=1, help="0: skip the per-row sampling section")
+    ap.add_argument("--fixed", type=int, default=1, help="0: skip the fixed-batch section")
+    ap.add_argument("--prefill-chunks", type=int, nargs="+", default=None,
+                    help="mixed runs: prefill budgets (Engine.prefill_chunk; 0 = whole prompts; "
+                         "default: the engine's default)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     BatchBench(args).run()

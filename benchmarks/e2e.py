@@ -738,8 +738,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.preset == e2e_demo.PRESET:
         return e2e_demo.run(args)
-    if args.prompts or args.max_new:
-        ap.error("--prompts and --max-new belong to the demo-pair preset")
+    if args.prompts or args.max_new or args.invariant:
+        ap.error("--prompts, --max-new and --invariant belong to the demo-pair preset")
     preset = PRESETS[args.preset]
     if args.repeats:
         preset.repeats = args.repeats

@@ -119,18 +119,21 @@ class DemoBench(E2EBench):
             if not os.path.isfile(os.path.join(d, "config.json")):
                 raise FileNotFoundError(f"no bundled checkpoint at {d}")
         t0 = time.perf_counter()
+        inv = self.args.invariant        # invariant=True covers chains only: no tree engine then
         base = Engine.from_pretrained(dirs["target"], dirs["draft"], device=dev, dtype=dt, views=DEMO_VIEWS,
-                                      policy=DEMO_POLICY, gamma=p.gamma, timing=False, prefix_cache=False)
+                                      policy=DEMO_POLICY, gamma=p.gamma, timing=False, prefix_cache=False,
+                                      invariant=inv)
         single = Engine(base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=("M",),
                         policy="uniform", gamma=p.gamma, timing=False,    # shares the loaded weights
-                        prefix_cache=False)
-        tree = TreeConfig()                 # the default tree, over the demo's ensemble
-        treed = Engine(base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=DEMO_VIEWS,
-                       policy=DEMO_POLICY, gamma=p.gamma, timing=False, tree=tree, prefix_cache=False)
+                        prefix_cache=False, invariant=inv)
         self.ar_engine, self.target_lvlm, self.processor = base, base.target, base.processor
         name = f"{DEMO_POLICY}[{'+'.join(DEMO_VIEWS)}]"
-        self.engines = {name: base, "M": single,
-                        f"{name} tree {tree.depth}x{tree.width}x{tree.branch}": treed}
+        self.engines = {name: base, "M": single}
+        if not inv:
+            tree = TreeConfig()             # the default tree, over the demo's ensemble
+            self.engines[f"{name} tree {tree.depth}x{tree.width}x{tree.branch}"] = Engine(
+                base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=DEMO_VIEWS,
+                policy=DEMO_POLICY, gamma=p.gamma, timing=False, tree=tree, prefix_cache=False)
         self.check_no_override()
         self.examples = {sc: examples(sc, p.prompts, seed=0) for sc in SCENARIOS}
         self.hf = None
@@ -156,7 +159,7 @@ class DemoBench(E2EBench):
                 "safetensors_sha256_16": {k: sha256_16(os.path.join(d, "model.safetensors"))
                                           for k, d in dirs.items()},
                 "training": training, "target_lm": shape(base.target), "draft_lm": shape(base.draft),
-                "image_tokens": base.tokens_per_image, "dtype": str(dt), "gamma": p.gamma, "greedy": True,
+                "image_tokens": base.tokens_per_image, "dtype": str(dt), "invariant": inv, "gamma": p.gamma, "greedy": True,
                 "stop_at_eos": True, "batch": 1, "max_len": base.max_len, "acceptance_override": None,
                 "prompts_per_scenario": p.prompts, "example_seeds": "world.examples(sc, n, seed=0)",
                 "max_new_tokens": self.max_new, "repeats": p.repeats,
@@ -410,6 +413,8 @@ def add_args(ap: argparse.ArgumentParser):
                     help="demo-pair: prompts per scenario (default: preset's, 10)")
     ap.add_argument("--max-new", type=int, default=None,
                     help="demo-pair: cap on new tokens per generation (default: per scenario, 16-48)")
+    ap.add_argument("--invariant", action="store_true",
+                    help="demo-pair: the engines with invariant=True (chains only: no tree engine)")
 
 
 def run(args):

@@ -2,7 +2,7 @@
 # One device session stage: build the CUDA extension, run the GPU tests, run benchmarks.
 # Usage: benchmarks/gpu_session.sh STAGE...
 #   (stages: env build test kernels bench layer-kernels profile profile-prefill profile-tree e2e e2e-next ttft batch
-#    serve e2e-demo world e2e-families invariance)
+#    serve e2e-demo world e2e-families invariance mixed multiturn demo-tau)
 # Results go to $OUT (or benchmarks/results/raw when OUT is unset).
 set -u
 export PYTHONUNBUFFERED=1
@@ -104,6 +104,23 @@ for stage in "$@"; do
       # bf16 token equality (SD vs AR, batched vs alone) and speed: the default path vs invariant=True
       timeout ${INVARIANCE_TIMEOUT:-560} $PY benchmarks/invariance.py --out "$OUT" ${INVARIANCE_ARGS:-} 2>&1 \
         | grep -v Warn | tail -30
+      ;;
+    mixed)
+      # arrivals at 40/s (benchmarks/batch.py's mixed section alone) at several prefill budgets
+      timeout ${MIXED_TIMEOUT:-560} $PY benchmarks/batch.py --out "$OUT" --fixed 0 --sampling 0 \
+        ${MIXED_ARGS:---rates 40 --prefill-chunks 0 512 256 128} 2>&1 | grep -v Warn | tail -20
+      ;;
+    multiturn)
+      timeout ${MULTITURN_TIMEOUT:-300} $PY benchmarks/multiturn.py --out "$OUT" 2>&1 | grep -v Warn | tail -25
+      ;;
+    demo-tau)
+      # the bundled pair's acceptance in float32 and bf16, the default path and invariant=True
+      for run in "fp32" "bf16" "bf16 --invariant" "fp32 --invariant"; do
+        read -r dt inv <<< "$run"
+        timeout ${DEMO_TAU_TIMEOUT:-150} $PY benchmarks/e2e.py --preset demo-pair --skip-hf --repeats 1 \
+          --out "$OUT/demo_tau_$dt${inv:+_inv}" --dtype $dt $inv ${DEMO_TAU_ARGS:-} 2>&1 \
+          | grep -E "tau|mismatch|FAIL|Error" | tail -8
+      done
       ;;
     e2e-demo)
       # bundled trained pair, real acceptance (no override), S1-S5 x 10 prompts

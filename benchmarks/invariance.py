@@ -7,8 +7,8 @@ For each path, N greedy requests of T new tokens (one image + words each):
   all N batched at B = 16 and B = 64 (AR and SD, continuous batching: requests join as others
   leave); the share of requests whose tokens equal the alone-AR tokens, and where the first
   differing token sits;
-* TTFT: median time to first token of the alone AR requests (cold prefills, prefix cache off);
-* speed: AR ms/token at B = 1 and B = 64, SD at a fixed tau (the geometric acceptance
+* TTFT: median time to first token of 8 alone AR requests (cold prefills, prefix cache off);
+* speed (timed first, every path side by side, before the equality runs): AR ms/token at B = 1 and B = 64, SD at a fixed tau (the geometric acceptance
   schedule of benchmarks/e2e.py, NOT lossless: timing only) at B = 1 and B = 64, with the
   copy-bandwidth floor of the target's weights measured in the same run.
 
@@ -68,10 +68,10 @@ class InvarianceBench:
                       views=("M", "T"), gamma=self.args.gamma, max_len=self.args.max_len, max_batch=max_batch,
                       adaptive=False, prefix_cache=False, invariant=invariant)
 
-    def tokens(self, eng, prompts, speculative):
+    def tokens(self, eng, prompts, speculative, new_tokens=None):
         from tabed_engine import SamplingParams
 
-        sp = SamplingParams(max_new_tokens=self.args.new_tokens, stop_at_eos=False)
+        sp = SamplingParams(max_new_tokens=new_tokens or self.args.new_tokens, stop_at_eos=False)
         outs = eng.generate(prompts, images=[[self.image]] * len(prompts), sampling=sp, speculative=speculative)
         self.ttft += [o.stats.time_first_token for o in outs]
         return [list(o.token_ids) for o in outs]
@@ -102,16 +102,27 @@ class InvarianceBench:
         eng.bench_accept_schedule = None
         return best
 
-    def run_path(self, invariant: bool) -> dict:
-        a = self.args
-        name = "invariant" if invariant else "default"
-        res = {}
-        eng = self.engine(invariant, max(a.batches + a.timed_batches))
+    def speed(self, eng) -> dict:
+        """AR and SD ms/token at each timed batch size, and the median cold TTFT alone."""
+        a, speed = self.args, {}
+        self.ttft = []
+        for i in range(12):                                  # the first 4 capture graphs
+            self.tokens(eng, [self.prompts[i % len(self.prompts)]], False, new_tokens=2)
+        ttft = sorted(self.ttft[4:])
+        speed["ttft_ms_median_alone_ar"] = ttft[len(ttft) // 2] * 1e3
+        for B in a.timed_batches:
+            speed[f"ar_B{B}_ms_per_token"] = self.timed(eng, B, False, None)
+            speed[f"sd_tau{a.tau}_B{B}_ms_per_token"] = self.timed(eng, B, True, a.tau)
+            log(f"B={B} AR {speed[f'ar_B{B}_ms_per_token']:.3f} ms/token, "
+                f"SD {speed[f'sd_tau{a.tau}_B{B}_ms_per_token']:.3f}")
+        return speed
+
+    def equality(self, eng, name: str) -> dict:
+        """Each request alone AR and SD, and batched; which runs equal the alone-AR tokens."""
+        a, res = self.args, {}
         self.ttft = []
         alone_ar = [self.tokens(eng, [p], False)[0] for p in self.prompts]
-        ttft = sorted(self.ttft[len(self.ttft) // 2:])        # the second half: graphs captured
-        res["ttft_ms_median_alone_ar"] = ttft[len(ttft) // 2] * 1e3
-        log(f"{name}: alone AR done, TTFT median {res['ttft_ms_median_alone_ar']:.2f} ms")
+        log(f"{name}: alone AR done")
         runs = {"alone_sd": [self.tokens(eng, [p], True)[0] for p in self.prompts]}
         log(f"{name}: alone SD done")
         for B in a.batches:
@@ -126,33 +137,42 @@ class InvarianceBench:
             res[key] = {"equal": sum(d is None for d in diffs), "of": len(diffs),
                         "first_diff": sorted(d for d in diffs if d is not None)}
             log(f"{name}: {key} equal to alone AR: {res[key]['equal']} / {len(diffs)}")
-        speed = {}
-        for B in a.timed_batches:
-            speed[f"ar_B{B}_ms_per_token"] = self.timed(eng, B, False, None)
-            speed[f"sd_tau{a.tau}_B{B}_ms_per_token"] = self.timed(eng, B, True, a.tau)
-            log(f"{name}: B={B} AR {speed[f'ar_B{B}_ms_per_token']:.3f} ms/token, "
-                f"SD {speed[f'sd_tau{a.tau}_B{B}_ms_per_token']:.3f}")
-        res["speed"] = speed
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache() if self.dev.type == "cuda" else None
         return res
 
     def run(self):
+        """Speed of every path first (side by side), then each path's equality runs."""
+        a = self.args
         self.setup()
         floor = (self.R["target_lm_weight_bytes"] / (self.R["copy_GBs"] * 1e9) * 1e3) if self.R["copy_GBs"] else None
         self.R["floor_ms_per_token_B1"] = floor
-        for invariant in (False, True):
-            self.R["paths"]["invariant" if invariant else "default"] = self.run_path(invariant)
-            self.save()
-        d, i = self.R["paths"]["default"]["speed"], self.R["paths"]["invariant"]["speed"]
-        self.R["cost"] = {k: i[k] / d[k] - 1 for k in d}
-        log("cost of the invariant path: " + ", ".join(f"{k} {v * 100:+.1f}%" for k, v in self.R["cost"].items()))
-        self.save()
+        paths = self.R["paths"]
+        if "speed" in a.sections:
+            for name in a.paths:
+                eng = self.engine(name == "invariant", max(a.timed_batches))
+                paths.setdefault(name, {})["speed"] = self.speed(eng)
+                log(f"{name}: {paths[name]['speed']}")
+                self.release(eng)
+                self.save()
+            if len(a.paths) == 2:
+                d, i = paths["default"]["speed"], paths["invariant"]["speed"]
+                self.R["cost"] = {k: i[k] / d[k] - 1 for k in d}
+                log("cost of the invariant path: " + ", ".join(f"{k} {v * 100:+.1f}%" for k, v in self.R["cost"].items()))
+                self.save()
+        if "equality" in a.sections:
+            for name in a.paths:
+                eng = self.engine(name == "invariant", max(a.batches))
+                paths.setdefault(name, {}).update(self.equality(eng, name))
+                self.release(eng)
+                self.save()
+
+    def release(self, eng):
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache() if self.dev.type == "cuda" else None
 
     def save(self):
         os.makedirs(self.args.out, exist_ok=True)
-        with open(os.path.join(self.args.out, f"invariance_{self.args.preset}.json"), "w") as f:
+        with open(os.path.join(self.args.out, f"invariance_{self.args.preset}{self.args.tag}.json"), "w") as f:
             json.dump(self.R, f, indent=1, default=str)
 
 
@@ -169,6 +189,9 @@ def main(argv=None):
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64], help="batch sizes of the equality runs")
     ap.add_argument("--timed-batches", type=int, nargs="+", default=[1, 64], help="batch sizes timed")
+    ap.add_argument("--paths", nargs="+", choices=("default", "invariant"), default=["default", "invariant"])
+    ap.add_argument("--sections", nargs="+", choices=("speed", "equality"), default=["speed", "equality"])
+    ap.add_argument("--tag", default="", help="suffix of the results file's name")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     InvarianceBench(args).run()
