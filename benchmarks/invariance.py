@@ -118,25 +118,28 @@ class InvarianceBench:
         return speed
 
     def equality(self, eng, name: str) -> dict:
-        """Each request alone AR and SD, and batched; which runs equal the alone-AR tokens."""
-        a, res = self.args, {}
+        """Each request alone AR and SD, and batched; which runs equal the alone-AR tokens. Each
+        comparison is saved as it completes (a run cut short keeps what it finished)."""
+        a = self.args
+        res = self.R["paths"].setdefault(name, {})
         self.ttft = []
         alone_ar = [self.tokens(eng, [p], False)[0] for p in self.prompts]
         log(f"{name}: alone AR done")
-        runs = {"alone_sd": [self.tokens(eng, [p], True)[0] for p in self.prompts]}
-        log(f"{name}: alone SD done")
-        for B in a.batches:
-            for spec in (False, True):
-                key = f"batch{B}_{'sd' if spec else 'ar'}"
-                outs = []
-                for i in range(0, len(self.prompts), B):
-                    outs += self.tokens(eng, self.prompts[i:i + B], spec)
-                runs[key] = outs
-        for key, outs in runs.items():
+
+        def record(key, outs):
             diffs = [first_diff(o, r) for o, r in zip(outs, alone_ar)]
             res[key] = {"equal": sum(d is None for d in diffs), "of": len(diffs),
                         "first_diff": sorted(d for d in diffs if d is not None)}
             log(f"{name}: {key} equal to alone AR: {res[key]['equal']} / {len(diffs)}")
+            self.save()
+
+        record("alone_sd", [self.tokens(eng, [p], True)[0] for p in self.prompts])
+        for B in a.batches:
+            for spec in (False, True):
+                outs = []
+                for i in range(0, len(self.prompts), B):
+                    outs += self.tokens(eng, self.prompts[i:i + B], spec)
+                record(f"batch{B}_{'sd' if spec else 'ar'}", outs)
         return res
 
     def run(self):
@@ -161,7 +164,7 @@ class InvarianceBench:
         if "equality" in a.sections:
             for name in a.paths:
                 eng = self.engine(name == "invariant", max(a.batches))
-                paths.setdefault(name, {}).update(self.equality(eng, name))
+                self.equality(eng, name)
                 self.release(eng)
                 self.save()
 
