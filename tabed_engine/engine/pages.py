@@ -298,7 +298,7 @@ def check_pool(eng, n: int, max_new: Optional[int], room: int, speculative: bool
     None ("as many as fit") `room` cut to what the pool holds. ValueError when the request needs
     more target pages than the whole pool has (it could never be admitted)."""
     page = eng.runner.page_size
-    total = max(-(-eng.kv_cache_tokens // page), -(-eng.max_len // page))
+    total = -(-eng.kv_cache_tokens // page)
     if max_new is None:
         room = min(room, total * page - (reserve_tokens(eng, n, 0, speculative) - n) - n)
         if room >= 1:

@@ -84,16 +84,17 @@ class Runner(PrefillSteps, SpeculativeSteps):
     def allocate(self):
         """The page pools, block tables and per-slot state (on first use: loading stays fast).
         The target's pool holds `Engine.kv_cache_tokens` tokens, the draft's K times that (a
-        view row per view), at least a whole row each."""
+        view row per view) and at least a whole row per view (a request the target's pool takes
+        always fits the draft's)."""
         if self._allocated:
             return
         dev, B, K, page = self.device, self.max_batch, self.K, self.page_size
-        pages = max(-(-self.eng.kv_cache_tokens // page), -(-self.max_len // page))
+        pages = -(-self.eng.kv_cache_tokens // page)
         with torch.inference_mode(False):   # normal tensors: usable in and out of inference mode
             self.tcache = KVCache(self.target.lm.cfg, B, self.max_len, dev, self.dtype, pages + 1, page)
             self.dcache = self.state = None
             if self.draft is not None:
-                self.dcache = KVCache(self.draft.lm.cfg, B * K, self.max_len, dev, self.dtype, K * pages + 1, page)
+                self.dcache = KVCache(self.draft.lm.cfg, B * K, self.max_len, dev, self.dtype, K * max(pages, -(-self.max_len // page)) + 1, page)
                 # a request records at most depth positions a block, one block a token
                 cap = 1 << (self.depth * (self.max_len + 2) - 1).bit_length()
                 self.state = EnsembleState(self.eng.ensemble, B, cap, dev)
