@@ -269,7 +269,9 @@ class TableLM:
 
 
 def fake_cache(rows, slots):
-    return SimpleNamespace(k=torch.zeros(1, rows, 1, slots, 2), v=torch.zeros(1, rows, 1, slots, 2))
+    """A paged cache of one page of `slots` slots per row (page r is row r's), for `TableLM`."""
+    return SimpleNamespace(k=torch.zeros(1, rows, 1, slots, 2), v=torch.zeros(1, rows, 1, slots, 2),
+                           block_table=torch.arange(rows, dtype=torch.int32)[:, None])
 
 
 def exact_three(target_table, temperature):
