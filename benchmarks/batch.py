@@ -17,6 +17,12 @@ Sections:
   schedule).
 * `sampling`: B in {4, 16}, one sampling setting for every request against greedy requests
   and three sampling settings mixed in the batch (per-row target processing), AR and SD.
+* `concurrency` (`--concurrency N`): N requests of `--concurrency-prompt` tokens (one image +
+  words) and `--concurrency-new` new tokens added at once; the most that run at once (the paged
+  KV pool's admissions: `--kv-cache-tokens`, default max-batch x max-len, an unpaged cache's
+  memory) against kv_cache_tokens / max_len (what an unpaged cache of that memory held), then
+  the rest are aborted. E.g. `--max-len 4096 --max-batch 256 --kv-cache-tokens 196608
+  --concurrency 256` (48 rows of 4096: the 7B target's unpaged cache at 48 requests).
 
     python benchmarks/batch.py --out DIR [--preset tiny]
 """
@@ -70,6 +76,7 @@ class BatchBench:
             torch.cuda.empty_cache()
         self.eng = Engine(self.target, self.processor, draft=self.draft, device=dev, dtype=dt, views=("M", "T"),
                           gamma=p.gamma, max_len=self.args.max_len, max_batch=self.args.max_batch,
+                          kv_cache_tokens=self.args.kv_cache_tokens,
                           prefix_cache=False)   # the arrivals repeat one prompt: prefills measured cold
         self.default_chunk = self.eng.prefill_chunk
         if self.args.prefill_chunks is None:
@@ -82,6 +89,7 @@ class BatchBench:
         self.gbs = gbs
         return {"copy_GBs": gbs, "target_lm_weight_bytes": self.wbytes, "kv_bytes_per_token": self.kv_per_token,
                 "max_batch": self.eng.runner.max_batch, "max_len": self.eng.max_len, "gamma": p.gamma,
+                "kv_cache_tokens": self.eng.kv_cache_tokens,
                 "views": list(self.eng.views), "policy": self.eng.ensemble.policy, "adaptive": self.eng.adaptive}
 
     def prompt(self, i: int, n_words: int):
@@ -130,6 +138,32 @@ class BatchBench:
                 "tau_measured": (sum(acc) / len(acc) + 1) if acc else None,
                 "blocks_by_kind": {("ar" if g == 0 else f"chain{g}"): n for g, n in kinds.items()},
                 **({"steps": steps} if trace else {})}
+
+    def concurrency(self, speculative: bool) -> dict:
+        """N requests at once: how many the page pool admits together (see the module docstring)."""
+        from tabed_engine import SamplingParams
+
+        eng, a = self.eng, self.args
+        base = len(eng._request(self.prompt(0, 1), [self.image], None, None, False).prep.ids) - 1
+        n_words = max(1, a.concurrency_prompt - base)
+        sp = SamplingParams(max_new_tokens=a.concurrency_new, stop_at_eos=False)
+        ids = [eng.add_request(self.prompt(i, n_words), images=[self.image], sampling=sp, speculative=speculative)
+               for i in range(a.concurrency)]
+        peak, steps, t0 = 0, 0, time.perf_counter()
+        while eng.scheduler.waiting and steps < 4 * a.concurrency:
+            eng.step()
+            steps += 1
+            peak = max(peak, sum(r is not None for r in eng.scheduler.slots))
+        waited = len(eng.scheduler.waiting)
+        for rid in ids:
+            eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+        return {"speculative": speculative, "requests": a.concurrency, "prompt_tokens": base + n_words,
+                "max_new_tokens": a.concurrency_new, "peak_running": peak, "waiting_at_peak": waited,
+                "unpaged_rows_same_memory": eng.kv_cache_tokens // eng.max_len,
+                "gain_vs_unpaged": peak / max(1, eng.kv_cache_tokens // eng.max_len),
+                "admission_wall_s": time.perf_counter() - t0}
 
     def fixed(self) -> dict:
         eng, n_new = self.eng, self.p.new_tokens
@@ -272,6 +306,11 @@ class BatchBench:
         t0 = time.perf_counter()
         self.R["setup"] = self.setup()
         self.save()
+        if self.args.concurrency:
+            self.R["concurrency"] = [self.concurrency(sd) for sd in (False, True)]
+            self.save()
+            if self.args.concurrency_only:
+                return
         if self.args.fixed:
             self.R["fixed"] = self.fixed()
             self.save()
@@ -303,6 +342,12 @@ def main(argv=None):
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=None,
                     help="mixed runs: prefill budgets (Engine.prefill_chunk; 0 = whole prompts; "
                          "default: the engine's default)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="the KV page pool in target tokens (default: max-batch x max-len, cut to what fits)")
+    ap.add_argument("--concurrency", type=int, default=0, help="requests of the concurrency section (0: skip it)")
+    ap.add_argument("--concurrency-prompt", type=int, default=800, help="their prompt tokens (one image + words)")
+    ap.add_argument("--concurrency-new", type=int, default=128, help="their max_new_tokens")
+    ap.add_argument("--concurrency-only", action="store_true", help="only the setup and the concurrency section")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     BatchBench(args).run()

@@ -82,16 +82,26 @@ def test_history_update(bench, B, K, G):
                                  clip=1.0, all_positions=False), nbytes)
 
 
+def _pages(R, S, shape, *, layers=None):
+    """A paged pool [(L,) R * W + 1, *shape] of random pages and an [R, W] table in shuffled page
+    order (as a busy engine's tables are), W = ceil(S / 64)."""
+    W = -(-S // 64)
+    pool = _rnd(*((layers,) if layers else ()), R * W + 1, shape[0], 64, shape[1], scale=1.0)
+    table = (torch.randperm(R * W, device="cuda") + 1).int().view(R, W)
+    return pool, table
+
+
 @pytest.mark.parametrize("R, N, prefix", [(1, 6, 2000), (4, 6, 2000), (1, 32, 2000), (64, 6, 1000)])
 def test_tree_attention(bench, R, N, prefix):
     from tabed_engine.kernels.tree_attention import tree_attention
     H, Hkv, D, S = 32, 32, 128, prefix + 64
     q = _rnd(R, N, H, D, scale=1.0)
-    kc, vc = _rnd(R, Hkv, S, D, scale=1.0), _rnd(R, Hkv, S, D, scale=1.0)
+    kc, table = _pages(R, S, (Hkv, D))
+    vc, _ = _pages(R, S, (Hkv, D))
     lengths = torch.full((R,), prefix, dtype=torch.int32, device="cuda")
     mask = torch.tensor([(2 << i) - 1 for i in range(N)], device="cuda").repeat(R, 1)   # causal chain
     out = torch.empty_like(q)
-    bench(lambda: tree_attention(q, kc, vc, lengths, mask, out=out), 2 * R * Hkv * (prefix + N) * D * 2,
+    bench(lambda: tree_attention(q, kc, vc, table, lengths, mask, out=out), 2 * R * Hkv * (prefix + N) * D * 2,
           flops=4 * R * N * H * (prefix + N) * D)
 
 
@@ -102,9 +112,10 @@ def test_rope_kv_write(bench, R, T):
     D, S = 128, 2048
     qkv = _rnd(R, T, (H + 2 * Hkv) * D)
     cos, sin = torch.rand(R, T, D, device="cuda"), torch.rand(R, T, D, device="cuda")
-    kc, vc = _rnd(R, Hkv, S, D), _rnd(R, Hkv, S, D)
+    kc, table = _pages(R, S, (Hkv, D))
+    vc, _ = _pages(R, S, (Hkv, D))
     lengths = torch.full((R,), 1000, dtype=torch.int32, device="cuda")
-    bench(lambda: rope_kv_write(qkv, cos, sin, kc, vc, lengths, H, Hkv), qkv.numel() * 2 * 2)
+    bench(lambda: rope_kv_write(qkv, cos, sin, kc, vc, table, lengths, H, Hkv), qkv.numel() * 2 * 2)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 384])
@@ -186,9 +197,10 @@ def test_compact_kv(bench, R, N):
     _needs_ext()
     from tabed_engine.ops.compact_kv import compact_kv
     L, Hkv, S, D = 32, 32, 1024 + N, 128          # the 7B cache, a 1000-token prefix (R = 64: 2 x 17 GB)
-    k, v = _rnd(L, R, Hkv, S, D), _rnd(L, R, Hkv, S, D)
+    k, table = _pages(R, S, (Hkv, D), layers=L)
+    v, _ = _pages(R, S, (Hkv, D), layers=L)
     lengths = torch.full((R,), 1000, dtype=torch.int32, device="cuda")
     path = torch.cat([torch.zeros(R, 1, dtype=torch.long, device="cuda"),
                       torch.arange(N - 1, 0, -1, device="cuda").repeat(R, 1)], 1)   # every node moves
     n_acc = torch.full((R,), N - 1, device="cuda")
-    bench(lambda: compact_kv(k, v, lengths, path, n_acc), 2 * 2 * L * R * Hkv * (N - 1) * D * 2)
+    bench(lambda: compact_kv(k, v, table, lengths, path, n_acc), 2 * 2 * L * R * Hkv * (N - 1) * D * 2)

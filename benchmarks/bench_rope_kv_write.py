@@ -81,6 +81,12 @@ def prefill_model(*args):
     return prefill_unfused(apply_rope, *args)
 
 
+def one_page(cache):
+    """The block table of a [R, KV, S, D] cache read as a paged pool of one S-slot page per row
+    (the kernel writes it as the eager chains do)."""
+    return torch.arange(cache.shape[0], dtype=torch.int32, device=cache.device)[:, None]
+
+
 def make_inputs(R, T, H, KV, D, S, length, dtype, device):
     g = torch.Generator().manual_seed(0)
     cfg = argparse.Namespace(head_dim=D, rope_theta=10000.0, rope_scaling_factor=1.0)
@@ -122,7 +128,8 @@ def main(argv=None):
         cos3, sin3 = cos[:, :, 0], sin[:, :, 0]
         path_args = (qkv, cos, sin, k_cache, v_cache, row_index, slots, H, KV)
         fns = {
-            "fused": lambda: _k.rope_kv_write(qkv, cos3, sin3, k_cache, v_cache, lengths, H, KV, out=q_out),
+            "fused": lambda: _k.rope_kv_write(qkv, cos3, sin3, k_cache, v_cache, one_page(k_cache), lengths, H, KV,
+                                              out=q_out),
             "eager": lambda: eager_path(*path_args),
         }
         if not args.smoke:
@@ -165,13 +172,14 @@ def prefill_row(T, H, KV, D, S, dtype, device, args, copy_gbs, compiled) -> dict
     qkv, cos, sin, _, _, _, _, _ = make_inputs(1, T, H, KV, D, S, 0, dtype, device)
     k_cache, v_cache = torch.zeros(2, 4, KV, S, D, device=device, dtype=dtype).unbind(0)
     slot = torch.tensor([2], device=device)
+    table = one_page(k_cache)
     starts = torch.zeros(1, dtype=torch.int32, device=device)
     q_buf = torch.empty(1, H, T, D, device=device, dtype=dtype)
     k_out, v_out = torch.empty(2, 1, KV, T, D, device=device, dtype=dtype).unbind(0)
     cos3, sin3 = cos[:, :, 0], sin[:, :, 0]
 
     def fused():
-        return _k.rope_kv_write(qkv, cos3, sin3, k_cache, v_cache, starts, H, KV, out=q_buf.transpose(1, 2),
+        return _k.rope_kv_write(qkv, cos3, sin3, k_cache, v_cache, table, starts, H, KV, out=q_buf.transpose(1, 2),
                                 rows=slot, k_out=k_out, v_out=v_out)
 
     path_args = (qkv, cos, sin, k_cache, v_cache, slot, H, KV)

@@ -43,6 +43,22 @@ def sdpa_dense(q, k_cache, v_cache, lengths, tree_mask, span: int):
     return out.transpose(1, 2)
 
 
+def paged(k, v):
+    """k, v [R, Hkv, S, D] as page pools of 64 slots in shuffled order + their block table (a busy
+    engine's scattered pages)."""
+    R, Hkv, S, D = k.shape
+    W = -(-S // 64)
+    perm = torch.randperm(R * W, device=k.device)
+    pools = []
+    for c in (k, v):
+        pad = torch.zeros(R, Hkv, W * 64, D, device=c.device, dtype=c.dtype)
+        pad[:, :, :S] = c
+        pool = torch.empty(R * W, Hkv, 64, D, device=c.device, dtype=c.dtype)
+        pool[perm] = pad.view(R, Hkv, W, 64, D).transpose(1, 2).reshape(R * W, Hkv, 64, D)
+        pools.append(pool)
+    return (*pools, perm.int().view(R, W))
+
+
 def make_inputs(R, N, H, Hkv, D, prefix, S, dtype, device):
     q = torch.randn(R, N, H, D, device=device, dtype=dtype)
     cache = torch.randn(2, R, Hkv, S, D, device=device, dtype=dtype)  # one layer of K and of V
@@ -160,21 +176,22 @@ def main(argv=None):
         for prefix in args.prefix:
             for N in args.nodes:
                 q, k, v, lengths, tm = make_inputs(R, N, H, Hkv, D, prefix, S, dtype, device)
+                pk = paged(k, v)
                 span = prefix + N
                 out = torch.empty_like(q)
-                t = {"triton": bench(lambda: _k.tree_attention(q, k, v, lengths, tm, out=out)),
+                t = {"triton": bench(lambda: _k.tree_attention(q, *pk, lengths, tm, out=out)),
                      "sdpa": bench(lambda: sdpa_dense(q, k, v, lengths, tm, span)),
-                     "ref": bench(lambda: tree_attention_reference(q, k, v, lengths, tm, span=span))}
+                     "ref": bench(lambda: tree_attention_reference(q, *pk, lengths, tm, span=span))}
                 if compiled is not None:
                     t["compiled"] = bench(lambda: compiled(q, k, v, lengths, tm, span))
                 if not args.smoke:
-                    t["triton_graph"] = graph_ms(lambda: _k.tree_attention(q, k, v, lengths, tm, out=out))
+                    t["triton_graph"] = graph_ms(lambda: _k.tree_attention(q, *pk, lengths, tm, out=out))
                     if compiled is not None:
                         try:
                             t["compiled_graph"] = graph_ms(lambda: compiled(q, k, v, lengths, tm, span))
                         except Exception as e:  # noqa: BLE001 - recorded, not fatal
                             print(f"compiled graph capture failed: {type(e).__name__}")
-                truth = tree_attention_reference(q, k, v, lengths, tm, span=span)
+                truth = tree_attention_reference(q, *pk, lengths, tm, span=span)
                 err = (out.float() - truth.float()).abs().max().item()
                 nbytes, flops = bytes_and_flops(R, N, H, Hkv, D, prefix, q.element_size())
                 gbs = nbytes / (t["triton"] * 1e-3) / 1e9
@@ -226,16 +243,17 @@ def sweep(args):
         for prefix in args.prefix:
             for N in [n for n in args.nodes if n > 1]:
                 q, k, v, lengths, tm = make_inputs(R, N, H, Hkv, D, prefix, S, dtype, "cuda")
+                pk = paged(k, v)
                 out = torch.empty_like(q)
-                truth = tree_attention_reference(q, k, v, lengths, tm, span=prefix + N).float()
+                truth = tree_attention_reference(q, *pk, lengths, tm, span=prefix + N).float()
                 nbytes, _ = bytes_and_flops(R, N, H, Hkv, D, prefix, q.element_size())
-                default_us = graph_ms(lambda: _k.tree_attention(q, k, v, lengths, tm, out=out)) * 1e3
+                default_us = graph_ms(lambda: _k.tree_attention(q, *pk, lengths, tm, out=out)) * 1e3
                 configs = []
                 for bm in [b for b in SWEEP_BLOCK_M if b <= max(16, triton.next_power_of_2(N))]:
                     for sp in SWEEP_SPLITS:
                         for nw in SWEEP_WARPS:
                             cfg = {"block_m": bm, "splits": sp, "num_warps": nw}
-                            fn = lambda: _k.tree_attention(q, k, v, lengths, tm, out=out, config=cfg)  # noqa: E731
+                            fn = lambda: _k.tree_attention(q, *pk, lengths, tm, out=out, config=cfg)  # noqa: E731
                             out.fill_(float("nan"))
                             fn()
                             err = (out.float() - truth).abs().max().item()

@@ -150,7 +150,8 @@ def run(args):
             k = torch.randn(L, B, H, S, D, device=device, dtype=torch.bfloat16)
             v = torch.randn_like(k)
             lengths = torch.full((B,), S // 2, dtype=torch.int32, device=device)
-            cargs = (k, v, lengths, path, n_acc)
+            table = torch.arange(B, dtype=torch.int32, device=device)[:, None]   # a page of S slots per row
+            cargs = (k, v, table, lengths, path, n_acc)
             nbytes = _bytes_compact(L, H, D, k.element_size(), path, n_acc)
             row = {"B": B, "N": N, "L": L, "Hkv": H, "S": S, "D": D, "dtype": "bfloat16", "num_accepted": acc,
                    "bytes": nbytes}

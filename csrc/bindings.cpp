@@ -4,8 +4,8 @@
 //
 //   verify_tree(Tensor tokens, Tensor parents, Tensor p, Tensor? q, Tensor? uniforms,
 //               bool greedy) -> (Tensor path, Tensor num_accepted, Tensor next_token)
-//   compact_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, Tensor path,
-//              Tensor num_accepted) -> ()
+//   compact_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor lengths,
+//              Tensor path, Tensor num_accepted) -> ()
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -161,9 +161,9 @@ std::tuple<Tensor, Tensor, Tensor> verify_tree_meta(const Tensor& tokens, const 
 
 // -------------------------------------------------------------------- compact_kv
 
-void check_compact(const Tensor& k, const Tensor& v, const Tensor& lengths, const Tensor& path,
+void check_compact(const Tensor& k, const Tensor& v, const Tensor& table, const Tensor& lengths, const Tensor& path,
                    const Tensor& nacc) {
-  TORCH_CHECK(k.dim() == 5, "compact_kv: k_cache must be [L, R, Hkv, S, D], got shape ", k.sizes());
+  TORCH_CHECK(k.dim() == 5, "compact_kv: k_cache must be a page pool [L, P, Hkv, PAGE, D], got shape ", k.sizes());
   TORCH_CHECK(v.sizes() == k.sizes(), "compact_kv: v_cache shape ", v.sizes(), " != k_cache shape ", k.sizes());
   TORCH_CHECK(k.is_floating_point() && v.scalar_type() == k.scalar_type(),
               "compact_kv: k_cache and v_cache must share one float dtype, got ", k.scalar_type(), " and ",
@@ -173,7 +173,10 @@ void check_compact(const Tensor& k, const Tensor& v, const Tensor& lengths, cons
   const auto overlap = at::get_overlap_status(k, v);
   TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
               "compact_kv: k_cache and v_cache must not share memory");
-  const int64_t R = k.size(1);
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.stride(1) == 1,
+              "compact_kv: block_table must be int32 [R, W] with a contiguous last dimension, got ",
+              table.scalar_type(), " ", table.sizes());
+  const int64_t R = table.size(0);
   TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == R, "compact_kv: lengths must be [R] = [", R, "], got ",
               lengths.sizes());
   TORCH_CHECK(lengths.scalar_type() == at::kInt, "compact_kv: lengths must be int32, got ", lengths.scalar_type());
@@ -183,20 +186,21 @@ void check_compact(const Tensor& k, const Tensor& v, const Tensor& lengths, cons
   TORCH_CHECK(nacc.dim() == 1 && nacc.size(0) == R, "compact_kv: num_accepted must be [R] = [", R, "], got ",
               nacc.sizes());
   TORCH_CHECK(nacc.scalar_type() == at::kLong, "compact_kv: num_accepted must be int64, got ", nacc.scalar_type());
-  for (const Tensor* t : {&v, &lengths, &path, &nacc})
+  for (const Tensor* t : {&v, &table, &lengths, &path, &nacc})
     TORCH_CHECK(t->device() == k.device(), "compact_kv: all tensors must be on ", k.device(), ", got one on ",
                 t->device());
 }
 
-tabed::CompactKVParams make_compact_params(const Tensor& k, const Tensor& v, const Tensor& lengths,
-                                           const Tensor& path, const Tensor& nacc) {
-  check_compact(k, v, lengths, path, nacc);
-  const int64_t R = k.size(1);
+tabed::CompactKVParams make_compact_params(const Tensor& k, const Tensor& v, const Tensor& table,
+                                           const Tensor& lengths, const Tensor& path, const Tensor& nacc) {
+  check_compact(k, v, table, lengths, path, nacc);
   tabed::CompactKVParams a;
-  a.L = k.size(0); a.R = R; a.H = k.size(2); a.S = k.size(3); a.D = k.size(4);
+  a.L = k.size(0); a.R = table.size(0); a.H = k.size(2); a.page = k.size(3); a.D = k.size(4);
+  a.S = table.size(1) * a.page;
   a.elem_size = int64_t(k.element_size());
-  a.k = k.data_ptr(); a.k_sl = k.stride(0); a.k_sr = k.stride(1); a.k_sh = k.stride(2); a.k_ss = k.stride(3);
-  a.v = v.data_ptr(); a.v_sl = v.stride(0); a.v_sr = v.stride(1); a.v_sh = v.stride(2); a.v_ss = v.stride(3);
+  a.k = k.data_ptr(); a.k_sl = k.stride(0); a.k_sp = k.stride(1); a.k_sh = k.stride(2); a.k_ss = k.stride(3);
+  a.v = v.data_ptr(); a.v_sl = v.stride(0); a.v_sp = v.stride(1); a.v_sh = v.stride(2); a.v_ss = v.stride(3);
+  a.table = table.data_ptr<int32_t>(); a.table_sr = table.stride(0);
   a.lengths = lengths.data_ptr<int32_t>(); a.lengths_s = lengths.stride(0);
   a.path = path.data_ptr<int64_t>(); a.path_sr = path.stride(0); a.path_sn = path.stride(1);
   a.N = path.size(1);
@@ -204,9 +208,10 @@ tabed::CompactKVParams make_compact_params(const Tensor& k, const Tensor& v, con
   return a;
 }
 
-void compact_kv_cpu(Tensor& k, Tensor& v, const Tensor& lengths, const Tensor& path, const Tensor& nacc) {
+void compact_kv_cpu(Tensor& k, Tensor& v, const Tensor& table, const Tensor& lengths, const Tensor& path,
+                    const Tensor& nacc) {
   TORCH_CHECK(k.device().is_cpu(), "compact_kv (CPU kernel): tensors must be on the CPU");
-  const tabed::CompactKVParams a = make_compact_params(k, v, lengths, path, nacc);
+  const tabed::CompactKVParams a = make_compact_params(k, v, table, lengths, path, nacc);
   std::atomic<int> rc{tabed::kOk};
   at::parallel_for(0, a.L, 1, [&](int64_t l0, int64_t l1) {
     tabed::CompactKVParams s = a;
@@ -219,8 +224,9 @@ void compact_kv_cpu(Tensor& k, Tensor& v, const Tensor& lengths, const Tensor& p
   check_status(rc, "compact_kv");
 }
 
-void compact_kv_meta(Tensor& k, Tensor& v, const Tensor& lengths, const Tensor& path, const Tensor& nacc) {
-  check_compact(k, v, lengths, path, nacc);
+void compact_kv_meta(Tensor& k, Tensor& v, const Tensor& table, const Tensor& lengths, const Tensor& path,
+                     const Tensor& nacc) {
+  check_compact(k, v, table, lengths, path, nacc);
 }
 
 #ifdef TABED_WITH_CUDA
@@ -242,9 +248,10 @@ std::tuple<Tensor, Tensor, Tensor> verify_tree_cuda(const Tensor& tokens, const 
   return {path, nacc, next};
 }
 
-void compact_kv_cuda(Tensor& k, Tensor& v, const Tensor& lengths, const Tensor& path, const Tensor& nacc) {
+void compact_kv_cuda(Tensor& k, Tensor& v, const Tensor& table, const Tensor& lengths, const Tensor& path,
+                     const Tensor& nacc) {
   TORCH_CHECK(k.is_cuda(), "compact_kv (CUDA kernel): tensors must be on a CUDA device");
-  const tabed::CompactKVParams a = make_compact_params(k, v, lengths, path, nacc);
+  const tabed::CompactKVParams a = make_compact_params(k, v, table, lengths, path, nacc);
   const c10::cuda::CUDAGuard guard(k.device());
   check_status(tabed::compact_kv_cuda(a, c10::cuda::getCurrentCUDAStream().stream()), "compact_kv");
 }
@@ -256,7 +263,7 @@ void compact_kv_cuda(Tensor& k, Tensor& v, const Tensor& lengths, const Tensor& 
 TORCH_LIBRARY(tabed_engine, m) {
   m.def("verify_tree(Tensor tokens, Tensor parents, Tensor p, Tensor? q, Tensor? uniforms, bool greedy) "
         "-> (Tensor path, Tensor num_accepted, Tensor next_token)");
-  m.def("compact_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, Tensor path, "
+  m.def("compact_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor lengths, Tensor path, "
         "Tensor num_accepted) -> ()");
 }
 

@@ -1,7 +1,9 @@
 // compact_kv: after tree verification, move the accepted path's KV entries of every
 // layer into contiguous slots right after each row's committed prefix.
 //
-// Caches are [L, R, H, S, D] (D contiguous, other strides free). For row r with
+// Caches are paged: pools [L, P, H, PAGE, D] (D contiguous, other strides free) and a block
+// table [R, W] int32; row r's slot s lives in page table[r, s / PAGE] at offset s % PAGE, and a
+// row spans S = W * PAGE slots. For row r with
 // committed length len = lengths[r] and n = num_accepted[r] + 1 entries (root plus
 // accepted nodes), entry i in [0, n) moves slot len + path[r, i] to slot len + i, in
 // both caches, for every layer and head. Gather semantics: all sources of a
@@ -23,9 +25,11 @@ namespace tabed {
 
 struct CompactKVParams {
   int64_t L = 0, R = 0, H = 0, S = 0, D = 0;
+  int64_t page = 0;       // slots per page; S = table width * page
   int64_t elem_size = 0;  // bytes per element
-  void* k = nullptr;  int64_t k_sl = 0, k_sr = 0, k_sh = 0, k_ss = 0;  // strides in elements
-  void* v = nullptr;  int64_t v_sl = 0, v_sr = 0, v_sh = 0, v_ss = 0;
+  void* k = nullptr;  int64_t k_sl = 0, k_sp = 0, k_sh = 0, k_ss = 0;  // strides in elements
+  void* v = nullptr;  int64_t v_sl = 0, v_sp = 0, v_sh = 0, v_ss = 0;  // (sp: between pages)
+  const int32_t* table = nullptr;         int64_t table_sr = 0;  // [R, S / page], unit last stride
   const int32_t* lengths = nullptr;       int64_t lengths_s = 1;
   const int64_t* path = nullptr;          int64_t path_sr = 0, path_sn = 1;
   int64_t N = 0;                          // path width
@@ -41,6 +45,11 @@ TABED_HD int64_t compact_src_slot(int64_t len, int64_t path_i, int64_t i, int64_
   const int64_t src = len + path_i, dst = len + i;
   if (src >= S || dst >= S) return -1;
   return src;
+}
+
+// Offset in elements of slot s of a row (its table row `tab`) from its (layer, head) base.
+TABED_HD int64_t compact_slot_offset(const int32_t* tab, int64_t s, int64_t page, int64_t sp, int64_t ss) {
+  return int64_t(tab[s / page]) * sp + (s % page) * ss;
 }
 
 // Number of entries (root + accepted) of a row.

@@ -37,18 +37,20 @@ __global__ void __launch_bounds__(kThreads) compact_kv_kernel(CompactKVParams a,
   __syncthreads();
 
   unsigned char* head = static_cast<unsigned char*>(is_v ? a.v : a.k) +
-                        (l * (is_v ? a.v_sl : a.k_sl) + r * (is_v ? a.v_sr : a.k_sr) +
-                         h * (is_v ? a.v_sh : a.k_sh)) * a.elem_size;
-  const int64_t ss = (is_v ? a.v_ss : a.k_ss) * a.elem_size;  // bytes between slots
+                        (l * (is_v ? a.v_sl : a.k_sl) + h * (is_v ? a.v_sh : a.k_sh)) * a.elem_size;
+  const int64_t sp = is_v ? a.v_sp : a.k_sp, ss = is_v ? a.v_ss : a.k_ss;  // elements between pages, slots
+  const int32_t* tab = a.table + r * a.table_sr;
   const int total = int(n) * upr;
   for (int e = threadIdx.x; e < total; e += kThreads) {
     const int64_t s = src[e / upr];
-    if (s >= 0) buf[e] = reinterpret_cast<const U*>(head + s * ss)[e % upr];
+    if (s >= 0)
+      buf[e] = reinterpret_cast<const U*>(head + compact_slot_offset(tab, s, a.page, sp, ss) * a.elem_size)[e % upr];
   }
   __syncthreads();
   for (int e = threadIdx.x; e < total; e += kThreads) {
     const int i = e / upr;
-    if (src[i] >= 0) reinterpret_cast<U*>(head + (len + i) * ss)[e % upr] = buf[e];
+    if (src[i] >= 0)
+      reinterpret_cast<U*>(head + compact_slot_offset(tab, len + i, a.page, sp, ss) * a.elem_size)[e % upr] = buf[e];
   }
 }
 
@@ -75,7 +77,7 @@ int launch(const CompactKVParams& a, cudaStream_t s) {
 int64_t unit_bytes(const CompactKVParams& a) {
   uint64_t bits = uint64_t(a.D * a.elem_size) | reinterpret_cast<uintptr_t>(a.k) |
                   reinterpret_cast<uintptr_t>(a.v);
-  const int64_t strides[] = {a.k_sl, a.k_sr, a.k_sh, a.k_ss, a.v_sl, a.v_sr, a.v_sh, a.v_ss};
+  const int64_t strides[] = {a.k_sl, a.k_sp, a.k_sh, a.k_ss, a.v_sl, a.v_sp, a.v_sh, a.v_ss};
   for (int64_t st : strides) bits |= uint64_t(st * a.elem_size);
   int64_t u = 16;
   while (u > 1 && (bits & uint64_t(u - 1))) u >>= 1;
@@ -85,10 +87,10 @@ int64_t unit_bytes(const CompactKVParams& a) {
 }  // namespace
 
 int compact_kv_cuda(const CompactKVParams& a, void* stream) {
-  if (a.L < 0 || a.R < 0 || a.H < 0 || a.S < 0 || a.D < 1 || a.N < 1 || a.elem_size < 1)
+  if (a.L < 0 || a.R < 0 || a.H < 0 || a.S < 0 || a.D < 1 || a.N < 1 || a.elem_size < 1 || a.page < 1)
     return kErrInvalidArgument;
   if (a.L == 0 || a.R == 0 || a.H == 0 || a.S == 0) return kOk;
-  if (!a.k || !a.v || !a.lengths || !a.path || !a.num_accepted) return kErrInvalidArgument;
+  if (!a.k || !a.v || !a.table || !a.lengths || !a.path || !a.num_accepted) return kErrInvalidArgument;
   if (a.L * a.R * a.H > int64_t(0x7fffffff)) return kErrTooLarge;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   int rc = kOk;

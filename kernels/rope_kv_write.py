@@ -4,7 +4,8 @@ The decode step used to spend four to six launches per layer between the qkv pro
 attention: rotate q, rotate k (one compiled kernel each), then two index_put writes into
 the cache. This kernel reads the projection output once and writes rotated q to its own
 buffer, rotated k and raw v into cache slots lengths[r] + t of cache row rows[r] (row r by
-default), and optionally rotated k and raw v once more to contiguous [R, Hkv, T, D] buffers
+default; the cache is paged: slot s of row c lives in page block_table[c, s // PAGE] of the
+[pages, Hkv, PAGE, D] pool, offset s % PAGE), and optionally rotated k and raw v once more to contiguous [R, Hkv, T, D] buffers
 (a prefill attends over its new keys through SDPA, which wants them dense).
 
 Grid (R * T, (H + 2 * Hkv) / BLOCK_H): one program per (row, token) and tile of BLOCK_H
@@ -51,15 +52,15 @@ def _store_heads(base_ptr, head_stride, heads, offs, mask, y1, y2, HALF: tl.cons
 
 @triton.jit
 def _rope_kv_write_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, len_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, ko_ptr, vo_ptr,
+    qkv_ptr, cos_ptr, sin_ptr, len_ptr, rows_ptr, tab_ptr, q_ptr, k_ptr, v_ptr, ko_ptr, vo_ptr,
     stride_xr, stride_xt, stride_cr, stride_ct, stride_sr, stride_st,
     stride_qr, stride_qt, stride_qh,
-    stride_kr, stride_kh, stride_ks,
-    stride_vr, stride_vh, stride_vs,
+    stride_kp, stride_kh, stride_ks,
+    stride_vp, stride_vh, stride_vs, stride_tr,
     stride_kor, stride_koh, stride_kot,
     stride_vor, stride_voh, stride_vot,
     T, S, RC,
-    H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr,
+    H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_ROWS: tl.constexpr, KV_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -92,18 +93,23 @@ def _rope_kv_write_kernel(
         # a full cache or a row outside it drops the write rather than corrupt other memory
         # (compared as tiles: the interpreter turns `tile & scalar_bool` into an int32 mask)
         zero = tl.zeros([BLOCK_H, 1], tl.int64)
+        row_ok = (slot < S) & (crow >= 0) & (crow < RC)
         kv_ok = ok & ((slot + zero) < S) & ((crow + zero) >= 0) & ((crow + zero) < RC)
-        if head0 < H + KV:  # key heads, rotated -> k_cache[crow, kh, slot] (and k_out[r, kh, t])
+        # the slot's page (a dropped write reads table entry 0 of row 0 instead of out of bounds)
+        page = tl.load(tab_ptr + tl.where(row_ok, crow, 0) * stride_tr + tl.where(row_ok, slot, 0) // PAGE)
+        page = page.to(tl.int64)
+        off = slot % PAGE
+        if head0 < H + KV:  # key heads, rotated -> the k pool at (page, kh, off) (and k_out[r, kh, t])
             kh = head0 - H
             y1, y2 = _rope(x1, x2, cs_ptr, sn_ptr, offs, d_ok, HALF)
-            _store_heads(k_ptr + crow * stride_kr + slot * stride_ks + kh * stride_kh, stride_kh,
+            _store_heads(k_ptr + page * stride_kp + off * stride_ks + kh * stride_kh, stride_kh,
                          heads, offs, kv_ok, y1, y2, HALF)
             if KV_OUT:
                 _store_heads(ko_ptr + r * stride_kor + t * stride_kot + kh * stride_koh, stride_koh,
                              heads, offs, ok, y1, y2, HALF)
-        else:  # value heads, as they are -> v_cache[crow, vh, slot] (and v_out[r, vh, t])
+        else:  # value heads, as they are -> the v pool at (page, vh, off) (and v_out[r, vh, t])
             vh = head0 - H - KV
-            _store_heads(v_ptr + crow * stride_vr + slot * stride_vs + vh * stride_vh, stride_vh,
+            _store_heads(v_ptr + page * stride_vp + off * stride_vs + vh * stride_vh, stride_vh,
                          heads, offs, kv_ok, x1, x2, HALF)
             if KV_OUT:
                 _store_heads(vo_ptr + r * stride_vor + t * stride_vot + vh * stride_voh, stride_voh,
@@ -133,29 +139,34 @@ def _block_heads(H, KV, block_half, tokens):
     return b
 
 
-def rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, num_kv_heads, *, out=None,
+def rope_kv_write(qkv, cos, sin, k_cache, v_cache, block_table, lengths, num_heads, num_kv_heads, *, out=None,
                   rows=None, k_out=None, v_out=None):
     """Triton RoPE + KV write; see `tabed_engine.ops.rope_kv_write` for the contract.
 
-    qkv [R, T, (H + 2 Hkv) * D] (unit last stride), cos/sin [R, T, D] float32, caches
-    [Rc, Hkv, S, D] (unit last stride), lengths [R] int32 -> q [R, T, H, D] in qkv's dtype.
-    Writes k_cache/v_cache[rows[r], :, lengths[r] + t] in place (rows: [R] int32/int64, default
-    row r, then Rc = R), and rotated k / raw v to k_out/v_out [R, Hkv, T, D] when given (both or
-    neither). D must be even.
+    qkv [R, T, (H + 2 Hkv) * D] (unit last stride), cos/sin [R, T, D] float32, page pools
+    [P, Hkv, PAGE, D] (unit last stride), block_table [Rc, W] int32 (unit last stride; the cache
+    spans S = W * PAGE slots), lengths [R] int32 -> q [R, T, H, D] in qkv's dtype.
+    Writes slot lengths[r] + t of cache row rows[r] (page block_table[rows[r], slot // PAGE])
+    in place (rows: [R] int32/int64, default row r, then Rc = R), and rotated k / raw v to
+    k_out/v_out [R, Hkv, T, D] when given (both or neither). D must be even.
     """
     H, KV = num_heads, num_kv_heads
     if qkv.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError(f"qkv must be [R, T, (H + 2 Hkv) * D] and k/v caches [Rc, Hkv, S, D], got "
+        raise ValueError(f"qkv must be [R, T, (H + 2 Hkv) * D] and k/v page pools [P, Hkv, PAGE, D], got "
                          f"{tuple(qkv.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     R, T, width = qkv.shape
-    RC, _, S, D = k_cache.shape
+    _, _, PAGE, D = k_cache.shape
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be int32 [Rc, W] with a unit last stride, got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    RC, S = block_table.shape[0], block_table.shape[1] * PAGE
     if H <= 0 or KV <= 0 or H % KV:
         raise ValueError(f"query heads ({H}) must be a positive multiple of kv heads ({KV})")
     if width != (H + 2 * KV) * D or k_cache.shape[1] != KV or v_cache.shape != k_cache.shape:
         raise ValueError(f"qkv {tuple(qkv.shape)} does not match H={H}, Hkv={KV} and caches "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if rows is None and RC != R:
-        raise ValueError(f"caches have {RC} rows for {R} input rows: pass rows= to pick them")
+        raise ValueError(f"block_table has {RC} rows for {R} input rows: pass rows= to pick them")
     if D % 2:
         raise ValueError(f"head_dim {D} is odd: rotate-half RoPE needs an even head dim")
     if cos.shape != (R, T, D) or sin.shape != (R, T, D):
@@ -178,9 +189,10 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, num_kv_he
             raise ValueError(f"{name} must be [{R}, {KV}, {T}, {D}] {qkv.dtype}, got {t.dtype} {tuple(t.shape)}")
     if any(t.stride(-1) != 1 for t in (qkv, cos, sin, k_cache, v_cache, *kv_out)):
         raise ValueError("qkv, cos, sin, k_cache, v_cache, k_out and v_out need a contiguous last dimension")
-    others = (cos, sin, k_cache, v_cache, lengths, *kv_out) + (() if rows is None else (rows,))
+    others = (cos, sin, k_cache, v_cache, block_table, lengths, *kv_out) + (() if rows is None else (rows,))
     if any(t.device != qkv.device for t in others):
-        raise ValueError("qkv, cos, sin, k_cache, v_cache, lengths, rows, k_out and v_out must be on one device")
+        raise ValueError("qkv, cos, sin, k_cache, v_cache, block_table, lengths, rows, k_out and v_out must be "
+                         "on one device")
     if out is None:
         out = torch.empty((R, T, H, D), device=qkv.device, dtype=qkv.dtype)
     elif out.shape != (R, T, H, D) or out.dtype != qkv.dtype or out.device != qkv.device or out.stride(-1) != 1:
@@ -192,20 +204,19 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, num_kv_he
     rows = rows.contiguous() if has_rows else lengths          # unread without HAS_ROWS
     k_out, v_out = kv_out or (k_cache, v_cache)                # unwritten without KV_OUT
     use_pdl = pdl(qkv.device)
-
     half = D // 2
     block_half = triton.next_power_of_2(half)
     block_h = _block_heads(H, KV, block_half, R * T)
     _rope_kv_write_kernel[(R * T, (H + 2 * KV) // block_h)](
-        qkv, cos, sin, lengths, rows, out, k_cache, v_cache, k_out, v_out,
+        qkv, cos, sin, lengths, rows, block_table, out, k_cache, v_cache, k_out, v_out,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         v_out.stride(0), v_out.stride(1), v_out.stride(2),
         T, S, RC,
-        H=H, KV=KV, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        H=H, KV=KV, HALF=half, PAGE=PAGE, BLOCK_H=block_h, BLOCK_HALF=block_half,
         HAS_ROWS=has_rows, KV_OUT=bool(kv_out), PDL=use_pdl,
         num_warps=_NUM_WARPS, enable_fp_fusion=False, launch_pdl=use_pdl,
     )

@@ -1,4 +1,9 @@
-"""Tree attention over a static KV cache: decode, chain verification and tree verification.
+"""Tree attention over a paged KV cache: decode, chain verification and tree verification.
+
+The cache is a pool of pages `[pages, Hkv, PAGE, D]` per layer; row r's slot s lives in page
+`block_table[r, s // PAGE]` at offset `s % PAGE`. A key tile of BLOCK_N slots never straddles a
+page (PAGE is a multiple of BLOCK_N), so each tile costs one table load and its K/V rows are
+contiguous as in an unpaged cache.
 
 Query node i of row r attends to the committed prefix, cache slots [0, lengths[r]), and to
 the tree slots lengths[r] + j whose bit j is set in tree_mask[r, i] (the nodes' own K/V are
@@ -81,14 +86,15 @@ def _combine_splits(m_part_ptr, l_part_ptr, acc_part_ptr, rows, n_rows, row_ok, 
 
 @triton.jit
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, cnt_ptr,
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, cnt_ptr,
     stride_qr, stride_qn, stride_qh,
-    stride_kr, stride_kh, stride_ks,
-    stride_vr, stride_vh, stride_vs,
+    stride_kp, stride_kh, stride_ks,
+    stride_vp, stride_vh, stride_vs,
+    stride_tr,
     stride_mr, stride_mn,
     stride_or, stride_on, stride_oh,
     R, N, SLOTS, H, S, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -112,8 +118,9 @@ def _tree_attention_kernel(
     q = tl.load(q_ptr + r * stride_qr + node[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     bits = tl.load(mask_ptr + r * stride_mr + node * stride_mn, mask=m_ok, other=0)
-    k_base = k_ptr + r * stride_kr + kh * stride_kh + offs_d[None, :]
-    v_base = v_ptr + r * stride_vr + kh * stride_vh + offs_d[None, :]
+    k_base = k_ptr + kh * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kh * stride_vh + offs_d[None, :]
+    tab = tab_ptr + r * stride_tr
 
     # Finite start so a row whose first blocks are all masked never computes (-inf) - (-inf).
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -122,13 +129,16 @@ def _tree_attention_kernel(
 
     n_full = length // BLOCK_N
     for b in range(split, n_full, SPLITS):
-        offs_s = b * BLOCK_N + offs_b
+        page = tl.load(tab + (b * BLOCK_N) // PAGE).to(tl.int64)
+        offs_p = (b * BLOCK_N) % PAGE + offs_b  # the tile's slots inside its page
+        k_ptrs = k_base + page * stride_kp + offs_p[:, None] * stride_ks
+        v_ptrs = v_base + page * stride_vp + offs_p[:, None] * stride_vs
         if BLOCK_D == HEAD_DIM:  # no mask at all: plain vectorised loads
-            k = tl.load(k_base + offs_s[:, None] * stride_ks)
-            v = tl.load(v_base + offs_s[:, None] * stride_vs)
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         else:
-            k = tl.load(k_base + offs_s[:, None] * stride_ks, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_base + offs_s[:, None] * stride_vs, mask=d_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, DOT_FP32)
 
     end = length + SLOTS  # the tree's slots: the queries' own and any fed before them
@@ -141,8 +151,11 @@ def _tree_attention_kernel(
         jj = tl.where(in_tree, j, 0).to(tl.int64)
         bit = ((bits[:, None] >> jj[None, :]) & 1) != 0
         vis = (offs_s < length)[None, :] | (in_tree[None, :] & bit)
-        k = tl.load(k_base + offs_s[:, None] * stride_ks, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + offs_s[:, None] * stride_vs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        page = tl.load(tab + (b * BLOCK_N) // PAGE, mask=b * BLOCK_N < S, other=0).to(tl.int64)
+        offs_p = (b * BLOCK_N) % PAGE + offs_b
+        ld_ok = s_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + page * stride_kp + offs_p[:, None] * stride_ks, mask=ld_ok, other=0.0)
+        v = tl.load(v_base + page * stride_vp + offs_p[:, None] * stride_vs, mask=ld_ok, other=0.0)
         m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis, True, PRECISION, DOT_FP32)
 
     if SPLITS == 1:
@@ -168,10 +181,10 @@ def _tree_attention_kernel(
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, cnt_ptr,
-    stride_qr, stride_qh, stride_kr, stride_kh, stride_ks, stride_vr, stride_vh, stride_vs, stride_mr,
-    stride_or, stride_oh, H, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, mask_ptr, out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, cnt_ptr,
+    stride_qr, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs, stride_tr,
+    stride_mr, stride_or, stride_oh, H, S, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -186,8 +199,9 @@ def _decode_attention_kernel(
     # visible: the prefix [0, length) and the node's own slot `length` when its bit 0 is set
     length = tl.load(len_ptr + r) + (tl.load(mask_ptr + r * stride_mr) & 1).to(tl.int32)
     q = tl.load(q_ptr + r * stride_qr + h * stride_qh + offs_d, mask=d_ok, other=0.0).to(tl.float32) * qk_scale
-    k_base = k_ptr + r * stride_kr + kh * stride_kh + offs_d[None, :]
-    v_base = v_ptr + r * stride_vr + kh * stride_vh + offs_d[None, :]
+    k_base = k_ptr + kh * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kh * stride_vh + offs_d[None, :]
+    tab = tab_ptr + r * stride_tr
     m_i = tl.full([], -1.0e30, tl.float32)  # finite: a split with no keys never computes inf - inf
     l_i = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -195,8 +209,10 @@ def _decode_attention_kernel(
         offs_s = b * BLOCK_N + offs_b
         s_ok = offs_s < length  # slots past the visible ones may hold anything (NaN)
         ld_ok = s_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_s[:, None] * stride_ks, mask=ld_ok, other=0.0)
-        v = tl.load(v_base + offs_s[:, None] * stride_vs, mask=ld_ok, other=0.0)
+        page = tl.load(tab + (b * BLOCK_N) // PAGE, mask=b * BLOCK_N < S, other=0).to(tl.int64)
+        offs_p = (b * BLOCK_N) % PAGE + offs_b
+        k = tl.load(k_base + page * stride_kp + offs_p[:, None] * stride_ks, mask=ld_ok, other=0.0)
+        v = tl.load(v_base + page * stride_vp + offs_p[:, None] * stride_vs, mask=ld_ok, other=0.0)
         sc = tl.where(s_ok, tl.sum(k.to(tl.float32) * q[None, :], 1), -1.0e30)
         m_new = tl.maximum(m_i, tl.max(sc, 0))
         alpha = tl.exp2(m_i - m_new)
@@ -230,9 +246,10 @@ def _decode_splits(device, programs, max_blocks):
     return max(1, min(16, max_blocks, triton.cdiv(4 * _sm_count(device), programs)))
 
 
-def _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, num_splits):
+def _decode_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, out, qk_scale, num_splits):
     R, _, H, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    Hkv, PAGE = k_cache.shape[1], k_cache.shape[2]
+    S = block_table.shape[1] * PAGE
     BLOCK_N, BLOCK_D = 64, max(16, triton.next_power_of_2(D))
     splits = num_splits or _decode_splits(q.device, R * H, triton.cdiv(S, BLOCK_N))
     if splits == 1:
@@ -244,11 +261,11 @@ def _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, nu
         counters = _counters(q.device, R * H)
     use_pdl = pdl(q.device)
     _decode_attention_kernel[(R * H, splits)](
-        q, k_cache, v_cache, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
+        q, k_cache, v_cache, block_table, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tree_mask.stride(0),
-        out.stride(0), out.stride(2), H, qk_scale,
-        GROUP=H // Hkv, HEAD_DIM=D, SPLITS=splits,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), tree_mask.stride(0),
+        out.stride(0), out.stride(2), H, S, qk_scale,
+        GROUP=H // Hkv, HEAD_DIM=D, SPLITS=splits, PAGE=PAGE,
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PDL=use_pdl, num_warps=2, num_stages=2, launch_pdl=use_pdl,
     )
     return out
@@ -295,12 +312,20 @@ def invariant_launch(S: int, D: int, dtype: torch.dtype):
     return 16, BLOCK_N, max(1, min(INVARIANT_SPLITS, triton.cdiv(S, BLOCK_N))), 4, stages
 
 
-def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=None, num_splits=None,
-                   config=None, tree_slots=None, invariant=False):
+def check_page(page: int):
+    """A page must hold whole key tiles of both kernels (64 slots; 32 for head dims over 128)."""
+    if page % 64:
+        raise ValueError(f"page size {page} must be a multiple of 64 (the attention kernels' key tile)")
+
+
+def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scale=None, out=None,
+                   num_splits=None, config=None, tree_slots=None, invariant=False):
     """Triton tree attention; see `tabed_engine.ops.tree_attention` for the contract.
 
-    q [R, N, H, D], k_cache/v_cache [R, Hkv, S, D] (any strides, unit last stride), lengths [R]
-    int32, tree_mask [R, N] int64 -> out [R, N, H, D] in q's dtype. `num_splits` overrides the
+    q [R, N, H, D], k_cache/v_cache page pools [P, Hkv, PAGE, D] (any strides, unit last
+    stride), block_table [R, W] int32 (row r's slot s: page block_table[r, s // PAGE]; the
+    cache spans S = W * PAGE slots), lengths [R] int32, tree_mask [R, N] int64 -> out
+    [R, N, H, D] in q's dtype. `num_splits` overrides the
     split-K heuristic (tests use it to cover both paths on the interpreter); `config`, a dict
     with any of block_m / num_warps / splits, overrides the N > 1 kernel's launch
     (`benchmarks/bench_tree_attention.py --sweep`). `tree_slots` (default N, at most 64): the
@@ -312,12 +337,18 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
     if invariant and (num_splits is not None or config is not None):
         raise ValueError("tree_attention: invariant calls take no num_splits / config")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError(f"q must be [R, N, H, D] and k/v caches [R, Hkv, S, D], got {tuple(q.shape)}, "
+        raise ValueError(f"q must be [R, N, H, D] and k/v page pools [P, Hkv, PAGE, D], got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     R, N, H, D = q.shape
-    _, Hkv, S, _ = k_cache.shape
-    if k_cache.shape != v_cache.shape or k_cache.shape[0] != R or k_cache.shape[3] != D:
-        raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    _, Hkv, PAGE, _ = k_cache.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
+        raise ValueError(f"k/v pools {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != R or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [{R}, W], got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table needs a contiguous last dimension")
+    check_page(PAGE)
+    S = block_table.shape[1] * PAGE
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv})")
     if not 1 <= N <= _MAX_NODES:
@@ -337,9 +368,9 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         raise ValueError(f"tree_mask must be int64 [{R}, {N}], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
-    tensors = (k_cache, v_cache, lengths, tree_mask)
+    tensors = (k_cache, v_cache, block_table, lengths, tree_mask)
     if any(t.device != q.device for t in tensors):
-        raise ValueError("q, k_cache, v_cache, lengths and tree_mask must be on one device")
+        raise ValueError("q, k_cache, v_cache, block_table, lengths and tree_mask must be on one device")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
@@ -351,7 +382,7 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
     scale = D ** -0.5 if scale is None else float(scale)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the kernel
     if N == 1 and tree_slots == 1 and not invariant:
-        return _decode_attention(q, k_cache, v_cache, lengths, tree_mask, out, qk_scale, num_splits)
+        return _decode_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, out, qk_scale, num_splits)
 
     group = H // Hkv
     config = config or {}
@@ -381,14 +412,15 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, scale=None, out=N
         counters = _counters(q.device, m_blocks * R * Hkv)
     use_pdl = pdl(q.device)
     _tree_attention_kernel[(m_blocks, R * Hkv, splits)](
-        q, k_cache, v_cache, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
+        q, k_cache, v_cache, block_table, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
         tree_mask.stride(0), tree_mask.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         R, N, tree_slots, H, S, qk_scale,
-        GROUP=group, HEAD_DIM=D, SPLITS=splits,
+        GROUP=group, HEAD_DIM=D, SPLITS=splits, PAGE=PAGE,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
         PDL=use_pdl, num_warps=config.get("num_warps", 4), num_stages=num_stages, launch_pdl=use_pdl,
     )

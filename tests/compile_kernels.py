@@ -192,13 +192,14 @@ def _exercise():
 
     R, N, H, Hkv, D, S = 1, 3, 4, 2, 16, 40
     qa = torch.randn(R, N, H, D, generator=g).to(bf)
-    kc = torch.randn(R, Hkv, S, D, generator=g).to(bf)
-    vc = torch.randn(R, Hkv, S, D, generator=g).to(bf)
+    kc = torch.randn(3, Hkv, 64, D, generator=g).to(bf)          # pages of 64 slots
+    vc = torch.randn(3, Hkv, 64, D, generator=g).to(bf)
+    table = torch.tensor([[2]], dtype=torch.int32)               # [R, S / 64]
     lengths = torch.tensor([20], dtype=torch.int32)
     mask = torch.tensor([[1, 3, 5]], dtype=torch.int64)
     for splits in (1, 2, 3):
-        tree_attention.tree_attention(qa, kc, vc, lengths, mask, num_splits=splits)
-        tree_attention.tree_attention(qa[:, :1], kc, vc, lengths, mask[:, :1], num_splits=splits)  # one query
+        tree_attention.tree_attention(qa, kc, vc, table, lengths, mask, num_splits=splits)
+        tree_attention.tree_attention(qa[:, :1], kc, vc, table, lengths, mask[:, :1], num_splits=splits)  # one query
 
     x = torch.randn(3, 64, generator=g).to(bf)
     add_rms_norm.add_rms_norm(x, x.clone(), torch.ones(64, dtype=bf), 1e-6)
@@ -207,15 +208,16 @@ def _exercise():
 
     qkv = torch.randn(1, 2, (H + 2 * Hkv) * D, generator=g).to(bf)
     cs = torch.randn(1, 2, D, generator=g)
-    rope_kv_write.rope_kv_write(qkv, cs, cs, kc, vc, lengths, H, Hkv)
+    rope_kv_write.rope_kv_write(qkv, cs, cs, kc, vc, table, lengths, H, Hkv)
     # the fresh prefill: into cache row `rows`, dense k/v out, q in SDPA's [R, H, T, D] layout,
     # a prefill-sized R * T (the larger head tile)
     Hp, Tp, Dp = 16, 260, 128
-    kp, vp = torch.zeros(2, 2, Hp, Tp, Dp, dtype=bf).unbind(0)
+    kp, vp = torch.zeros(2, 11, Hp, 64, Dp, dtype=bf).unbind(0)
+    ptable = torch.arange(1, 11, dtype=torch.int32).view(2, 5)
     k_out, v_out = torch.zeros(2, 1, Hp, Tp, Dp, dtype=bf).unbind(0)
     qkv = torch.randn(1, Tp, 3 * Hp * Dp, generator=g).to(bf)
     cs = torch.randn(1, Tp, Dp, generator=g)
-    rope_kv_write.rope_kv_write(qkv, cs, cs, kp, vp, torch.zeros(1, dtype=torch.int32), Hp, Hp,
+    rope_kv_write.rope_kv_write(qkv, cs, cs, kp, vp, ptable, torch.zeros(1, dtype=torch.int32), Hp, Hp,
                                 out=torch.empty(1, Hp, Tp, Dp, dtype=bf).transpose(1, 2), rows=torch.tensor([1]),
                                 k_out=k_out, v_out=v_out)
 

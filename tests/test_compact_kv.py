@@ -1,10 +1,14 @@
 """compact_kv: compiled kernels (CPU here, CUDA with -m gpu) against the PyTorch reference,
-and the reference against a literal per-slot loop of the spec."""
+and the reference against a literal per-slot loop of the spec. The spec and the checks read
+contiguous [L, R, H, S, D] caches; the ops run on them laid out as paged pools with a shuffled
+block table (`paging.layer_pages`) and are read back, so an accepted path crossing a page
+boundary moves between scattered pages."""
 import pytest
 import torch
 
+from paging import layer_from_pages, layer_pages
 from tabed_engine.ops import _ext
-from tabed_engine.ops.compact_kv import compact_kv, compact_kv_reference
+from tabed_engine.ops.compact_kv import compact_kv as _compact_kv, compact_kv_reference as _reference
 from tabed_engine.ops.verify_tree import verify_tree_reference
 
 needs_ext = pytest.mark.skipif(not _ext.HAS_CPU_KERNELS, reason=f"tabed_engine._C not built: {_ext.EXT_ERROR}")
@@ -19,8 +23,26 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def op(*args):
+def raw_op(*args):
     torch.ops.tabed_engine.compact_kv(*args)
+
+
+def paged(fn):
+    """fn over contiguous caches: run on them as shuffled pages, the result read back."""
+    def call(k, v, lengths, path, nacc):
+        kp, vp, table = layer_pages(k.cpu(), v.cpu(), seed=int(lengths.sum()) % 97)
+        kp, vp, table = kp.to(k.device), vp.to(k.device), table.to(k.device)
+        held = torch.zeros(kp.shape[1], dtype=torch.bool, device=k.device)
+        held[table.flatten().long()] = True
+        spare = kp[:, ~held].clone()
+        fn(kp, vp, table, lengths, path, nacc)
+        assert torch.equal(bits(kp[:, ~held]), bits(spare)), "wrote into a page no row holds"
+        k.copy_(layer_from_pages(kp, table, k.shape[3]))
+        v.copy_(layer_from_pages(vp, table, v.shape[3]))
+    return call
+
+
+op, compact_kv_reference, compact_kv = paged(raw_op), paged(_reference), paged(_compact_kv)
 
 
 def bits(x):
@@ -133,36 +155,41 @@ def test_cpu_strided_caches():
 def test_cpu_errors_are_clear():
     g = torch.Generator().manual_seed(0)
     k, v, lengths, path, nacc = make_case(1, 2, 1, 10, 4, 3, torch.float32, g)
+    k, v, table = layer_pages(k, v, page=5)
     with pytest.raises(RuntimeError, match="lengths must be int32"):
-        op(k, v, lengths.long(), path, nacc)
+        raw_op(k, v, table, lengths.long(), path, nacc)
+    with pytest.raises(RuntimeError, match="block_table must be int32"):
+        raw_op(k, v, table.long(), lengths, path, nacc)
     with pytest.raises(RuntimeError, match="share one float dtype"):
-        op(k, v.half(), lengths, path, nacc)
-    with pytest.raises(RuntimeError, match=r"must be \[L, R, Hkv, S, D\]"):
-        op(k[0], v[0], lengths, path, nacc)
+        raw_op(k, v.half(), table, lengths, path, nacc)
+    with pytest.raises(RuntimeError, match=r"must be a page pool \[L, P, Hkv, PAGE, D\]"):
+        raw_op(k[0], v[0], table, lengths, path, nacc)
     with pytest.raises(RuntimeError, match="must not share memory"):
-        op(k, k, lengths, path, nacc)
+        raw_op(k, k, table, lengths, path, nacc)
     with pytest.raises(RuntimeError, match="head_dim axis"):
-        op(k.transpose(3, 4), v.transpose(3, 4), lengths, path, nacc)
+        raw_op(k.transpose(3, 4), v.transpose(3, 4), table, lengths, path, nacc)
     with pytest.raises(TypeError, match="int32"):
-        compact_kv_reference(k, v, lengths.long(), path, nacc)
+        _reference(k, v, table, lengths.long(), path, nacc)
 
 
 @needs_ext
 def test_opcheck_and_compile():
     g = torch.Generator().manual_seed(2)
     args = make_case(2, 3, 2, 20, 8, 5, torch.float32, g)
-    torch.library.opcheck(torch.ops.tabed_engine.compact_kv.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
     k, v, lengths, path, nacc = args
+    torch.library.opcheck(torch.ops.tabed_engine.compact_kv.default, (*layer_pages(k, v), lengths, path, nacc),
+                          test_utils=("test_schema", "test_faketensor"))
     k1, v1 = k.clone(), v.clone()
     compact_kv_reference(k1, v1, lengths, path, nacc)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
-    def f(k, v, lengths, path, nacc):
-        op(k, v, lengths, path, nacc)
+    def f(k, v, table, lengths, path, nacc):
+        raw_op(k, v, table, lengths, path, nacc)
         return k.sum()
 
-    f(k, v, lengths, path, nacc)
+    kp, vp, table = layer_pages(k, v)
+    f(kp, vp, table, lengths, path, nacc)
+    k, v = layer_from_pages(kp, table, k.shape[3]), layer_from_pages(vp, table, v.shape[3])
     assert torch.equal(bits(k), bits(k1)) and torch.equal(bits(v), bits(v1))
 
 

@@ -15,6 +15,7 @@ from tabed_engine.kernels import tree_attention as _t
 from tabed_engine.ops import gemv as ops
 
 from test_kernel_gemv import check, check_glu, make_case as gemv_case
+from paging import to_pages
 from test_kernel_tree_attention import make_case as attn_case, random_tree_masks
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,14 +111,15 @@ def test_dispatch_invariant(monkeypatch):
 def _chain_vs_ar(R, N, H, Hkv, D, dtype, device, seed):
     """(chain outputs [R, N, H, D], AR outputs of each node at its own length) over one cache."""
     q, k, v, lengths, _ = attn_case(R, N, H, Hkv, D, dtype, device, chain=True, seed=seed)
+    k, v, table = to_pages(k, v, seed=seed)       # (shuffled pages)
     chain = random_tree_masks(R, N, torch.Generator().manual_seed(seed), chain=True).to(device)
-    out = _t.tree_attention(q, k, v, lengths, chain, invariant=True)
+    out = _t.tree_attention(q, k, v, table, lengths, chain, invariant=True)
     ar = torch.empty_like(out)
     one = torch.ones(R, 1, dtype=torch.int64, device=device)
     for j in range(N):   # node j is an AR step at length lengths + j: its own K/V at that slot
-        ar[:, j:j + 1] = _t.tree_attention(q[:, j:j + 1].contiguous(), k, v, (lengths + j).int(), one,
+        ar[:, j:j + 1] = _t.tree_attention(q[:, j:j + 1].contiguous(), k, v, table, (lengths + j).int(), one,
                                            invariant=True)
-    return q, k, v, lengths, chain, out, ar
+    return q, k, v, table, lengths, chain, out, ar
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -128,14 +130,14 @@ def test_invariant_attention_chain_node_equals_ar_step(dtype, kernel_device):
     place j, the AR step at place 0): there chain vs AR is checked to float32 rounding and the
     row alone vs among others (same places) bit for bit."""
     for R, N, H, Hkv, D, seed in ((3, 6, 4, 2, 64, 1), (2, 3, 2, 2, 80, 2)):
-        q, k, v, lengths, chain, out, ar = _chain_vs_ar(R, N, H, Hkv, D, dtype, kernel_device, seed)
+        q, k, v, table, lengths, chain, out, ar = _chain_vs_ar(R, N, H, Hkv, D, dtype, kernel_device, seed)
         assert not out.isnan().any()
         if kernel_device == "cuda":
             assert torch.equal(out, ar), (out - ar).abs().max()
         else:
             torch.testing.assert_close(out, ar, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
         for r in range(R):   # the row alone
-            alone = _t.tree_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], lengths[r:r + 1], chain[r:r + 1],
+            alone = _t.tree_attention(q[r:r + 1], k, v, table[r:r + 1], lengths[r:r + 1], chain[r:r + 1],
                                       invariant=True)
             assert torch.equal(alone[0], out[r])
 
@@ -148,11 +150,13 @@ def test_invariant_attention_launch_does_not_follow_rows_or_nodes(monkeypatch):
     monkeypatch.setattr(_t, "_decode_attention_kernel", dec)
     monkeypatch.setattr(_t, "_counters", lambda device, n: torch.zeros(n, dtype=torch.int32))
     for S in (100, 700, 4096):
-        k = torch.zeros(64, 8, S, 128, dtype=torch.bfloat16)
+        W = -(-S // 64)
+        k = torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16)             # pages
+        table = torch.zeros(64, W, dtype=torch.int32)
         for R in (1, 4, 16, 64):
             for N in (1, 2, 6, 11, 64):
                 q = torch.zeros(R, N, 32, 128, dtype=torch.bfloat16)
-                _t.tree_attention(q, k[:R], k[:R], torch.full((R,), 5, dtype=torch.int32),
+                _t.tree_attention(q, k, k, table[:R], torch.full((R,), 5, dtype=torch.int32),
                                   torch.ones(R, N, dtype=torch.int64), invariant=True)
         configs = {(grid[2], kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLITS"], kw["num_warps"], kw["num_stages"])
                    for grid, kw in rec.launches}
@@ -160,7 +164,7 @@ def test_invariant_attention_launch_does_not_follow_rows_or_nodes(monkeypatch):
         rec.launches.clear()
     assert not dec.launches
     with pytest.raises(ValueError, match="invariant"):
-        _t.tree_attention(q, k[:64], k[:64], torch.full((64,), 5, dtype=torch.int32),
+        _t.tree_attention(q, k, k, table, torch.full((64,), 5, dtype=torch.int32),
                           torch.ones(64, 64, dtype=torch.int64), num_splits=2, invariant=True)
 
 

@@ -6,9 +6,11 @@ truncation where the GPU rounds to nearest even, so there a bf16 value may be th
 neighbour of the reference's (never anything else); on CUDA every dtype must be exact.
 
 The cache is layer 1 of a NaN-filled [L, 2, Rc, S, Hkv, D] buffer viewed [.., Hkv, S, D]
-(non-trivial strides) and the q output (and k_out/v_out) are NaN-filled, so unwritten outputs
-and writes to the wrong slot, row, head or layer are caught: after the call, every element of
-the buffer outside the T new slots of each written row must still be NaN.
+(non-trivial strides), handed to the kernel and the reference as a paged pool with a shuffled
+block table (`paging.to_pages`, pages of PAGE slots) and read back after the call; the q output
+(and k_out/v_out) are NaN-filled, so unwritten outputs and writes to the wrong slot, page, row,
+head or layer are caught: after the call, every element of the buffer outside the T new slots
+of each written row, and every page no row holds, must still be NaN.
 """
 import json
 import types
@@ -16,6 +18,7 @@ import types
 import pytest
 import torch
 
+from paging import from_pages, to_pages
 from tabed_engine.kernels import rope_kv_write as _k
 from tabed_engine.models.layers import rope_tables
 from tabed_engine.ops.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_reference
@@ -47,6 +50,23 @@ def make_case(R, T, H, KV, D, dtype, device, *, seed=0, S=None, lengths=None, st
 def caches(buf):
     view = buf.transpose(-3, -2)  # [L, 2, R, KV, S, D]
     return view[1, 0], view[1, 1]
+
+
+PAGE = 16   # small pages: rows of a few dozen slots span several
+
+
+def paged(fn, k_cache, v_cache):
+    """fn(k_pool, v_pool, block_table) over the caches laid out as shuffled pages; the pages are
+    read back into the caches, and pages no row holds must still be NaN."""
+    kp, vp, table = to_pages(k_cache, v_cache, page=PAGE, seed=k_cache.shape[0] * 31 + k_cache.shape[2])
+    res = fn(kp, vp, table)
+    S = k_cache.shape[2]
+    k_cache.copy_(from_pages(kp, table, S))
+    v_cache.copy_(from_pages(vp, table, S))
+    held = torch.zeros(kp.shape[0], dtype=torch.bool, device=kp.device)
+    held[table.flatten().long()] = True
+    assert kp[~held].isnan().all() and vp[~held].isnan().all(), "wrote into a page no row holds"
+    return res
 
 
 def take_new(cache, lengths, T, rows=None):
@@ -85,7 +105,8 @@ def run_and_check(case, call, *, rows=None, kv_out=False, q_heads_major=False):
         kw.update(k_out=torch.full((R, KV, T, D), float("nan"), **nan),
                   v_out=torch.full((R, KV, T, D), float("nan"), **nan))
     ref_buf = buf.clone()
-    q_ref = rope_kv_write_reference(qkv, cos, sin, *caches(ref_buf), lengths, H, KV, rows=rows)
+    q_ref = paged(lambda k, v, t: rope_kv_write_reference(qkv, cos, sin, k, v, t, lengths, H, KV, rows=rows),
+                  *caches(ref_buf))
 
     k_cache, v_cache = caches(buf)
     if q_heads_major:
@@ -118,12 +139,13 @@ def run_and_check(case, call, *, rows=None, kv_out=False, q_heads_major=False):
 def launcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out, **kw):
     R, T, _ = qkv.shape
     D = k_cache.shape[-1]
-    return _k.rope_kv_write(qkv, cos.reshape(R, T, D), sin.reshape(R, T, D), k_cache, v_cache, lengths,
-                            H, KV, out=out, **kw)
+    return paged(lambda k, v, t: _k.rope_kv_write(qkv, cos.reshape(R, T, D), sin.reshape(R, T, D), k, v, t,
+                                                  lengths, H, KV, out=out, **kw), k_cache, v_cache)
 
 
 def dispatcher(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out, **kw):
-    return rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, H, KV, out=out, **kw)
+    return paged(lambda k, v, t: rope_kv_write(qkv, cos, sin, k, v, t, lengths, H, KV, out=out, **kw),
+                 k_cache, v_cache)
 
 
 HEADS = [(4, 4), (8, 2), (6, 1), (3, 3)]
@@ -151,16 +173,18 @@ def test_kernel_strided_qkv_and_ragged_rows(dtype, kernel_device):
 
 
 def test_kernel_full_cache_drops_overflow(kernel_device):
-    # lengths[r] + t >= S: those writes are dropped, not spilled into the next row/head
-    case = make_case(3, 5, 4, 2, 16, torch.float32, kernel_device, S=20, lengths=[18, 0, 16])
+    # lengths[r] + t >= S (the table's W * PAGE slots): those writes are dropped, not spilled
+    # into another page, row or head
+    case = make_case(3, 5, 4, 2, 16, torch.float32, kernel_device, S=32, lengths=[30, 0, 28])
     qkv, cos, sin, buf, lengths = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths"))
     k_cache, v_cache = caches(buf)
     out = torch.full((3, 5, 4, 16), float("nan"), device=kernel_device)
-    _k.rope_kv_write(qkv, cos[:, :, 0], sin[:, :, 0], k_cache, v_cache, lengths, 4, 2, out=out)
+    paged(lambda k, v, t: _k.rope_kv_write(qkv, cos[:, :, 0], sin[:, :, 0], k, v, t, lengths, 4, 2, out=out),
+          k_cache, v_cache)
     assert not out.isnan().any()
     written = ~k_cache.isnan().all(-1)  # [R, KV, S]
-    expect = torch.zeros(3, 2, 20, dtype=torch.bool)
-    expect[0, :, 18:] = expect[1, :, :5] = expect[2, :, 16:] = True
+    expect = torch.zeros(3, 2, 32, dtype=torch.bool)
+    expect[0, :, 30:] = expect[1, :, :5] = expect[2, :, 28:] = True
     assert torch.equal(written.cpu(), expect)
     assert torch.equal(~v_cache.isnan().all(-1), written)
     assert buf[0].isnan().all()
@@ -173,7 +197,8 @@ def test_kernel_row_outside_cache_drops_writes(kernel_device):
     qkv, cos, sin, buf, lengths = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths"))
     out = torch.full((2, 3, 4, 16), float("nan"), device=kernel_device)
     rows = torch.tensor([3, -1], device=kernel_device)
-    _k.rope_kv_write(qkv, cos[:, :, 0], sin[:, :, 0], *caches(buf), lengths, 4, 2, out=out, rows=rows)
+    paged(lambda k, v, t: _k.rope_kv_write(qkv, cos[:, :, 0], sin[:, :, 0], k, v, t, lengths, 4, 2, out=out,
+                                           rows=rows), *caches(buf))
     assert not out.isnan().any()
     assert buf.isnan().all()
 
@@ -218,7 +243,8 @@ def test_dispatch_on_cpu_is_reference():
     q = run_and_check(case, dispatcher)
     qkv = case["qkv"]
     # default output: a fresh contiguous [R, T, H, D]
-    fresh = rope_kv_write(qkv, case["cos"], case["sin"], *caches(case["buf"].clone()), case["lengths"], 4, 2)
+    fresh = paged(lambda k, v, t: rope_kv_write(qkv, case["cos"], case["sin"], k, v, t, case["lengths"], 4, 2),
+                  *caches(case["buf"].clone()))
     assert fresh.is_contiguous() and torch.equal(fresh, q)
     # rows, k_out/v_out and a heads-major q through the reference
     case = make_case(1, 6, 4, 2, 12, torch.float32, "cpu", seed=4, lengths=[0], cache_rows=3)
@@ -247,49 +273,51 @@ def test_launcher_rejects_bad_input():
     case = make_case(2, 3, 4, 2, 16, torch.float32, "cpu")
     qkv, buf, lengths = case["qkv"], case["buf"], case["lengths"]
     cos, sin = case["cos"][:, :, 0], case["sin"][:, :, 0]
-    k, v = caches(buf)
+    k, v, table = to_pages(*caches(buf), page=PAGE)
     with pytest.raises(ValueError, match="int32"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths.long(), 4, 2)
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths.long(), 4, 2)
+    with pytest.raises(ValueError, match="block_table"):
+        _k.rope_kv_write(qkv, cos, sin, k, v, table.long(), lengths, 4, 2)
     with pytest.raises(ValueError, match="multiple"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 3, 2)
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 3, 2)
     with pytest.raises(ValueError, match="does not match"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 2, 2)
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 2, 2)
     with pytest.raises(TypeError, match="float32"):
-        _k.rope_kv_write(qkv, cos.half(), sin, k, v, lengths, 4, 2)
+        _k.rope_kv_write(qkv, cos.half(), sin, k, v, table, lengths, 4, 2)
     with pytest.raises(TypeError, match="dtypes differ"):
-        _k.rope_kv_write(qkv, cos, sin, k.half(), v, lengths, 4, 2)
+        _k.rope_kv_write(qkv, cos, sin, k.half(), v, table, lengths, 4, 2)
     with pytest.raises(ValueError, match="cos/sin"):
-        _k.rope_kv_write(qkv, cos[:, :2], sin, k, v, lengths, 4, 2)
+        _k.rope_kv_write(qkv, cos[:, :2], sin, k, v, table, lengths, 4, 2)
     with pytest.raises(ValueError, match="contiguous last"):
-        _k.rope_kv_write(qkv, cos, sin, k.transpose(2, 3).contiguous().transpose(2, 3), v, lengths, 4, 2)
+        _k.rope_kv_write(qkv, cos, sin, k.transpose(2, 3).contiguous().transpose(2, 3), v, table, lengths, 4, 2)
     R, T, KV, D = 2, 3, 2, 16
     kv_out = dict(k_out=torch.empty(R, KV, T, D), v_out=torch.empty(R, KV, T, D))
     with pytest.raises(ValueError, match="int32 or int64"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, rows=torch.tensor([0.0, 1.0]))
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2, rows=torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="int32 or int64"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, rows=torch.tensor([0, 1, 0]))
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2, rows=torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="one device"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, rows=torch.zeros(2, dtype=torch.long, device="meta"))
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2, rows=torch.zeros(2, dtype=torch.long, device="meta"))
     with pytest.raises(ValueError, match="pass rows="):  # more cache rows than input rows
-        _k.rope_kv_write(qkv, cos, sin, *caches(make_case(3, 3, 4, 2, 16, torch.float32, "cpu")["buf"]),
-                         lengths, 4, 2)
+        _k.rope_kv_write(qkv, cos, sin, *to_pages(*caches(make_case(3, 3, 4, 2, 16, torch.float32, "cpu")["buf"]),
+                                                   page=PAGE), lengths, 4, 2)
     with pytest.raises(ValueError, match="together"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, k_out=kv_out["k_out"])
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2, k_out=kv_out["k_out"])
     with pytest.raises(ValueError, match="k_out must be"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, **dict(kv_out, k_out=torch.empty(R, T, KV, D)))
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2, **dict(kv_out, k_out=torch.empty(R, T, KV, D)))
     with pytest.raises(ValueError, match="v_out must be"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, **dict(kv_out, v_out=kv_out["v_out"].half()))
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2, **dict(kv_out, v_out=kv_out["v_out"].half()))
     with pytest.raises(ValueError, match="contiguous last"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2,
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2,
                          **dict(kv_out, v_out=torch.empty(R, KV, D, T).transpose(2, 3)))
     with pytest.raises(ValueError, match="one device"):
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2,
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2,
                          **dict(kv_out, k_out=torch.empty(R, KV, T, D, device="meta")))
     with pytest.raises(ValueError, match="out must be"):  # q in [R, H, T, D] itself, not its transposed view
-        _k.rope_kv_write(qkv, cos, sin, k, v, lengths, 4, 2, out=torch.empty(R, 4, T, D))
+        _k.rope_kv_write(qkv, cos, sin, k, v, table, lengths, 4, 2, out=torch.empty(R, 4, T, D))
     odd = make_case(1, 2, 2, 2, 9, torch.float32, "cpu")
     with pytest.raises(ValueError, match="odd"):
-        _k.rope_kv_write(odd["qkv"], odd["cos"][:, :, 0], odd["sin"][:, :, 0], *caches(odd["buf"]),
+        _k.rope_kv_write(odd["qkv"], odd["cos"][:, :, 0], odd["sin"][:, :, 0], *to_pages(*caches(odd["buf"])),
                          odd["lengths"], 2, 2)
 
 
@@ -332,20 +360,24 @@ def test_gpu_ragged_rows_and_padded_head_dims():
 def test_gpu_cuda_graph_replay_reads_lengths_on_device():
     case = make_case(2, 6, 32, 32, 128, torch.bfloat16, "cuda", S=2048, lengths=[100, 5], seed=9)
     qkv, cos, sin, buf, lengths = (case[n] for n in ("qkv", "cos", "sin", "buf", "lengths"))
-    k_cache, v_cache = caches(buf)
+    k_pool, v_pool, table = to_pages(*caches(buf), page=64)
     out = torch.empty(2, 6, 32, 128, device="cuda", dtype=torch.bfloat16)
-    rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, 32, 32, out=out)  # compile outside capture
+    rope_kv_write(qkv, cos, sin, k_pool, v_pool, table, lengths, 32, 32, out=out)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        rope_kv_write(qkv, cos, sin, k_cache, v_cache, lengths, 32, 32, out=out)
-    buf.fill_(float("nan"))
+        rope_kv_write(qkv, cos, sin, k_pool, v_pool, table, lengths, 32, 32, out=out)
+    k_pool.fill_(float("nan"))
+    v_pool.fill_(float("nan"))
     out.fill_(float("nan"))
     new_case = make_case(2, 6, 32, 32, 128, torch.bfloat16, "cuda", S=2048, lengths=[2042, 0], seed=10)
     for name in ("qkv", "cos", "sin", "lengths"):
         case[name].copy_(new_case[name])
     graph.replay()
     torch.cuda.synchronize()
+    k_cache, v_cache = caches(buf)
+    k_cache.copy_(from_pages(k_pool, table, 2048))
+    v_cache.copy_(from_pages(v_pool, table, 2048))
     ref_buf = new_case["buf"]
-    q_ref = rope_kv_write_reference(qkv, cos, sin, *caches(ref_buf), lengths, 32, 32)
+    q_ref = paged(lambda k, v, t: rope_kv_write_reference(qkv, cos, sin, k, v, t, lengths, 32, 32), *caches(ref_buf))
     assert torch.equal(out, q_ref)
     assert torch.equal(buf.nan_to_num(7.0), ref_buf.nan_to_num(7.0))

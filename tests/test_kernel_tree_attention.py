@@ -1,6 +1,8 @@
 """Tree attention: Triton kernel (interpreter on CPU) and PyTorch reference vs a brute-force loop.
 
-The ground truth gathers each node's visible slots one by one (no dense mask) in float64.
+The ground truth gathers each node's visible slots one by one (no dense mask) in float64 from
+contiguous per-row caches; the kernel and the reference read the same K/V as a paged pool with a
+shuffled block table (`paging.to_pages`), so ignoring the table reads NaN pages.
 Low-precision kernels must stay within ~2x the error of the same-precision PyTorch
 computation (flash-attention style). Cache slots past each row's tree, the other layer of
 the cache and the output buffer are NaN-poisoned.
@@ -8,11 +10,30 @@ the cache and the output buffer are NaN-poisoned.
 import pytest
 import torch
 
+from paging import to_pages
 from tabed_engine.kernels import _common
 from tabed_engine.kernels import tree_attention as _k
 from tabed_engine.ops.tree_attention import tree_attention, tree_attention_mask, tree_attention_reference
 
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+def _paged(fn, q, k, v, *args, **kw):
+    kp, vp, table = to_pages(k, v, seed=k.shape[0] * 7 + k.shape[2])
+    return fn(q, kp, vp, table.to(q.device), *args, **kw)
+
+
+def kernel(q, k, v, *args, **kw):
+    """The Triton kernel over k, v [R, Hkv, S, D] laid out as shuffled pages."""
+    return _paged(_k.tree_attention, q, k, v, *args, **kw)
+
+
+def reference(q, k, v, *args, **kw):
+    return _paged(tree_attention_reference, q, k, v, *args, **kw)
+
+
+def dispatch(q, k, v, *args, **kw):
+    return _paged(tree_attention, q, k, v, *args, **kw)
 
 
 def _signed(word):
@@ -107,7 +128,7 @@ CASES = [
 def test_kernel_matches_bruteforce(R, N, H, Hkv, D, dtype, chain, splits, kernel_device):
     q, k, v, lengths, masks = make_case(R, N, H, Hkv, D, dtype, kernel_device, chain=chain, seed=R * 100 + N)
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    res = _k.tree_attention(q, k, v, lengths, masks, out=out, num_splits=splits)
+    res = kernel(q, k, v, lengths, masks, out=out, num_splits=splits)
     assert res is out
     check(q, k, v, lengths, masks, out)
 
@@ -124,24 +145,24 @@ def test_kernel_last_queries_of_a_longer_tree(R, M, W, dtype, splits, kernel_dev
     base = (bruteforce(*args, 64 ** -0.5, dtype).double()[:, M - W:] - truth).abs().max().item()
     qw, mw = q[:, M - W:], masks[:, M - W:]
     out = torch.full_like(qw, float("nan"), memory_format=torch.contiguous_format)
-    assert _k.tree_attention(qw, k, v, lengths, mw, out=out, num_splits=splits, tree_slots=M) is out
-    ref = tree_attention_reference(qw.cpu(), k.cpu(), v.cpu(), lengths.cpu(), mw.cpu(), tree_slots=M)
+    assert kernel(qw, k, v, lengths, mw, out=out, num_splits=splits, tree_slots=M) is out
+    ref = reference(qw.cpu(), k.cpu(), v.cpu(), lengths.cpu(), mw.cpu(), tree_slots=M)
     for res in (out, ref):
         res = res.cpu().double()
         assert torch.isfinite(res).all()
         assert (res - truth).abs().max().item() <= 2 * base + ATOL[dtype]
     if W < M:   # without tree_slots the earlier nodes are not seen
-        short = _k.tree_attention(qw, k, v, lengths, mw, num_splits=splits)
+        short = kernel(qw, k, v, lengths, mw, num_splits=splits)
         assert not torch.allclose(short.cpu().double(), truth, atol=1e-2)
     with pytest.raises(ValueError, match="tree_slots"):
-        _k.tree_attention(qw, k, v, lengths, mw, tree_slots=W - 1 if W > 1 else 65)
+        kernel(qw, k, v, lengths, mw, tree_slots=W - 1 if W > 1 else 65)
 
 
-@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("D", [96, 128, 160])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_kernel_padded_head_dims_and_scale(D, splits, kernel_device):
     q, k, v, lengths, masks = make_case(3, 9, 4, 2, D, torch.bfloat16, kernel_device, seed=D + splits)
-    out = _k.tree_attention(q, k, v, lengths, masks, scale=0.3, num_splits=splits)
+    out = kernel(q, k, v, lengths, masks, scale=0.3, num_splits=splits)
     check(q, k, v, lengths, masks, out, scale=0.3)
 
 
@@ -150,14 +171,14 @@ def test_kernel_launch_config_override(config, kernel_device):
     # A swept launch config: several query tiles per (row, kv head), each with its own splits.
     q, k, v, lengths, masks = make_case(2, 37, 4, 2, 64, torch.bfloat16, kernel_device, seed=37)
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    _k.tree_attention(q, k, v, lengths, masks, out=out, config=config)
+    kernel(q, k, v, lengths, masks, out=out, config=config)
     check(q, k, v, lengths, masks, out)
 
 
 def test_kernel_more_splits_than_blocks(kernel_device):
     # Rows of length 0 and 7: most splits get no key block and must drop out of the combine.
     q, k, v, lengths, masks = make_case(2, 5, 4, 4, 64, torch.float32, kernel_device, lengths=[0, 7], S=80)
-    out = _k.tree_attention(q, k, v, lengths, masks, num_splits=6)
+    out = kernel(q, k, v, lengths, masks, num_splits=6)
     check(q, k, v, lengths, masks, out)
 
 
@@ -167,7 +188,7 @@ def test_split_combine_counters_reset_between_launches(kernel_device):
     q, k, v, lengths, masks = make_case(3, 9, 8, 2, 64, torch.float32, kernel_device, seed=5)
     for splits in (3, 3, 2, 5):
         out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-        _k.tree_attention(q, k, v, lengths, masks, out=out, num_splits=splits)
+        kernel(q, k, v, lengths, masks, out=out, num_splits=splits)
         check(q, k, v, lengths, masks, out)
         assert int(_common.COUNTERS[q.device].abs().sum()) == 0
 
@@ -180,7 +201,7 @@ def test_one_query_kernel_splits_own_slot_bit_and_counters(splits, kernel_device
     q, k, v, lengths, masks = make_case(4, 1, 6, 2, 80, torch.bfloat16, kernel_device, seed=splits,
                                         lengths=[0, 70, 130, 200], S=202)
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    _k.tree_attention(q, k, v, lengths, masks, out=out, num_splits=splits)
+    kernel(q, k, v, lengths, masks, out=out, num_splits=splits)
     check(q, k, v, lengths, masks, out)
     assert int(_common.COUNTERS.get(q.device, torch.zeros(1)).abs().sum()) == 0
     k2, v2 = k.clone(), v.clone()
@@ -188,7 +209,7 @@ def test_one_query_kernel_splits_own_slot_bit_and_counters(splits, kernel_device
         k2[r, :, n], v2[r, :, n] = float("nan"), float("nan")
     hidden = torch.zeros_like(masks)
     live = slice(1, None)  # row 0 (length 0) would see nothing at all
-    got = _k.tree_attention(q[live], k2[live], v2[live], lengths[live], hidden[live], num_splits=splits)
+    got = kernel(q[live], k2[live], v2[live], lengths[live], hidden[live], num_splits=splits)
     check(q[live], k[live], v[live], lengths[live], hidden[live], got)   # the truth from unpoisoned K/V
 
 
@@ -197,8 +218,8 @@ def test_mask_changes_result(kernel_device):
     q, k, v, lengths, _ = make_case(2, 6, 4, 4, 64, torch.float32, kernel_device, lengths=[0, 30])
     chain = random_tree_masks(2, 6, None, chain=True).to(kernel_device)
     star = torch.tensor([[1 << i for i in range(6)]] * 2, device=kernel_device)
-    a = _k.tree_attention(q, k, v, lengths, chain)
-    b = _k.tree_attention(q, k, v, lengths, star)
+    a = kernel(q, k, v, lengths, chain)
+    b = kernel(q, k, v, lengths, star)
     assert (a[:, 1:] - b[:, 1:]).abs().amax() > 1e-2
     torch.testing.assert_close(a[:, 0], b[:, 0])  # node 0 sees the same slots in both
     check(q, k, v, lengths, star, b)
@@ -207,7 +228,7 @@ def test_mask_changes_result(kernel_device):
 @pytest.mark.parametrize("dtype,upcast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
 def test_reference_matches_bruteforce(dtype, upcast):
     q, k, v, lengths, masks = make_case(4, 17, 8, 2, 80, dtype, "cpu", seed=5)
-    out = tree_attention_reference(q, k, v, lengths, masks, upcast=upcast)
+    out = reference(q, k, v, lengths, masks, upcast=upcast)
     assert out.dtype == dtype and out.shape == q.shape
     if upcast:
         check(q, k, v, lengths, masks, out)
@@ -224,8 +245,8 @@ def test_reference_span_and_mask_helper():
                            [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]]], dtype=torch.bool)
     assert torch.equal(m, expect)
     q, k, v, lengths, masks = make_case(2, 5, 4, 4, 64, torch.float32, "cpu", lengths=[4, 20], S=40)
-    full = tree_attention_reference(q, k, v, lengths, masks)
-    torch.testing.assert_close(tree_attention_reference(q, k, v, lengths, masks, span=40), full)
+    full = reference(q, k, v, lengths, masks)
+    torch.testing.assert_close(reference(q, k, v, lengths, masks, span=40), full)
 
 
 def test_bit63_and_dispatch_on_cpu(kernel_device):
@@ -234,27 +255,27 @@ def test_bit63_and_dispatch_on_cpu(kernel_device):
     masks = random_tree_masks(2, 64, None, chain=True)
     assert (masks[:, 63] < 0).all()
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    assert tree_attention(q, k, v, lengths, masks, out=out) is out
+    assert dispatch(q, k, v, lengths, masks, out=out) is out
     check(q, k, v, lengths, masks, out)
     dev = [t.to(kernel_device) for t in (q, k, v, lengths, masks)]
-    torch.testing.assert_close(_k.tree_attention(*dev).cpu(), out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel(*dev).cpu(), out, atol=1e-5, rtol=1e-5)
 
 
 def test_launcher_rejects_bad_input():
     q, k, v, lengths, masks = make_case(2, 5, 4, 2, 64, torch.float32, "cpu", lengths=[0, 7], S=40)
     with pytest.raises(ValueError, match="int32"):
-        _k.tree_attention(q, k, v, lengths.long(), masks)
+        kernel(q, k, v, lengths.long(), masks)
     with pytest.raises(ValueError, match="multiple"):
-        _k.tree_attention(q[:, :, :3], k, v, lengths, masks)
+        kernel(q[:, :, :3], k, v, lengths, masks)
     with pytest.raises(ValueError, match="tree_mask"):
-        _k.tree_attention(q, k, v, lengths, masks[:, :4])
+        kernel(q, k, v, lengths, masks[:, :4])
     with pytest.raises(ValueError, match="contiguous last"):
-        _k.tree_attention(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, lengths, masks)
+        kernel(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, lengths, masks)
     with pytest.raises(TypeError, match="dtypes differ"):
-        _k.tree_attention(q, k.half(), v, lengths, masks)
+        kernel(q, k.half(), v, lengths, masks)
     big = torch.zeros(1, 65, 4, 64)
     with pytest.raises(ValueError, match="N=65"):
-        _k.tree_attention(big, k[:1], v[:1], lengths[:1], torch.ones(1, 65, dtype=torch.int64))
+        kernel(big, k[:1], v[:1], lengths[:1], torch.ones(1, 65, dtype=torch.int64))
 
 
 # ---- GPU only: real cache sizes, default split heuristic ------------------------------------
@@ -268,7 +289,7 @@ def test_launcher_rejects_bad_input():
 def test_gpu_long_prefix_default_splits(R, H, Hkv, N, lengths, dtype):
     q, k, v, lengths, masks = make_case(R, N, H, Hkv, 128, dtype, "cuda", S=4096 + 1, lengths=lengths, seed=N)
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    _k.tree_attention(q, k, v, lengths, masks, out=out)
+    kernel(q, k, v, lengths, masks, out=out)
     check(q, k, v, lengths, masks, out)
 
 @pytest.mark.gpu

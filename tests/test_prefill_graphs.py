@@ -14,6 +14,7 @@ from tabed_engine import Engine, SamplingParams
 from tabed_engine.models.decoder import KVCache
 from tabed_engine.engine.prefill import PREFILL_STEP, prefill_bucket, prefill_buckets, prefill_step
 from tabed_engine.models.tiny import random_image, words
+from tabed_engine.ops.paged import gather_rows
 
 
 # ------------------------------------------------------------------ the bucket rule (CPU)
@@ -62,10 +63,16 @@ def test_padded_step_equals_unpadded_prefill(name, n):
         got = prefill_step(lm, cache, xp, torch.tensor([2]), torch.tensor([[n - 1]]))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got.argmax() == want.argmax()
-    torch.testing.assert_close(cache.k[:, 2, :, :n], ref.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.v[:, 2, :, :n], ref.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
-    assert torch.isnan(cache.k[:, :2]).all() and torch.isnan(cache.v[:, :2]).all()
-    assert torch.isnan(cache.k[:, 2, :, P:]).all()               # nothing past the bucket
+    for c, r in ((cache.k, ref.k), (cache.v, ref.v)):
+        torch.testing.assert_close(row_kv(c, cache, 2, n), row_kv(r, ref, 0, n), atol=1e-5, rtol=1e-5)
+        rows01 = cache.block_table[:2].flatten().long()
+        assert torch.isnan(c[:, rows01]).all()                   # rows 0 and 1's pages untouched
+    assert torch.isnan(row_kv(cache.k, cache, 2, 256)[:, :, P:]).all()   # nothing past the bucket
+
+
+def row_kv(pool, cache, r, n):
+    """Slots [0, n) of cache row r of a [L, pages, kv, page, hd] pool: [L, kv, n, hd]."""
+    return torch.stack([gather_rows(p, cache.block_table[r:r + 1], n)[0] for p in pool])
 
 
 def test_slot_needs_a_fresh_causal_prefill():
@@ -158,6 +165,9 @@ def _prefill_both(eng, prep, slot):
     r.allocate()
     n = len(prep.ids)
     out = {}
+    pool = r.pages.target
+    pool.assign([(slot, None, 0, n)])                           # the row's pages (a request's prefill takes them)
+    table = r.tcache.block_table[slot:slot + 1]
     for graphs in (False, True):
         r.prefill_graphs = graphs
         r.tcache.k.fill_(float("nan"))
@@ -165,9 +175,10 @@ def _prefill_both(eng, prep, slot):
             sel, feats = r.encode(prep)
             logits = r.prefill_lm(prep, feats, slot).clone()
         torch.cuda.synchronize()
-        out[graphs] = (logits, r.tcache.k[:, slot, :, :n].clone(), r.tcache.v[:, slot, :, :n].clone())
-        others = torch.cat([r.tcache.k[:, :slot], r.tcache.k[:, slot + 1:]], 1)
-        assert torch.isnan(others).all()                        # no other row written
+        out[graphs] = (logits, *(torch.stack([gather_rows(c[i], table, n)[0] for i in range(c.shape[0])])
+                                 for c in (r.tcache.k, r.tcache.v)))
+        others = [p for p in range(1, r.tcache.pages) if p not in pool.rows[slot]]
+        assert torch.isnan(r.tcache.k[:, others]).all()          # no other row's page written (the padding: scratch)
     r.prefill_graphs = True
     return out[True], out[False]
 

@@ -269,7 +269,9 @@ class TableLM:
 
 
 def fake_cache(rows, slots):
-    return SimpleNamespace(k=torch.zeros(1, rows, 1, slots, 2), v=torch.zeros(1, rows, 1, slots, 2))
+    """A paged cache of one page of `slots` slots per row (page r is row r's), for `TableLM`."""
+    return SimpleNamespace(k=torch.zeros(1, rows, 1, slots, 2), v=torch.zeros(1, rows, 1, slots, 2),
+                           block_table=torch.arange(rows, dtype=torch.int32)[:, None])
 
 
 def exact_three(target_table, temperature):
@@ -422,7 +424,7 @@ def test_graph_tree_draft_kernels_match_reference_gpu(shape, K, greedy):
     w = torch.rand(B, K, generator=g).to(dev)
     w = w / w.sum(1, keepdim=True)
     seed, offset = torch.tensor([7], device=dev), torch.tensor([11], device=dev)
-    start = torch.randn(2, lmcfg.num_layers, B * K, lmcfg.num_kv_heads, 128, lmcfg.head_dim, generator=g).to(dev)
+    start = torch.randn(2, *KVCache(lmcfg, B * K, 128, "cpu", torch.float32).k.shape, generator=g).to(dev)
     out = {}
     for kernels in (True, False):
         cache = KVCache(lmcfg, B * K, 128, dev, torch.float32)
@@ -553,8 +555,8 @@ def test_forward_tree_offset_continues_the_tree(device, dtype):
     bits = tree_bits_of(torch.tensor(parents), M).to(device)
     ids = torch.randint(0, cfg.vocab_size, (R, M), generator=g).to(device)
     pos = lens.long()[:, None] + torch.randint(0, 6, (R, M), generator=g).to(device)
-    prefix = torch.randn(cfg.num_layers, R, cfg.num_kv_heads, S, cfg.head_dim, generator=g).to(device=device, dtype=dtype)
     one, two = KVCache(cfg, R, S, device, dtype), KVCache(cfg, R, S, device, dtype)
+    prefix = torch.randn(one.k.shape, generator=g).to(device=device, dtype=dtype)
     for c in (one, two):
         c.k.copy_(prefix)
         c.v.copy_(prefix.flip(-1))

@@ -26,15 +26,21 @@ struct Caches {
   }
 };
 
+// The caches as a paged pool: one page of S slots per row, row r's table [r].
+std::vector<int32_t> g_table;
+
 template <class T>
 CompactKVParams params(Caches<T>& c, const std::vector<int32_t>& lengths, const std::vector<int64_t>& path,
                        int64_t N, const std::vector<int64_t>& nacc) {
   CompactKVParams a;
-  a.L = c.L; a.R = c.R; a.H = c.H; a.S = c.S; a.D = c.D;
+  a.L = c.L; a.R = c.R; a.H = c.H; a.S = c.S; a.D = c.D; a.page = c.S;
   a.elem_size = sizeof(T);
-  const int64_t ss = c.D, sh = c.S * ss, sr = c.H * sh, sl = c.R * sr;
-  a.k = c.k.data(); a.k_sl = sl; a.k_sr = sr; a.k_sh = sh; a.k_ss = ss;
-  a.v = c.v.data(); a.v_sl = sl; a.v_sr = sr; a.v_sh = sh; a.v_ss = ss;
+  const int64_t ss = c.D, sh = c.S * ss, sp = c.H * sh, sl = c.R * sp;
+  a.k = c.k.data(); a.k_sl = sl; a.k_sp = sp; a.k_sh = sh; a.k_ss = ss;
+  a.v = c.v.data(); a.v_sl = sl; a.v_sp = sp; a.v_sh = sh; a.v_ss = ss;
+  g_table.resize(size_t(c.R));
+  for (int64_t r = 0; r < c.R; ++r) g_table[size_t(r)] = int32_t(r);
+  a.table = g_table.data(); a.table_sr = 1;
   a.lengths = lengths.data();
   a.path = path.data(); a.path_sr = N; a.path_sn = 1; a.N = N;
   a.num_accepted = nacc.data();

@@ -40,7 +40,8 @@ class SpeculativeSteps:
             T = CATCH_UP
             if top + T > self.eng.draft_len:      # no room for the padding: the exact length
                 T = n
-            toks, lens = [[0] * T for _ in range(b * K)], [0] * (b * K)
+            # rows of slots without a live request write where they hold nothing (`free_lengths`)
+            toks, lens = [[0] * T for _ in range(b * K)], self.pages.free_lengths(reqs, b)[1]
             # every live row is written: the rows with nothing to catch up at their committed
             # end, where the next draft block writes before it reads (at slot 0 the padding
             # overwrote their prompt's first draft KV, lowering their acceptance)
@@ -61,9 +62,10 @@ class SpeculativeSteps:
             need = {s_: t[n:] for s_, t in need.items() if len(t) > n}
 
     def _draft_inputs(self, reqs, b):
-        """Host-built draft inputs: each row's last two tokens [b*K, 2] and length [b*K]."""
+        """Host-built draft inputs: each row's last two tokens [b*K, 2] and length [b*K] (rows of
+        slots without a live request: `SlotPages.free_lengths`)."""
         K = self.K
-        inp2, dl = [[0, 0]] * (b * K), [0] * (b * K)
+        inp2, dl = [[0, 0]] * (b * K), self.pages.free_lengths(reqs, b)[1]
         for r in reqs[:b]:
             if r is None or r.finished:
                 continue

@@ -115,6 +115,8 @@ class ChunkedAdmission:
                     break                # it would be split: it starts the next step's budget
                 self.waiting.popleft()
             slot = pick_slot(self.runner, head, self.taken())
+            if not self._pages_for(head, slot, self.taken()):
+                break
             try:
                 job = self.runner.prefill_begin(head, slot)
             except Exception as e:       # this request fails alone

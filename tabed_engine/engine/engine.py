@@ -42,7 +42,7 @@ class Engine(RequestIntake, EngineLimits):
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
                  adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None,
                  prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK,
-                 prefix_cache: bool = True, invariant: bool = False):
+                 prefix_cache: bool = True, invariant: bool = False, kv_cache_tokens: Optional[int] = None):
         self.gamma, self.views, self.ensemble = check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         check_int("max_batch", max_batch, 1)
@@ -148,14 +148,14 @@ class Engine(RequestIntake, EngineLimits):
                 raise ValueError("invariant=True covers chains only (a tree node's attention is not the AR "
                                  "step's): pass tree=None")
             self.view_tree = False
-        for model in (target, draft):
-            if model is not None:
-                model.lm.invariant = invariant
-        self.runner = self.runner_class(self, self._max_batch(max_batch, memory_fraction), cuda_graphs)
+        for model in (m for m in (target, draft) if m is not None):
+            model.lm.invariant = invariant
+        self.kv_cache_tokens = self._kv_cache_tokens(kv_cache_tokens, max_batch, memory_fraction)  # the KV pages
+        self.runner = self.runner_class(self, max_batch, cuda_graphs)
         self.scheduler = self._new_scheduler()
         self._ids = itertools.count()
         self._undelivered: list[RequestOutput] = []   # step() outputs produced inside generate()
-        # the static caches, ensemble history and graphs are shared by every call: calls are
+        # the KV pages, ensemble history and graphs are shared by every call: calls are
         # served one at a time (a stream holds the engine from its first next() to its end)
         self._lock = threading.Lock()      # not an RLock: a stream may be closed by another thread
         self._holder: Optional[int] = None   # the thread running (or last resuming) the generation

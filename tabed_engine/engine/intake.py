@@ -1,6 +1,6 @@
 """Request intake: every input of a call checked and tokenized before any device work, and
 the cache room each request gets (the prompt, its new tokens and the draft's lookahead within
-the target's cache and the draft views' position limit)."""
+the target's cache, the draft views' position limit and the KV page pool)."""
 from __future__ import annotations
 
 import secrets
@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from tabed_engine.config import SamplingParams
+from tabed_engine.engine.pages import check_pool
 from tabed_engine.engine.prompt import pixels, prepare
 from tabed_engine.engine.request import Request
 from tabed_engine.speculation.views import _captions, view_lengths
@@ -133,6 +134,7 @@ class RequestIntake:
                              "(CLI: --caption) or give the engine a captioner")
         if use_sd:
             caption, room = self._draft_room(prep, caption, mask, sp, room)
+        room = check_pool(self, len(prep.ids), sp.max_new_tokens, room, use_sd)   # within the KV pages
         # the request's own generator, seeded from the OS when unseeded: torch's global RNG
         # (the user's) is neither reseeded nor advanced
         gen = torch.Generator(device=self.device)

@@ -1,5 +1,5 @@
 """What an engine's models and options allow, worked out once at construction: the cache
-length, batch slots that fit the GPU's memory, the P view's pool size, the T view's escape
+length, the KV page pool that fits the GPU's memory, the P view's pool size, the T view's escape
 token, the image-token counts and the stop ids."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from tabed_engine.engine.options import check_kv_cache_tokens
 from tabed_engine.models.safetensors_io import read_json
 from tabed_engine.speculation.views import resolve_escape_token
 
@@ -71,10 +72,25 @@ class EngineLimits:
                     ids.add(int(e))
         return ids
 
+    def _kv_cache_tokens(self, given: Optional[int], max_batch: int, fraction: float) -> int:
+        """The KV page pool's size in target tokens (`Engine(kv_cache_tokens=)`; the draft's pool
+        holds K times as many): `given`, which must fit in `fraction` of the GPU's free memory,
+        else max_batch * max_len (an unpaged cache's memory), cut to the whole rows of max_len
+        that fit. The batch slots stay `max_batch` either way: requests shorter than max_len
+        share the pool, and one that finds it full waits (`engine/pages.py`)."""
+        check_kv_cache_tokens(given)
+        if given is None:
+            return self._max_batch(max_batch, fraction) * self.max_len
+        rows = -(-given // self.max_len)
+        fit = self._max_batch(rows, fraction)
+        if fit < rows:
+            raise ValueError(f"kv_cache_tokens={given} does not fit in {fraction:.0%} of the GPU's free memory "
+                             f"(about {fit * self.max_len} tokens do): lower kv_cache_tokens")
+        return given
+
     def _max_batch(self, given: int, fraction: float) -> int:
-        """Batch slots: `given`, fewer when the caches of that many requests at max_len would
-        not fit in `fraction` of the GPU's free memory. Raises ValueError when not even one
-        does."""
+        """Whole rows of max_len whose KV fits in `fraction` of the GPU's free memory, at most
+        `given`. Raises ValueError when not even one does."""
         per_token = lambda m: 2 * m.lm.cfg.num_layers * m.lm.cfg.num_kv_heads * m.lm.cfg.head_dim  # noqa: E731
         K = len(self.views) if self.draft is not None else 0
         row = (per_token(self.target) + (K * per_token(self.draft) if K else 0)) * self.max_len

@@ -52,6 +52,12 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def check_kv_cache_tokens(value) -> None:
+    """`Engine(kv_cache_tokens=)`: None (the default pool) or a positive int."""
+    if value is not None:
+        check_int("kv_cache_tokens", value, 1)
+
+
 def check_options(gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size,
                    captioner):
     """The constructor arguments that need no model (checked before any checkpoint loads).

@@ -70,7 +70,7 @@ def prefill_step(lm, cache: KVCache, x: torch.Tensor, slot: torch.Tensor, last: 
 class PrefillJob:
     """One request's prefill in progress (`PrefillSteps.prefill_begin`): the prompt's tokens
     [0, done) have their KV in target row `slot`; the first `cached` came from the prefix cache
-    (copied from row `src` by the first chunk)."""
+    (row `src`'s, shared or copied when the row took its pages)."""
 
     req: Request
     slot: int
@@ -120,14 +120,14 @@ class PrefillSteps:
             feats = (feats or []) + [vision.video_features(v.to(self.device)) for v in prep.video_pixels]
         return sel, feats
 
-    def prefill_lm(self, prep: Prepared, feats, slot: int, cached: int = 0, src: Optional[int] = None) -> torch.Tensor:
-        """Prefill the target's language model on the prompt into cache row `slot`; returns the
-        logits of the last prompt position [1, V] (with a graph, its output buffer: read it
-        before the next prefill of the same bucket). `cached` > 0: the prompt's first `cached`
-        tokens' KV is reused from row `src` (`prefix_cache.prefill_suffix`; `feats` may then be
-        None when every image lies inside them)."""
+    def prefill_lm(self, prep: Prepared, feats, slot: int, cached: int = 0) -> torch.Tensor:
+        """Prefill the target's language model on the prompt into cache row `slot` (which holds
+        its pages); returns the logits of the last prompt position [1, V] (with a graph, its
+        output buffer: read it before the next prefill of the same bucket). `cached` > 0: the
+        row holds the prompt's first `cached` tokens' KV already (`prefix_cache.prefill_suffix`;
+        `feats` may then be None when every image lies inside them)."""
         x, pos3 = self.lm_inputs(prep, feats, slot, cached)
-        return self.prefill_range(prep, x, slot, cached, len(prep.ids), pos3, src)
+        return self.prefill_range(prep, x, slot, cached, len(prep.ids), pos3)
 
     def lm_inputs(self, prep: Prepared, feats, slot: int, cached: int = 0):
         """What every chunk of a target prefill reads: the embeddings of the prompt's tokens from
@@ -149,16 +149,16 @@ class PrefillSteps:
         return x, pos3
 
     def prefill_range(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
-                      pos3: Optional[torch.Tensor], src: Optional[int] = None) -> torch.Tensor:
+                      pos3: Optional[torch.Tensor]) -> torch.Tensor:
         """Prefill prompt tokens [start, end) into target row `slot`, whose KV holds [0, start)
-        (or, with `src`, copies it from row `src` first); returns the logits of position end - 1
+        and whose pages hold [0, end); returns the logits of position end - 1
         [1, V]. x: their embeddings [end - start, hidden]; pos3: the whole prompt's M-RoPE ids or
         None. From 0 a fresh prefill (padded graph or eager), else `prefix_cache.prefill_suffix`;
         with `Engine(invariant=True)` on the GPU, `prefill_invariant`."""
         if self.invariant_prefill:
-            return self.prefill_invariant(prep, x, slot, start, end, pos3, src)
+            return self.prefill_invariant(prep, x, slot, start, end, pos3)
         if start:
-            return prefill_suffix(self, prep, x, slot, start, src, pos3, end=end)
+            return prefill_suffix(self, prep, x, slot, start, pos3, end=end)
         n = end
         P = prefill_bucket(n, self.max_len, self.prefill_graph_max) if self.prefill_graphs else None
         if P is None:           # eager at the prompt's own length
@@ -182,7 +182,7 @@ class PrefillSteps:
         return self.eng.invariant and self.device.type == "cuda"
 
     def prefill_invariant(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
-                          pos3: Optional[torch.Tensor], src: Optional[int] = None) -> torch.Tensor:
+                          pos3: Optional[torch.Tensor]) -> torch.Tensor:
         """`prefill_range` of an invariant engine: tokens [start, end) as forwards of at most
         INVARIANT_PREFILL_STEP new tokens over the row's KV (`prefix_cache.prefill_suffix`: a
         captured graph per slot and padded length where it can), each through the decode
@@ -192,8 +192,7 @@ class PrefillSteps:
         logits = None
         for s in range(start, end, INVARIANT_PREFILL_STEP):
             e = min(end, s + INVARIANT_PREFILL_STEP)
-            logits = prefill_suffix(self, prep, x[s - start:e - start], slot, s, src if s == start else None, pos3,
-                                    end=e, media_graphs=True)
+            logits = prefill_suffix(self, prep, x[s - start:e - start], slot, s, pos3, end=e, media_graphs=True)
         return logits
 
     def _prefill_inputs(self):
@@ -233,8 +232,7 @@ class PrefillSteps:
                 if ("prefill", P) not in self.graphs.graphs]
         buf.zero_()
         slot_t.zero_()
-        if self.prefix is not None:
-            self.prefix.forget(0)
+        self.pages.scribble(0)          # (its writes land in scratch)
         for P in todo:
             last_t.fill_(P - 1)
             self._prefill_padded(P)
@@ -249,16 +247,18 @@ class PrefillSteps:
             return 0
         self.allocate()
         rows = [ViewRow([0] * P, [], []) for P in prefill_buckets(self.dcache.max_len, self.dcache.max_len)]
-        if self.view_prefix is not None:
-            self.view_prefix.forget(0)
+        self.pages.scribble_draft(0)    # (its writes land in scratch)
         for row in rows:
             prefill_draft(self, [row] * self.K, cache_rows(self.dcache, 0, self.K))
         self.pending = None
         return len(rows)
 
     def prefill_target(self, prep: Prepared, slot: int):
-        """Encode the images and prefill target cache row `slot`; returns (logits of the last
+        """Encode the images and prefill target cache row `slot` of an idle runner (diagnostics:
+        the slot's target and draft rows take whole rows of pages); returns (logits of the last
         prompt position [1, V], pre-projector image features or None)."""
+        self.allocate()
+        self.pages.claim(slot)
         sel, feats = self.encode(prep)
         return self.prefill_lm(prep, feats, slot), sel
 
@@ -288,6 +288,8 @@ class PrefillSteps:
         # a prefix of the prompt whose KV a slot holds (0: none); images inside it need no tower
         # for the target (the draft's views then run the draft's own)
         cached, src = self.prefix.source(req.prep, slot) if self.prefix is not None else (0, None)
+        # the row's pages: the cached prefix's shared (or copied) from `src`, the rest fresh
+        self.pages.target.assign([(slot, src, cached, self.pages.target_tokens(req))])
         covered = cached > 0 and all(s + m <= cached for s, m in req.prep.media_spans)
         if req.prep.num_images and req.prep.pixel_values is None and not (covered and not req.speculative):
             from tabed_engine.models.image_ops import device_pixels      # preprocessed here, on the device
@@ -305,8 +307,7 @@ class PrefillSteps:
         n, start = job.n, job.done
         end = n if tokens is None else min(n, start + tokens)
         x = job.x[start - job.cached:end - job.cached]
-        logits = self.prefill_range(job.req.prep, x, job.slot, start, end, job.pos3,
-                                    job.src if start == job.cached else None)
+        logits = self.prefill_range(job.req.prep, x, job.slot, start, end, job.pos3)
         job.done, job.chunks = end, job.chunks + 1
         if end == n:
             job.logits = logits
@@ -319,8 +320,7 @@ class PrefillSteps:
     def prefill_abandon(self, job: PrefillJob):
         """A prefill that will not finish (it failed or was aborted): the slot is free again."""
         self.parked.pop(job.slot, None)
-        if self.prefix is not None:
-            self.prefix.forget(job.slot)
+        self.pages.scribble(job.slot)
         self.pending = None
 
     def prefill_finish(self, job: PrefillJob):
@@ -392,7 +392,7 @@ class PrefillSteps:
             # selection and compilation on the GPU) are paid once per bucket, not per length
             pad = prefill_bucket(longest, self.dcache.max_len, self.dcache.max_len) or 0
             # cached prefixes of the view rows reused (engine/view_cache.py)
-            first_q, req.stats.draft_cached_tokens = prefill_views(self, req.prep, rows, skip, slot, pad)
+            first_q, req.stats.draft_cached_tokens = prefill_views(self, req, rows, skip, slot, pad)
         if side is not None:
             # the caching allocator must not hand these to the other stream while still in use
             main = torch.cuda.current_stream()

@@ -1,23 +1,24 @@
 """Prefix caching over the batch slots: which tokens (and which pictures) each slot's target
 row still holds, so a request whose prompt starts the same way skips their prefill.
 
-Design. The KV stays where it already is: in the static slot rows (no second pool, no extra
-memory). A finished request's slot keeps its row until a new request needs the slot; an
-entry records the row's valid tokens (prompt + generated tokens but the last, whose KV is
+Design. The KV stays where it already is: in the pages of the slot rows (`engine/pages.py`;
+no second pool). A finished request's slot keeps its row's pages (those of its valid tokens)
+until a new request needs the slot or an admission needs the pages (eviction, least recently
+used first); an entry records the row's valid tokens (prompt + generated tokens but the last, whose KV is
 written by the next step) and, per image or video run, a hash of its pixels, because every
 image's tokens carry the same id and must never match on ids alone. A new request's reuse is
 the longest common prefix over every entry, rounded down so the last prompt token is always
 recomputed (its logits give the first token). The slot it takes (`pick`) is, among the free
 slots that keep the batch's bucket as small as taking the lowest free slot would, the one
 holding the longest match (no copy), else the least recently used; any other slot's match,
-free or running, is copied into it (`Runner`: a device copy of [layers, kv_heads, n,
-head_dim]). Slots above the batch's bucket are never touched by a block, so prefixes parked
-there survive running traffic; a free slot inside the bucket is written by every block (its
-garbage row writes at length 0) and loses its entry when a block runs (`damaged`).
+free or running, is shared with it: its full pages by reference, the partial last one copied
+(`PagePool.assign`). A free slot inside the batch's bucket is computed by every block as a
+garbage row that writes from the length its entry holds on (`SlotPages.free_lengths`), so its
+prefix survives running traffic.
 
 The draft's view rows have an index of their own (`engine/view_cache.py`): they differ per
 view (T has no image, P pools, C has the caption text) and are looked up when the views are
-prefilled, after the target's prompt; `retire` and `rows_written` keep both up to date.
+prefilled, after the target's prompt; `retire` keeps both (and the slot's pages) up to date.
 
 Everything here is host state updated from the scheduler's deterministic inputs (the
 requests' tokens and pixels, the order of admissions and blocks), so tensor-parallel ranks,
@@ -174,11 +175,6 @@ class PrefixIndex:
         """`slot`'s row was written over (or may have been)."""
         self.entries[slot] = None
 
-    def damaged(self, free_rows: list[int]):
-        """A block ran over these free rows: their garbage writes start at slot 0."""
-        for i in free_rows:
-            self.entries[i] = None
-
     def stats(self) -> dict:
         """Counters since the engine started: admissions, hits, cached and prompt tokens."""
         return dict(lookups=self.lookups, hits=self.hits, cached_tokens=self.cached_tokens,
@@ -222,36 +218,33 @@ def pick_slot(runner, req, slots: list) -> int:
 
 
 def retire(runner, req):
-    """`req` leaves its slot: the row keeps its KV for later requests (a failed one's is dropped)."""
-    if runner.prefix is None or req.slot is None:
+    """`req` leaves its slot: the rows keep the pages of what their entries hold for later
+    requests (a failed request's rows, and every row without the cache, return theirs)."""
+    if req.slot is None or runner.pages is None:
         return
     views = getattr(runner, "view_prefix", None)
-    if req.finish_reason == "error":
-        runner.prefix.forget(req.slot)
-        if views is not None:
-            views.forget(req.slot)
+    if runner.prefix is None or req.finish_reason == "error":
+        if runner.prefix is not None:
+            runner.prefix.forget(req.slot)
+            if views is not None:
+                views.forget(req.slot)
+        runner.pages.retire(req, None, None)
         return
     runner.prefix.release(req.slot, req.prep, req.tokens)
+    entry = runner.prefix.entries[req.slot]
+    keep_draft = None
     if views is not None and req.speculative and req.view_len:   # (an AR request leaves its draft rows alone)
         views.release(req.slot, req.tokens[:req.draft_valid])
+        keep_draft = [0 if e is None else len(e.ids) for e in views.entries[req.slot * views.K:(req.slot + 1) * views.K]]
+    runner.pages.retire(req, None if entry is None else len(entry.ids), keep_draft)
 
 
-def rows_written(runner, slots: list, b: int):
-    """A block runs over slots [0, b): its rows of free slots compute garbage written from slot
-    0 of the row (`Runner._target_inputs`; their draft rows too, `_draft_inputs`), so what they
-    held is gone."""
-    free = [i for i in range(b) if slots[i] is None or slots[i].finished]
-    for index in (runner.prefix, getattr(runner, "view_prefix", None)):
-        if index is not None:
-            index.damaged(free)
-
-
-def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int, src: Optional[int],
+def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int,
                    pos3: Optional[torch.Tensor], end: Optional[int] = None, media_graphs: bool = False) -> torch.Tensor:
-    """Prefill target row `slot` from `cached` on: rows [0, cached) of slot `src` copied first
-    (unless it is `slot` or None), then the prompt's tokens [cached, end) (default: to the
-    prompt's end) run as new tokens of a row whose committed length is `cached` (eager: the
-    masked SDPA path, or on CUDA the decode kernels up to 64 tokens). A chunk of a chunked
+    """Prefill target row `slot` from `cached` on: the prompt's tokens [cached, end) (default: to
+    the prompt's end) run as new tokens of a row whose committed length is `cached` (its pages
+    hold the cached prefix: `PagePool.assign`) (eager: the masked SDPA path, or on CUDA the
+    decode kernels up to 64 tokens). A chunk of a chunked
     prefill is the same call (`PrefillSteps.prefill_chunk`). x: those tokens' embeddings
     [end - cached, hidden]; pos3: the whole prompt's M-RoPE ids [3, n] or None (the row's
     `pos_offset` is already the prompt's: the forward adds it back). Returns the logits of
@@ -260,9 +253,6 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
     whose positions are 1-D."""
     tc = runner.tcache
     n = len(prep.ids) if end is None else end
-    if src is not None and src != slot:
-        tc.k[:, slot, :, :cached].copy_(tc.k[:, src, :, :cached])
-        tc.v[:, slot, :, :cached].copy_(tc.v[:, src, :, :cached])
     dev = runner.device
     T = n - cached
     P = -(-T // SUFFIX_STEP) * SUFFIX_STEP

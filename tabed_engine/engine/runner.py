@@ -1,5 +1,5 @@
-"""The runner: owns the static KV caches (one target row per batch slot, K draft rows per
-slot), the ensemble history, the CUDA graphs (one per batch bucket and step) and the step
+"""The runner: owns the paged KV caches (one target row per batch slot, K draft rows per
+slot, their pages lent by `engine/pages.py`), the ensemble history, the CUDA graphs (one per batch bucket and step) and the step
 functions: a request's prefill into its slot, an autoregressive step and a speculative block
 for the running batch.
 
@@ -8,7 +8,8 @@ when the batch did not change since the last block, from that block's device out
 next block's first half (the draft, or the next AR forward) is queued before the host waits
 for the current one, so the device does not idle while the host reads a block, emits its
 tokens and launches the next graphs. Rows of finished or empty slots compute garbage that
-nobody reads; their lengths stay put (`active` masks every device-side update).
+nobody reads, from the length of what the slot still holds (`SlotPages.free_lengths`), so a
+cached prefix survives; their lengths stay put (`active` masks every device-side update).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ import torch
 
 from tabed_engine.engine.blocks import SpeculativeSteps
 from tabed_engine.engine.graphs import GraphCache
+from tabed_engine.engine.pages import SlotPages
 from tabed_engine.engine.prefill import PREFILL_GRAPH_MAX, PrefillSteps
 from tabed_engine.engine.prefix_cache import new_index
 from tabed_engine.engine.view_cache import new_view_index
-from tabed_engine.models.decoder import KVCache, cache_rows
+from tabed_engine.models.decoder import PAGE_SIZE, KVCache, cache_rows
 from tabed_engine.speculation.ensemble import EnsembleState, state_rows
 from tabed_engine.speculation.sampling import RowSampling, pick_tokens
 
@@ -43,7 +45,10 @@ def decode_step(lm, cache: KVCache, tok: torch.Tensor, lens: torch.Tensor,
 
 
 class Runner(PrefillSteps, SpeculativeSteps):
-    """Caches, graphs and steps for up to `max_batch` requests at once."""
+    """Caches, graphs and steps for up to `max_batch` requests at once. `page_size`: slots per
+    KV page (a multiple of 64 on CUDA; set before the first request to change it)."""
+
+    page_size = PAGE_SIZE
 
     def __init__(self, eng, max_batch: int, cuda_graphs: bool):
         self.eng = eng                      # static configuration: models, views, γ, tree, options
@@ -67,6 +72,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
         self._views: dict = {}
         self._host_bufs: dict = {}
         self._allocated = False
+        self.pages: Optional[SlotPages] = None
         self.bench_accept_schedule = None
         self.prefix = new_index(self)       # what each slot's target row holds (prefix caching)
         self.view_prefix = new_view_index(self)   # ... and each of its draft rows (engine/view_cache.py)
@@ -76,15 +82,19 @@ class Runner(PrefillSteps, SpeculativeSteps):
 
     # ------------------------------------------------------------------ memory
     def allocate(self):
-        """The static caches and per-slot state (on first use: loading stays fast)."""
+        """The page pools, block tables and per-slot state (on first use: loading stays fast).
+        The target's pool holds `Engine.kv_cache_tokens` tokens, the draft's K times that (a
+        view row per view) and at least a whole row per view (a request the target's pool takes
+        always fits the draft's)."""
         if self._allocated:
             return
-        dev, B, K = self.device, self.max_batch, self.K
+        dev, B, K, page = self.device, self.max_batch, self.K, self.page_size
+        pages = -(-self.eng.kv_cache_tokens // page)
         with torch.inference_mode(False):   # normal tensors: usable in and out of inference mode
-            self.tcache = KVCache(self.target.lm.cfg, B, self.max_len, dev, self.dtype)
+            self.tcache = KVCache(self.target.lm.cfg, B, self.max_len, dev, self.dtype, pages + 1, page)
             self.dcache = self.state = None
             if self.draft is not None:
-                self.dcache = KVCache(self.draft.lm.cfg, B * K, self.max_len, dev, self.dtype)
+                self.dcache = KVCache(self.draft.lm.cfg, B * K, self.max_len, dev, self.dtype, K * max(pages, -(-self.max_len // page)) + 1, page)
                 # a request records at most depth positions a block, one block a token
                 cap = 1 << (self.depth * (self.max_len + 2) - 1).bit_length()
                 self.state = EnsembleState(self.eng.ensemble, B, cap, dev)
@@ -100,6 +110,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
             self.row_coupled = torch.zeros(B, dtype=torch.bool, device=dev)
             self.seed = torch.zeros(1, dtype=torch.long, device=dev)
             self.offset = torch.zeros(1, dtype=torch.long, device=dev)
+            self.pages = SlotPages(self)
         self._allocated = True
 
     def views(self, b: int):
@@ -164,13 +175,14 @@ class Runner(PrefillSteps, SpeculativeSteps):
 
     def _target_inputs(self, reqs, b):
         """Host-built (committed target lengths [b] int32, last tokens [b], the longest length),
-        in one copy to the device; sets `active` [b]. An empty slot's length is 0, or where a
-        chunked prefill parked it (`parked`)."""
+        in one copy to the device; sets `active` [b]. A slot without a live request sits at the
+        length of what it holds (`SlotPages.free_lengths`)."""
+        free, _ = self.pages.free_lengths(reqs, b)
         rows = [[r.n_prompt + len(r.tokens) - 1, r.tokens[-1], 1] if r is not None and not r.finished
-                else [self.parked.get(i, 0), 0, 0] for i, r in enumerate(reqs[:b])]
+                else [free[i], 0, 0] for i, r in enumerate(reqs[:b])]
         v = self.to_device(rows)                                  # [b, 3]
         self.active[:b].copy_(v[:, 2])
-        return v[:, 0].int(), v[:, 1], max(row[0] for row in rows)
+        return v[:, 0].int(), v[:, 1], max((row[0] for row in rows if row[2]), default=0)
 
     def _host(self, name: str, shape: tuple, dtype=torch.long) -> torch.Tensor:
         """A pinned host buffer for a block's one read, kept per name and shape (each is read

@@ -11,6 +11,10 @@ their sampling settings may differ: greedy, temperature, top-k and top-p are per
 of the other kind waits until the batch drains, and once it is the oldest waiting request no
 newer request of the running kind is admitted before it (first come, first served).
 
+An admission also needs KV pages for everything the request may write (`engine/pages.py`): when
+the pool is short even after evicting cached prefixes, the request waits at the head of the
+queue for running requests to return theirs.
+
 With a prefill budget (`Engine.prefill_chunk`) a step prefills at most that many prompt tokens
 and a longer prompt is prefilled in chunks over several steps, the running requests decoding
 between them (`engine/chunked.py`).
@@ -26,7 +30,7 @@ from typing import Optional
 import torch
 
 from tabed_engine.engine.chunked import ChunkedAdmission
-from tabed_engine.engine.prefix_cache import pick_slot, retire, rows_written
+from tabed_engine.engine.prefix_cache import pick_slot, retire
 from tabed_engine.engine.request import Request, RequestOutput
 from tabed_engine.engine.runner import Runner, bucket_of
 
@@ -250,7 +254,6 @@ class Scheduler(ChunkedAdmission):
             return
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
         reqs = self.slots[:b]
-        rows_written(self.runner, reqs, b)
         gen = live[0].generator if len(live) == 1 else self._batch_gen
         if kind is not None:
             g, g_next = kind, None
@@ -310,6 +313,17 @@ class Scheduler(ChunkedAdmission):
                 outputs.append(self._output(r, []))
                 self.slots[i] = None
 
+    def _pages_for(self, head: Request, slot: int, slots: list) -> bool:
+        """Whether the KV pool has (or, evicting cached prefixes, makes) room for `head` in
+        `slot`; if not, it goes back to the head of the queue and waits for running requests to
+        return pages (`engine/pages.py`)."""
+        self.runner.allocate()
+        if self.runner.pages.make_room(head, slot, slots):
+            return True
+        with self._lock:
+            self.waiting.appendleft(head)
+        return False
+
     def _admit(self, outputs) -> list[Request]:
         """Prefill waiting requests of the batch's kind into free slots (first come, first
         served). Returns the requests admitted or failed (their outputs are in `outputs`)."""
@@ -320,6 +334,8 @@ class Scheduler(ChunkedAdmission):
                     break
                 head = self.waiting.popleft()
             slot = pick_slot(self.runner, head, self.slots)   # (the lowest free one without prefix caching)
+            if not self._pages_for(head, slot, self.slots):
+                break
             first_in_batch = all(r is None for r in self.slots)
             admitted.append(head)
             try:

@@ -8,8 +8,8 @@ the row, the picture's hash (`prefix_cache.media_keys`) tagged with how the draf
 the draft's own features; P: pooled, with the pool size; the runs' lengths follow the draft's
 own image-token counts). T and C rows hold no media (the escape token, the caption's text: the
 ids say everything). Any row of any slot may serve any view of a new request (text-only
-prompts make every view the same row), copied into the request's rows first (a device copy of
-[layers, kv_heads, n, head_dim] a view) unless it is the view's own row.
+prompts make every view the same row): the request's row shares its full pages below the reused
+length and copies the partial one (`PagePool.assign`, as the target's rows do).
 
 Each view reuses the longest match but its last token (its logits are the view's first-token
 distribution, which sets the first block's weights); a view without a match prefills from 0.
@@ -21,9 +21,9 @@ fresh prefill).
 
 Validity follows the target's index: a slot's draft rows hold each view row plus the request's
 generated tokens whose KV the draft wrote (`Request.draft_valid`); a block run over a free or
-finished slot writes its draft rows from position 0 (`damaged`, from `prefix_cache.rows_written`);
+finished slot writes its draft rows from the length they hold on (`SlotPages.free_lengths`);
 a slot's entries are dropped when its rows are prefilled again, when its request failed
-(`forget`) and when a warm-up scribbles on them. Autoregressive requests never write draft rows:
+(`forget`), when an admission evicts them for their pages and when a warm-up scribbles on them. Autoregressive requests never write draft rows:
 a slot's entries outlive one. Host state from the scheduler's deterministic inputs, like the
 target's index (tensor-parallel ranks agree)."""
 from __future__ import annotations
@@ -108,11 +108,6 @@ class ViewIndex:
         """`slot`'s draft rows were written over (or may have been)."""
         self.entries[slot * self.K:(slot + 1) * self.K] = [None] * self.K
 
-    def damaged(self, free_slots: list[int]):
-        """A block ran over these free slots: their draft rows' garbage writes start at position 0."""
-        for i in free_slots:
-            self.forget(i)
-
     def account(self, cached: int, n: int):
         """One speculative admission: `cached` of its views' `n` tokens (summed over the views) reused."""
         self.lookups += 1
@@ -146,21 +141,6 @@ def fit_plan(plan, lens: list[int], max_len: int) -> tuple[list[tuple[int, Optio
     return [(c, s if c > 0 else None) for c, s in plan], P
 
 
-def copy_rows(cache: KVCache, first: int, plan):
-    """Each view's reused KV into its row (row first + k) from its source row, sources read before
-    any row of the request is written (a source may be another view's row)."""
-    moves = [(first + k, s, c) for k, (c, s) in enumerate(plan) if s is not None and s != first + k]
-    dst, need = {d for d, _, _ in moves}, {}
-    for _, s, c in moves:
-        need[s] = max(c, need.get(s, 0))
-    src = {s: (cache.k[:, s, :, :c].clone(), cache.v[:, s, :, :c].clone()) if s in dst else None
-           for s, c in need.items()}
-    for d, s, c in moves:
-        kv = src[s]
-        cache.k[:, d, :, :c].copy_(cache.k[:, s, :, :c] if kv is None else kv[0][:, :, :c])
-        cache.v[:, d, :, :c].copy_(cache.v[:, s, :, :c] if kv is None else kv[1][:, :, :c])
-
-
 def prefill_rows(runner, rows, cache: KVCache, cached: list[int], P: int) -> torch.Tensor:
     """The rest of each view row: row k's tokens [cached[k], n_k) as new tokens of a row whose
     committed length is cached[k] (one ragged forward, each rest padded to P tokens: the padding
@@ -190,24 +170,29 @@ def prefill_rows(runner, rows, cache: KVCache, cached: list[int], P: int) -> tor
                     kv_len=runner.kv_bucket(max(cached) + P))[:, 0]
 
 
-def prefill_views(runner, prep, rows, skip: frozenset, slot: int, pad: int) -> tuple[torch.Tensor, int]:
-    """Prefill a request's view rows into `slot`'s K draft rows, reusing cached prefixes where the
+def prefill_views(runner, req, rows, skip: frozenset, slot: int, pad: int) -> tuple[torch.Tensor, int]:
+    """Prefill request `req`'s view rows into `slot`'s K draft rows (their pages taken here),
+    reusing cached prefixes where the
     index (`runner.view_prefix`) holds them; without one, or when nothing is reused, the full
     padded prefill (`chain.prefill_draft`, padded to `pad`). Returns (each view's logits of the
     first generated token [K, V], view-row tokens whose prefill a cached prefix saved)."""
-    K, idx = runner.K, runner.view_prefix
+    K, idx, prep = runner.K, runner.view_prefix, req.prep
     cache = cache_rows(runner.dcache, slot * K, slot * K + K)
+    lens = [len(r.ids) for r in rows]
+    need = runner.pages.draft_tokens(req, lens)
+    first = slot * K
     if idx is None:
+        runner.pages.draft.assign([(first + k, None, 0, n) for k, n in enumerate(need)])
         return prefill_draft(runner, rows, cache, pad)[1], 0
     keys = view_keys(runner.eng, prep, rows, skip)
-    lens = [len(r.ids) for r in rows]
     plan = idx.plan(keys, slot)
     idx.forget(slot)                     # written over from here on (kept forgotten if this fails)
     if any(c for c, _ in plan):
         plan, P = fit_plan(plan, lens, runner.dcache.max_len)
-        copy_rows(runner.dcache, slot * K, plan)
+        runner.pages.draft.assign([(first + k, s, c, n) for k, ((c, s), n) in enumerate(zip(plan, need))])
         first_q = prefill_rows(runner, rows, cache, [c for c, _ in plan], P)
     else:
+        runner.pages.draft.assign([(first + k, None, 0, n) for k, n in enumerate(need)])
         first_q = prefill_draft(runner, rows, cache, pad)[1]
     saved = sum(c for c, _ in plan)
     idx.hold(slot, keys)

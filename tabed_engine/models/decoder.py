@@ -1,4 +1,4 @@
-"""Compact Llama-family decoder over a static KV cache with per-row lengths.
+"""Compact Llama-family decoder over a paged KV cache with per-row lengths.
 
 One forward call serves prefill (ragged rows, right-padded), chain decode, target
 verification of γ+1 tokens and tree nodes: every row r writes its T new tokens' K/V at
@@ -18,9 +18,20 @@ from tabed_engine.models.config import LMConfig
 from tabed_engine.models.layers import DecoderLayer, Linear, RMSNorm, rope_tables
 
 
+PAGE_SIZE = 64   # slots per page: a multiple of the attention kernels' key tile (64; 32 past head_dim 128)
+
+
 class KVCache:
-    """Static cache `k, v: [L, rows, kv_heads, S_max, head_dim]` plus per-row lengths and
-    per-row position offsets.
+    """Paged cache: page pools `k, v: [L, pages, kv_heads, page, head_dim]`, a block table
+    `block_table [rows, max_len / page]` int32 (row r's slot s lives in page
+    `block_table[r, s // page]` at offset `s % page`), per-row lengths and position offsets.
+
+    Page 0 is scratch: every table entry no allocator gave a page points there, so the garbage
+    that free rows of a bucketed block write lands where nobody reads. The pages and tables are
+    managed on the host by `engine.pages.PagePool`; the table is a fixed-address device tensor
+    updated in place, so CUDA graphs captured over it stay valid. Without `pages` every row
+    holds pages for its whole length from the start (rows * W + 1 pages, row r's column c at
+    page 1 + r * W + c): a standalone cache that needs no allocator.
 
     `pos_offset` [rows] int64: what a row's RoPE positions add to its cache slots after the
     prompt. Zero but for M-RoPE rows (Qwen2.5-VL) whose prompt holds images: their prompt's
@@ -29,24 +40,37 @@ class KVCache:
     that delta. Written by the prefill; read by every forward that is not a fresh prefill.
     """
 
-    def __init__(self, cfg: LMConfig, rows: int, max_len: int, device, dtype):
-        shape = (cfg.num_layers, rows, cfg.num_kv_heads, max_len, cfg.head_dim)
+    def __init__(self, cfg: LMConfig, rows: int, max_len: int, device, dtype, pages: Optional[int] = None,
+                 page_size: int = PAGE_SIZE):
+        width = -(-max_len // page_size)
+        shape = (cfg.num_layers, rows * width + 1 if pages is None else pages, cfg.num_kv_heads, page_size,
+                 cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if pages is None:
+            own = torch.arange(1, rows * width + 1, dtype=torch.int32).view(rows, width)
+            self.block_table = own.to(device)                                       # [rows, W]
+        else:
+            self.block_table = torch.zeros(rows, width, device=device, dtype=torch.int32)
         self.lengths = torch.zeros(rows, device=device, dtype=torch.int32)  # [rows]
         self.pos_offset = torch.zeros(rows, device=device, dtype=torch.int64)  # [rows]
         self.max_len = max_len
+        self.page_size = page_size
 
     @property
     def rows(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def pages(self) -> int:
         return self.k.shape[1]
 
 
 def cache_rows(cache: KVCache, start: int, stop: int) -> KVCache:
-    """Rows [start, stop) of a cache as a cache sharing its memory (same addresses on every
-    call, so graphs captured on a view stay valid)."""
+    """Rows [start, stop) of a cache as a cache sharing its pools and its table's rows (same
+    addresses on every call, so graphs captured on a view stay valid)."""
     view = copy.copy(cache)
-    view.k, view.v, view.lengths = cache.k[:, start:stop], cache.v[:, start:stop], cache.lengths[start:stop]
+    view.block_table, view.lengths = cache.block_table[start:stop], cache.lengths[start:stop]
     view.pos_offset = cache.pos_offset[start:stop]
     return view
 
@@ -136,7 +160,6 @@ class ForwardContext:
                 self.tree_bits = mask_to_bits(tree_mask)
             return
         ar = torch.arange(T, device=dev)
-        self.row_index = torch.arange(R, device=dev)[:, None]              # [R, 1]
         self.slots = lengths.long()[:, None] + tree_offset + ar[None, :]    # [R, T]
         if fresh and tree_mask is None:
             # causal SDPA over the new keys, no mask: every row starts at slot 0, so a row's padding
@@ -244,7 +267,7 @@ class LlamaLM(nn.Module):
         cos, sin = cs[:, :, None, :D], cs[:, :, None, D:]
         delta = None
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], ctx)
+            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], cache.block_table, ctx)
         _, x = self.norm.add_forward(x, delta)  # the last residual add and the final norm: one kernel on CUDA
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))

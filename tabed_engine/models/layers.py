@@ -1,5 +1,5 @@
 """The shared pieces of every decoder family: RMSNorm, rotary embeddings, attention over the
-static KV cache (optional q/k/v bias, GQA), the gated MLP, and `Linear`, the one linear layer
+paged KV cache (optional q/k/v bias, GQA), the gated MLP, and `Linear`, the one linear layer
 every projection uses.
 
 `Linear.parallel` marks how tensor parallelism shards a projection ("column": its output rows,
@@ -20,6 +20,7 @@ from torch import nn
 from tabed_engine.models.config import LMConfig
 from tabed_engine.ops.add_rms_norm import add_rms_norm, rms_norm_reference
 from tabed_engine.ops.gemv import gemv_kind, linear, silu_mul as silu_mul_op
+from tabed_engine.ops.paged import gather_rows, write_slots
 from tabed_engine.ops.rope_kv_write import rope_kv_write, rope_reference, use_kernel
 from tabed_engine.ops.tree_attention import tree_attention
 
@@ -115,37 +116,38 @@ class Attention(nn.Module):
                                parts=(h * hd, kv * hd, kv * hd))
         self.o_proj = Linear(h * hd, cfg.hidden_size, bias=False, parallel="row")
 
-    def forward(self, x, cos, sin, k_cache, v_cache, ctx):
-        # x: [R, T, hidden]; k_cache/v_cache: [R, kv, S, hd] (this layer)
+    def forward(self, x, cos, sin, k_cache, v_cache, table, ctx):
+        # x: [R, T, hidden]; k_cache/v_cache: [pages, kv, page, hd] (this layer's pools);
+        # table: [R, S / page] int32, the rows' pages
         R, T, _ = x.shape
         cfg = self.cfg
         inv = ctx.invariant
         qkv = self.qkv_proj(x, invariant=inv)                   # [R, T, (h + 2 kv) * hd]
         if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernels
             # one launch rotates q and k and writes k, v at cache slots lengths[r] + t
-            q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.write32,
+            q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, table, ctx.write32,
                               cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
-            out = tree_attention(q, k_cache, v_cache, ctx.lengths32, ctx.tree_bits, tree_slots=ctx.tree_slots,
+            out = tree_attention(q, k_cache, v_cache, table, ctx.lengths32, ctx.tree_bits, tree_slots=ctx.tree_slots,
                                  invariant=inv)
             return self.o_proj(out.reshape(R, T, -1), invariant=inv)
         if ctx.fresh and use_kernel(qkv, cfg.head_dim):  # CUDA prefill: one launch
-            q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg)
+            q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg)
         else:
-            q, new_k, new_v = sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg)
+            q, new_k, new_v = sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg)
         if ctx.mask is None:
             # fresh single-row prefill: attend over the new keys themselves (contiguous, so
             # SDPA takes its FlashAttention kernel with fp32 softmax; strided cache slices
             # sent it to a path that lost ~3x more accuracy in bf16)
             keys, values = new_k, new_v
         else:
-            keys, values = k_cache[:, :, :ctx.kv_len], v_cache[:, :, :ctx.kv_len]
+            keys, values = gather_rows(k_cache, table, ctx.kv_len), gather_rows(v_cache, table, ctx.kv_len)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=ctx.mask,
             is_causal=ctx.mask is None, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))
 
 
-def sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
+def sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg: LMConfig):
     """The PyTorch chain (CPU: the float32 reference; CUDA calls the kernels do not take):
     rotate q and k, write k and v into the cache; returns q [R, h, T, hd] and, for a fresh
     prefill, the new k, v [R, kv, T, hd] (else None), contiguous for SDPA."""
@@ -155,24 +157,18 @@ def sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     new_k = new_v = None
     if ctx.fresh:
-        # every row starts at slot 0: a slice copy per cache instead of an indexed write
-        # (the indexed write took 3.0 of a 1,800-token prefill's 45.9 ms on the H200,
-        # benchmarks/results/profile_prefill.json)
+        # every row from slot 0 (the CUDA prefill takes `fused_prefill_sdpa_qkv` for even head dims)
         new_k, new_v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-        if ctx.slot is None:
-            k_cache[:, :, :T] = new_k
-            v_cache[:, :, :T] = new_v
-        else:   # into cache row `slot`, a device index: one captured graph serves every row
-            k_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_k)
-            v_cache.narrow(2, 0, T).index_copy_(0, ctx.slot, new_v)
-    else:
-        # the new tokens at each row's own slots: cache[r, :, slots[r, t]] = k[r, t]
-        k_cache[ctx.row_index, :, ctx.slots] = k
-        v_cache[ctx.row_index, :, ctx.slots] = v
+        slots = torch.arange(T, device=qkv.device).expand(R, T)
+        rows = table if ctx.slot is None else table.index_select(0, ctx.slot)  # (a device index: graph-safe)
+    else:   # the new tokens at each row's own slots
+        slots, rows = ctx.slots, table
+    write_slots(k_cache, rows, slots, k)
+    write_slots(v_cache, rows, slots, v)
     return q.transpose(1, 2).contiguous(), new_k, new_v
 
 
-def fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
+def fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg: LMConfig):
     """A fresh prefill's q, k, v in one `rope_kv_write` launch (the CUDA path): rotates q and
     k, writes k and v at slots [0, T) of cache row `ctx.slot` (of each row r without a slot)
     and returns q [R, h, T, hd] (a view of [R, T, h, hd] storage) and, for single-row causal
@@ -187,7 +183,7 @@ def fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, ctx, cfg: LMConfig):
     new_k = new_v = None
     if ctx.mask is None:
         new_k, new_v = qkv.new_empty(R, kv, T, hd), qkv.new_empty(R, kv, T, hd)
-    rope_kv_write(qkv, cos, sin, k_cache, v_cache, ctx.starts32, h, kv, out=q, rows=ctx.slot,
+    rope_kv_write(qkv, cos, sin, k_cache, v_cache, table, ctx.starts32, h, kv, out=q, rows=ctx.slot,
                   k_out=new_k, v_out=new_v)
     return q.transpose(1, 2), new_k, new_v
 
@@ -219,13 +215,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx):
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, table, ctx):
         # x + attn(norm(x)), then + mlp(norm(.)), with each residual add deferred into the
         # RMSNorm that follows it (one kernel on CUDA instead of an add and a norm): x is the
         # residual stream [R, T, hidden] still missing `delta`, the previous layer's MLP output
         # (None before the first layer), and the layer returns (x, its MLP output) the same way.
         x, h = self.input_layernorm.add_forward(x, delta)
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, k_cache, v_cache, ctx))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, k_cache, v_cache, table, ctx))
         return x, self.mlp(h, ctx.invariant)
 
 

@@ -8,17 +8,21 @@ from __future__ import annotations
 import torch
 
 from tabed_engine.ops import _ext
+from tabed_engine.ops.paged import slot_pages
 
 __all__ = ["compact_kv", "compact_kv_reference"]
 
 
-def compact_kv(k_cache, v_cache, lengths, path, num_accepted):
+def compact_kv(k_cache, v_cache, block_table, lengths, path, num_accepted):
     """Move each row's accepted tree nodes' KV to contiguous slots, in place.
 
     Parameters
     ----------
-    k_cache, v_cache : [L, R, Hkv, S, D], one float dtype, head_dim contiguous
+    k_cache, v_cache : [L, P, Hkv, PAGE, D] page pools, one float dtype, head_dim contiguous
         Tree node j of row r sits at slot ``lengths[r] + j``.
+    block_table : int32 [R, W], unit last stride
+        Row r's slot s lives in page ``block_table[r, s // PAGE]`` at offset ``s % PAGE``;
+        a row spans S = W * PAGE slots.
     lengths : int32 [R]
         Committed prefix length of each row (not modified).
     path : int64 [R, N]
@@ -33,16 +37,18 @@ def compact_kv(k_cache, v_cache, lengths, path, num_accepted):
     are skipped; ``num_accepted`` is clamped to ``[0, N - 1]``.
     """
     if _ext.use_ext(k_cache.device):
-        torch.ops.tabed_engine.compact_kv(k_cache, v_cache, lengths, path, num_accepted)
+        torch.ops.tabed_engine.compact_kv(k_cache, v_cache, block_table, lengths, path, num_accepted)
     else:
-        compact_kv_reference(k_cache, v_cache, lengths, path, num_accepted)
+        compact_kv_reference(k_cache, v_cache, block_table, lengths, path, num_accepted)
 
 
-def _check(k_cache, v_cache, lengths, path, num_accepted):
+def _check(k_cache, v_cache, block_table, lengths, path, num_accepted):
     if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [L, R, Hkv, S, D], got "
+        raise ValueError(f"k_cache and v_cache must both be page pools [L, P, Hkv, PAGE, D], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    R = k_cache.shape[1]
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [R, W], got {block_table.dtype} {tuple(block_table.shape)}")
+    R = block_table.shape[0]
     if lengths.shape != (R,) or num_accepted.shape != (R,) or path.dim() != 2 or path.shape[0] != R:
         raise ValueError(f"lengths [R], num_accepted [R], path [R, N] with R = {R}, got "
                          f"{tuple(lengths.shape)}, {tuple(num_accepted.shape)}, {tuple(path.shape)}")
@@ -51,16 +57,17 @@ def _check(k_cache, v_cache, lengths, path, num_accepted):
                         f"{path.dtype}, {num_accepted.dtype}")
 
 
-def compact_kv_reference(k_cache, v_cache, lengths, path, num_accepted):
+def compact_kv_reference(k_cache, v_cache, block_table, lengths, path, num_accepted):
     """Plain-PyTorch `compact_kv` (same arguments, same in-place result).
 
     Vectorised without host syncs: every row rewrites its N-slot window at
-    ``lengths[r] + j`` (clamped into the cache), skipped entries writing back their own
-    old value. Window slots past the end of the cache all land on slot S - 1 and carry
+    ``lengths[r] + j`` (clamped into the row's S slots), skipped entries writing back their
+    own old value. Window slots past the end of the row all land on slot S - 1 and carry
     that slot's value, so duplicate writes agree.
     """
-    _check(k_cache, v_cache, lengths, path, num_accepted)
-    S = k_cache.shape[3]
+    _check(k_cache, v_cache, block_table, lengths, path, num_accepted)
+    page = k_cache.shape[3]
+    S = block_table.shape[1] * page
     R, N = path.shape
     dev = k_cache.device
     j = torch.arange(N, device=dev)[None, :]                  # [1, N]
@@ -69,11 +76,10 @@ def compact_kv_reference(k_cache, v_cache, lengths, path, num_accepted):
     src, dst = length + path, length + j
     move = (j < n) & (length >= 0) & (path >= 0) & (path != j) & (src < S) & (dst < S)
     rel = torch.where(move, path, j)                          # source, relative to length
-    last_in = (S - 1 - length).clamp(0, N - 1)                # last j whose dst is in the cache
+    last_in = (S - 1 - length).clamp(0, N - 1)                # last j whose dst is in the row
     rel = rel.gather(1, torch.minimum(j.expand(R, N), last_in))
-    dst_pos = (length + j).clamp(0, S - 1)
-    src_pos = (length + rel).clamp(0, S - 1)
-    rr = torch.arange(R, device=dev)[:, None]
+    dst_page, dst_off = slot_pages(block_table, (length + j).clamp(0, S - 1), page)
+    src_page, src_off = slot_pages(block_table, (length + rel).clamp(0, S - 1), page)
     for cache in (k_cache, v_cache):
-        moved = cache[:, rr, :, src_pos]                      # [R, N, L, Hkv, D], a copy
-        cache[:, rr, :, dst_pos] = moved
+        moved = cache[:, src_page, :, src_off]                # [R, N, L, Hkv, D], a copy
+        cache[:, dst_page, :, dst_off] = moved

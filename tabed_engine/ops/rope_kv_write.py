@@ -1,4 +1,4 @@
-"""RoPE on the new tokens' q and k, and their K/V written into the static cache.
+"""RoPE on the new tokens' q and k, and their K/V written into the paged cache.
 
 Row r's T new tokens come out of the fused qkv projection as [q heads | k heads | v heads]
 per token. q and k are rotated (HF rotate-half convention, in float32, cast back); k and v
@@ -10,6 +10,8 @@ prefill); the reference is the chain of PyTorch ops the model runs elsewhere.
 from __future__ import annotations
 
 import torch
+
+from tabed_engine.ops.paged import write_slots
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -34,6 +36,7 @@ def rope_kv_write_reference(
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     lengths: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
@@ -53,10 +56,10 @@ def rope_kv_write_reference(
     q, k, v = qkv.view(R, T, -1, D).split([num_heads, num_kv_heads, num_kv_heads], dim=2)
     cos, sin = cos.reshape(R, T, 1, D), sin.reshape(R, T, 1, D)
     q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
-    rows = torch.arange(R, device=qkv.device) if rows is None else rows.long()
+    table = block_table if rows is None else block_table[rows.long()]
     slots = lengths.long()[:, None] + torch.arange(T, device=qkv.device)[None, :]       # [R, T]
-    k_cache[rows[:, None], :, slots] = k
-    v_cache[rows[:, None], :, slots] = v
+    write_slots(k_cache, table, slots, k)
+    write_slots(v_cache, table, slots, v)
     if k_out is not None:
         k_out.copy_(k.transpose(1, 2))
     if v_out is not None:
@@ -70,6 +73,7 @@ def rope_kv_write(
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     lengths: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
@@ -90,9 +94,12 @@ def rope_kv_write(
     cos, sin : torch.Tensor
         [R, T, D] or [R, T, 1, D] float32, the RoPE table rows at each token's position.
     k_cache, v_cache : torch.Tensor
-        [Rc, Hkv, S, D] one layer of the static cache (strides honoured, unit last stride),
-        written in place at slots lengths[r] + t of row rows[r]. The caller keeps
-        lengths[r] + T <= S (the kernel drops writes past the end, the reference raises).
+        [P, Hkv, PAGE, D] one layer's page pool (strides honoured, unit last stride), written in
+        place at slots lengths[r] + t of row rows[r]. The caller keeps lengths[r] + T <= S
+        (the kernel drops writes past the end, the reference raises).
+    block_table : torch.Tensor
+        [Rc, W] int32 (unit last stride): row c's slot s is in page block_table[c, s // PAGE];
+        the cache spans S = W * PAGE slots. Read on the device only.
     lengths : torch.Tensor
         [R] int32 on qkv's device, committed prefix length per row. Read on the device only:
         the call is CUDA-graph safe.
@@ -122,6 +129,6 @@ def rope_kv_write(
         from tabed_engine.kernels import rope_kv_write as _k
 
         return _k.rope_kv_write(qkv, cos.reshape(R, T, D), sin.reshape(R, T, D), k_cache, v_cache,
-                                lengths, num_heads, num_kv_heads, out=out, rows=rows, k_out=k_out, v_out=v_out)
-    return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, num_kv_heads,
+                                block_table, lengths, num_heads, num_kv_heads, out=out, rows=rows, k_out=k_out, v_out=v_out)
+    return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, block_table, lengths, num_heads, num_kv_heads,
                                    out=out, rows=rows, k_out=k_out, v_out=v_out)

@@ -1,4 +1,7 @@
-"""Tree attention over the static KV cache (decode, chain verification, tree verification).
+"""Tree attention over the paged KV cache (decode, chain verification, tree verification).
+
+The cache of a layer is a pool of pages [P, Hkv, PAGE, D]; row r's slot s is in page
+`block_table[r, s // PAGE]` at offset s % PAGE (`tabed_engine.ops.paged`).
 
 Row r has a committed prefix of `lengths[r]` cache slots; its N query nodes' own K/V sit at
 slots lengths[r] + j. Node i sees the whole prefix plus the nodes j whose bit is set in
@@ -9,6 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tabed_engine.ops.paged import gather_rows
 
 
 def tree_attention_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, span: int,
@@ -44,6 +49,7 @@ def tree_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     lengths: torch.Tensor,
     tree_mask: torch.Tensor,
     *,
@@ -59,8 +65,10 @@ def tree_attention_reference(
     q : torch.Tensor
         [R, N, H, D] queries of the N nodes of each row (float16/bfloat16/float32).
     k_cache, v_cache : torch.Tensor
-        [R, Hkv, S, D] one layer of the static cache, H a multiple of Hkv (query head h reads
-        kv head h // (H // Hkv)). The nodes' own K/V are already at slots lengths[r] + j.
+        [P, Hkv, PAGE, D] one layer's page pool, H a multiple of Hkv (query head h reads kv
+        head h // (H // Hkv)). The nodes' own K/V are already at slots lengths[r] + j.
+    block_table : torch.Tensor
+        [R, W] int32: row r's slot s lives in page block_table[r, s // PAGE] (S = W * PAGE).
     lengths : torch.Tensor
         [R] int32, committed prefix length per row.
     tree_mask : torch.Tensor
@@ -82,7 +90,7 @@ def tree_attention_reference(
         [R, N, H, D] in q's dtype.
     """
     R, N, H, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    Hkv, S = k_cache.shape[1], block_table.shape[1] * k_cache.shape[2]
     tree_slots = N if tree_slots is None else tree_slots
     if span is None:
         span = min(S, int(lengths.max()) + tree_slots) if R else 0
@@ -91,8 +99,8 @@ def tree_attention_reference(
     # still NaN, so those K/V are zeroed rather than only masked.
     live = (torch.arange(span, device=q.device)[None, :] < (lengths.to(torch.int64) + tree_slots)[:, None])
     live = live[:, None, :, None]  # [R, 1, span, 1]
-    k = torch.where(live, k_cache[:, :, :span], 0)
-    v = torch.where(live, v_cache[:, :, :span], 0)
+    k = torch.where(live, gather_rows(k_cache, block_table, span), 0)
+    v = torch.where(live, gather_rows(v_cache, block_table, span), 0)
     if H != Hkv:
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
@@ -107,6 +115,7 @@ def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     lengths: torch.Tensor,
     tree_mask: torch.Tensor,
     *,
@@ -122,7 +131,11 @@ def tree_attention(
     q : torch.Tensor
         [R, N, H, D], N <= 64, any strides with a contiguous last dimension.
     k_cache, v_cache : torch.Tensor
-        [R, Hkv, S, D], e.g. `cache[layer]` of a [L, R, Hkv, S, D] tensor (strides honoured).
+        [P, Hkv, PAGE, D] page pools, e.g. `cache.k[layer]` of a [L, P, Hkv, PAGE, D] tensor
+        (strides honoured; PAGE a multiple of 64 on CUDA).
+    block_table : torch.Tensor
+        [R, W] int32 on q's device (unit last stride): row r's slot s is in page
+        block_table[r, s // PAGE]. Read on the device only (CUDA-graph safe).
     lengths : torch.Tensor
         [R] int32 on q's device, committed prefix length per row.
     tree_mask : torch.Tensor
@@ -147,9 +160,10 @@ def tree_attention(
     if q.is_cuda:
         from tabed_engine.kernels import tree_attention as _k
 
-        return _k.tree_attention(q, k_cache, v_cache, lengths, tree_mask, scale=scale, out=out,
+        return _k.tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, scale=scale, out=out,
                                  tree_slots=tree_slots, invariant=invariant)
-    result = tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, scale=scale, tree_slots=tree_slots)
+    result = tree_attention_reference(q, k_cache, v_cache, block_table, lengths, tree_mask, scale=scale,
+                                      tree_slots=tree_slots)
     if out is None:
         return result
     return out.copy_(result)

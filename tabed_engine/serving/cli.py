@@ -124,10 +124,13 @@ def add_serve_parser(sub):
     s.add_argument("--model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the target directory's name)")
     s.add_argument("--max-batch", type=int, default=None,
-                   help="requests decoded together at most (default: the engine's, 16, fewer where memory is short)")
+                   help="requests decoded together at most (default: the engine's, 16); the KV page pool "
+                        "(--kv-cache-tokens) bounds how many of them fit at once")
+    s.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                   help="the KV page pool's size in target tokens (default: max-batch x max-len, cut to what "
+                        "fits in --memory-fraction); each request reserves its prompt + max_tokens + lookahead")
     s.add_argument("--memory-fraction", type=float, default=None, metavar="F",
-                   help="share of the GPU's free memory the KV caches may take (default 0.9): with --max-len, "
-                        "it bounds how many requests decode together")
+                   help="share of the GPU's free memory the KV page pool may take (default 0.9)")
     s.add_argument("--max-tokens-default", type=int, default=None,
                    help="max_tokens of a request that gives none (default: as many as the context holds, "
                         "as OpenAI's API does)")
@@ -173,6 +176,8 @@ def serve_main(args) -> int:
         kw["max_batch"] = args.max_batch
     if args.memory_fraction is not None:
         kw["memory_fraction"] = args.memory_fraction
+    if args.kv_cache_tokens is not None:
+        kw["kv_cache_tokens"] = args.kv_cache_tokens
     if args.data_parallel != 1:
         return _serve_replicas(args, name, kw)
     try:

@@ -199,7 +199,7 @@ def tree_verify_block(target_lm, cache, tok, pos, parents, mask, tlens, kv_len=N
 
     tlogits = target_lm(cache, pos, input_ids=tok, lengths=tlens, tree_mask=mask, kv_len=kv_len)
     path, n_acc, nxt = verify_tree(tok, parents, tlogits, greedy=True)
-    compact_kv(cache.k, cache.v, tlens, path, n_acc)
+    compact_kv(cache.k, cache.v, cache.block_table, tlens, path, n_acc)
     return tlogits, path, n_acc, nxt
 
 

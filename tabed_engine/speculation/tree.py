@@ -245,13 +245,14 @@ def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos
             c = sp.coupled
             path, n_acc, nxt = torch.where(c[:, None], c_path, path), torch.where(c, c_acc, n_acc), \
                 torch.where(c, c_nxt, nxt)
-    compact_kv(tcache.k, tcache.v, tlens, path, n_acc)
+    compact_kv(tcache.k, tcache.v, tcache.block_table, tlens, path, n_acc)
     # the draft rows keep the path's fed nodes (all of it but possibly its last node, a leaf
     # the next block re-feeds); their root sits at slot dlens + 1, fed node f >= 1 at
     # dlens + depth + f (see tree_draft)
     f = fedpos.gather(1, path.clamp_min(0))
     dpath = torch.where((path >= 0) & (f >= 0), torch.where(f > 0, f + depth - 1, f), -1).repeat_interleave(K, 0)
-    compact_kv(dcache.k, dcache.v, (dlens + 1).int(), dpath, (n_acc - 1).clamp_min(0).repeat_interleave(K, 0))
+    compact_kv(dcache.k, dcache.v, dcache.block_table, (dlens + 1).int(), dpath,
+               (n_acc - 1).clamp_min(0).repeat_interleave(K, 0))
     path_tok = tokens.gather(1, path[:, 1:depth + 1].clamp_min(0))
     packed = torch.cat([n_acc[:, None], nxt[:, None], path_tok], dim=1)
     return tlogits, path, n_acc, nxt, packed
