@@ -213,10 +213,41 @@ def test_graph_path_suffix(speculative):
     out = both(on, off, turn2, img, speculative)
     assert out.stats.cached_tokens == len(prompt) + len(first.token_ids) - 1
     rest = len(turn2) - out.stats.cached_tokens
-    assert ("suffix", 0, -(-rest // 16) * 16) in on.runner.graphs.graphs
+    assert ("suffix", -(-rest // 16) * 16) in on.runner.graphs.graphs
     long_rest = turn2 + out.token_ids + tail_ids(on, "a b c d e f g h i j " * 8)
     assert len(long_rest) - (len(turn2) + len(out.token_ids) - 1) > prefix_cache.SUFFIX_GRAPH_MAX
     assert both(on, off, long_rest, img, speculative).stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_one_suffix_graph_serves_every_slot(speculative):
+    """A bucket's rest graph is captured once and serves every slot: two chats held in slots 0
+    and 1 ask follow-ups of the same length; the second replays the graph the first captured,
+    over the staging row loaded with its own slot's table (emulated graphs, caches poisoned), and
+    both give the uncached engine's tokens (a graph bound to slot 0 would read and write slot 0's
+    pages for the second)."""
+    from tabed_engine.engine import prefix_cache
+    from test_batch import emulated_graphs
+    target, draft, processor = loaded("llama")
+    on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
+                max_len=256, max_batch=2, adaptive=False)
+    off = engine(False, 2)
+    emulated_graphs(on)
+    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
+    imgs = [[image(18)], [image(19)]]
+    prompts = [ids_of(on, user(q, True), im) for q, im in zip(("What is shown in this photo?", "Describe it."), imgs)]
+    firsts = on.generate(prompts, images=imgs, sampling=[SP, SP], speculative=speculative)
+    for f, p, im in zip(firsts, prompts, imgs):
+        assert f.token_ids == off.generate(p, images=im, sampling=SP, speculative=speculative).token_ids
+    turn2 = [p + f.token_ids + tail_ids(on, "Why is that?") for f, p in zip(firsts, prompts)]
+    outs = on.generate(turn2, images=imgs, sampling=[SP, SP], speculative=speculative)
+    for out, t, p, f, im in zip(outs, turn2, prompts, firsts, imgs):
+        assert out.token_ids == off.generate(t, images=im, sampling=SP, speculative=speculative).token_ids
+        assert out.stats.cached_tokens == len(p) + len(f.token_ids) - 1
+    held = [next(i for i, p in enumerate(prompts) if e.ids[:len(p)] == p) for e in on.runner.prefix.entries]
+    assert sorted(held) == [0, 1]                      # the two chats' second turns ran in both slots
+    suffix = [k for k in on.runner.graphs.graphs if k[0] == "suffix"]
+    assert len(suffix) == 1, suffix
 
 
 # ---------------------------------------------------------------- the index alone

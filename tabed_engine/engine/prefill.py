@@ -185,7 +185,7 @@ class PrefillSteps:
                           pos3: Optional[torch.Tensor]) -> torch.Tensor:
         """`prefill_range` of an invariant engine: tokens [start, end) as forwards of at most
         INVARIANT_PREFILL_STEP new tokens over the row's KV (`prefix_cache.prefill_suffix`: a
-        captured graph per slot and padded length where it can), each through the decode
+        captured graph per padded length where it can), each through the decode
         path's row-count-invariant kernels (a chain of new tokens). A token's KV and logits then
         have the same bits however the prompt is cut (a cold prefill, a prefix-cache hit, chunks
         of any budget) and the bits a decode step at its position would give."""

@@ -183,8 +183,8 @@ class PrefixIndex:
 
 # ---------------------------------------------------------------------- the runner's side
 # With CUDA graphs the rest of a prompt after its cached prefix runs as a captured graph per
-# slot and SUFFIX_STEP-token bucket, up to SUFFIX_GRAPH_MAX tokens (the decode kernels' query
-# limit); a longer rest prefills the whole prompt through its padded graph instead: eagerly, the
+# SUFFIX_STEP-token bucket (any slot: `staged_row`), up to SUFFIX_GRAPH_MAX tokens (the decode
+# kernels' query limit); a longer rest prefills the whole prompt through its padded graph instead: eagerly, the
 # 7B target's forward of a 41-token rest took 39 ms of kernel launches against 18 ms for the
 # whole 616-token prompt's graph (H200, benchmarks/results/multiturn_llava-1.5-7b_eager_suffix.md)
 SUFFIX_GRAPH_MAX = 64
@@ -205,6 +205,22 @@ def suffix_step(lm, cache, x: torch.Tensor, pos: torch.Tensor, lens: torch.Tenso
     prefix of lens [1] tokens of the one-row `cache`; the logits of position `last` [1, 1] of the
     P [1, V]. The padding after the prompt writes K/V past it (the next forward overwrites it)."""
     return lm(cache, pos, embeds=x, lengths=lens, logits_index=last, kv_len=kv_len)[:, -1]
+
+
+def staged_row(runner, slot: int):
+    """A one-row view of the target cache at fixed addresses (its own block-table row, length and
+    position offset), loaded with `slot`'s: a graph captured over it serves every slot, its KV
+    writes reaching the slot's pages through the copied table row."""
+    tc = runner.tcache
+    stage = getattr(runner, "_suffix_stage", None)
+    if stage is None or stage.k is not tc.k:
+        stage = runner._suffix_stage = cache_rows(tc, 0, 1)
+        stage.block_table, stage.lengths = tc.block_table[:1].clone(), tc.lengths[:1].clone()
+        stage.pos_offset = tc.pos_offset[:1].clone()
+    stage.block_table.copy_(tc.block_table[slot:slot + 1])
+    stage.lengths.copy_(tc.lengths[slot:slot + 1])
+    stage.pos_offset.copy_(tc.pos_offset[slot:slot + 1])
+    return stage
 
 
 def pick_slot(runner, req, slots: list) -> int:
@@ -248,7 +264,7 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
     prefill is the same call (`PrefillSteps.prefill_chunk`). x: those tokens' embeddings
     [end - cached, hidden]; pos3: the whole prompt's M-RoPE ids [3, n] or None (the row's
     `pos_offset` is already the prompt's: the forward adds it back). Returns the logits of
-    position end - 1 [1, V]. The captured suffix graphs (per slot and padded length) serve rests
+    position end - 1 [1, V]. The captured suffix graphs (per padded length) serve rests
     of text after every image, and with `media_graphs` (an invariant engine's prefill) any rest
     whose positions are 1-D."""
     tc = runner.tcache
@@ -267,8 +283,8 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
         inputs = dict(x=xp, pos=torch.arange(cached, cached + P, device=dev)[None],
                       lens=torch.full((1,), cached, dtype=torch.int32, device=dev),
                       last=torch.full((1, 1), T - 1, dtype=torch.long, device=dev))
-        return runner.graphs.run(("suffix", slot, P), partial(suffix_step, runner.target.lm,
-                                                               cache_rows(tc, slot, slot + 1)), inputs)
+        stage = staged_row(runner, slot)
+        return runner.graphs.run(("suffix", P), partial(suffix_step, runner.target.lm, stage), inputs)
     if pos3 is None:
         pos = torch.arange(cached, n, device=dev)[None]
     else:
