@@ -212,11 +212,15 @@ def test_sampled_sd_is_lossless_with_a_draft_short_of_the_target_vocab(pairs, tm
     missing = sum(p for seq, p in dist.items() if any(t >= 176 for t in seq))
     assert missing > 0.05, missing      # the test exercises ids the draft cannot propose
     eng = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, views=("M", "T"),
-                                 policy="kld", gamma=2, adaptive=False)
-    n, counts, accepted = 6000, Counter(), 0
-    for i in range(n):
-        out = eng.generate(text, images=imgs, sampling=dataclasses.replace(sp, seed=i))
-        counts[tuple(out.token_ids)] += 1
-        accepted += sum(out.stats.accepted_lengths)
+                                 policy="kld", gamma=2, adaptive=False, max_batch=16)
+    # 16 requests a generate() call (~2.5x less CPU than one each): seeded requests take the
+    # coupling, whose tokens are each seed's alone in any batch (tests/test_coupling.py)
+    n, batch, counts, accepted = 6000, 16, Counter(), 0
+    for start in range(0, n, batch):
+        seeds = range(start, min(start + batch, n))
+        for out in eng.generate([text] * len(seeds), images=[imgs] * len(seeds),
+                                sampling=[dataclasses.replace(sp, seed=i) for i in seeds]):
+            counts[tuple(out.token_ids)] += 1
+            accepted += sum(out.stats.accepted_lengths)
     assert accepted > n * 0.15
     check_lossless(counts, dist, n, shift=0.035)
