@@ -286,10 +286,13 @@ def test_warmup_captures_every_prefill_bucket():
     eng.warmup(images=True)
     keys = {k[1] for k in eng.graphs.graphs if k[0] == "prefill"}
     assert keys == set(prefill_buckets(eng.max_len))
+    assert {k[1] for k in eng.graphs.graphs if k[0] == "suffix"} == {16, 32, 48, 64}
     n = len(eng.graphs)
     text, imgs = _prompt(2, 20)
-    eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=8))
+    out = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=8))
+    eng.generate(text + " Why?", images=imgs, sampling=SamplingParams(max_new_tokens=8))   # a cache hit
     assert len(eng.graphs) == n                                      # no capture after warm-up
+    assert out.token_ids
 
 
 # ------------------------------------------------------------------ benchmark smoke (CPU)

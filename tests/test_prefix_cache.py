@@ -250,6 +250,28 @@ def test_one_suffix_graph_serves_every_slot(speculative):
     assert len(suffix) == 1, suffix
 
 
+def test_warmup_captures_the_rest_graphs():
+    """`warmup()` captures every bucket's rest graph (emulated graphs): a chat's cache-hit
+    follow-up then captures nothing and gives the uncached engine's tokens."""
+    from tabed_engine.engine import prefix_cache
+    from test_batch import emulated_graphs
+    target, draft, processor = loaded("llama")
+    on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
+                max_len=256, max_batch=1, adaptive=False)
+    off = engine(False, 1)
+    emulated_graphs(on)
+    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
+    on.warmup()
+    buckets = range(prefix_cache.SUFFIX_STEP, prefix_cache.SUFFIX_GRAPH_MAX + 1, prefix_cache.SUFFIX_STEP)
+    assert {("suffix", P) for P in buckets} <= set(on.runner.graphs.graphs)
+    img = [image(21)]
+    prompt = ids_of(on, user("What is shown in this photo?", True), img)
+    first = both(on, off, prompt, img, False)
+    keys = set(on.runner.graphs.graphs)
+    out = both(on, off, prompt + first.token_ids + tail_ids(on, "Why is that?"), img, False)
+    assert out.stats.cached_tokens > 0 and set(on.runner.graphs.graphs) == keys
+
+
 # ---------------------------------------------------------------- the index alone
 def test_matching_needs_equal_pixels_not_only_equal_ids():
     img = 99

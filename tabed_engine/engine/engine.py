@@ -433,8 +433,8 @@ class Engine(RequestIntake, EngineLimits):
         image per request when `images`: the CUDA graphs of those buckets are captured and the
         kernels compiled before the first real request (a server would otherwise stall its
         first requests at each new batch size). The target's prefill graphs of every
-        prompt-length bucket are captured too (`Runner.capture_prefill`), and the draft views'
-        prefill runs once per bucket (`Runner.warm_draft_prefill`). The cost model keeps the
+        prompt-length bucket and of prompt rests are captured too (`Runner.capture_prefill`),
+        and the draft views' prefill runs once per bucket (`Runner.warm_draft_prefill`). The cost model keeps the
         block times it measured. `sampling`: the settings (one or several) the block graphs
         are captured for (greedy and sampled requests run graphs of their own, sampled ones per
         draft temperature and top-k / top-p use; default greedy); their token counts and stop

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tabed_engine.engine.graphs import private_stream
-from tabed_engine.engine.prefix_cache import prefill_suffix
+from tabed_engine.engine.prefix_cache import capture_suffix_graphs, prefill_suffix
 from tabed_engine.engine.prompt import Prepared
 from tabed_engine.engine.request import Request
 from tabed_engine.engine.view_cache import prefill_views
@@ -222,8 +222,9 @@ class PrefillSteps:
 
     def capture_prefill(self, buckets=None) -> int:
         """Capture the target prefill graphs of `buckets` (default: every bucket of the cache
-        length up to `prefill_graph_max`) on an idle runner: each capture writes padding into
-        cache row 0. Returns how many were captured."""
+        length up to `prefill_graph_max`), and the graphs of prompt rests after cached prefixes
+        and chunks (`prefix_cache.capture_suffix_graphs`), on an idle runner: each capture writes
+        padding into cache row 0. Returns how many were captured."""
         if self.graphs is None or not self.prefill_graphs:
             return 0
         self.allocate()
@@ -237,7 +238,7 @@ class PrefillSteps:
             last_t.fill_(P - 1)
             self._prefill_padded(P)
         self.pending = None
-        return len(todo)
+        return len(todo) + capture_suffix_graphs(self)
 
     def warm_draft_prefill(self) -> int:
         """Run the draft views' prefill once at every prompt-length bucket of the draft's cache

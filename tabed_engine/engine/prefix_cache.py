@@ -214,13 +214,43 @@ def staged_row(runner, slot: int):
     tc = runner.tcache
     stage = getattr(runner, "_suffix_stage", None)
     if stage is None or stage.k is not tc.k:
-        stage = runner._suffix_stage = cache_rows(tc, 0, 1)
-        stage.block_table, stage.lengths = tc.block_table[:1].clone(), tc.lengths[:1].clone()
-        stage.pos_offset = tc.pos_offset[:1].clone()
+        with torch.inference_mode(False):    # normal tensors: loaded in and out of inference mode
+            stage = runner._suffix_stage = cache_rows(tc, 0, 1)
+            stage.block_table, stage.lengths = tc.block_table[:1].clone(), tc.lengths[:1].clone()
+            stage.pos_offset = tc.pos_offset[:1].clone()
     stage.block_table.copy_(tc.block_table[slot:slot + 1])
     stage.lengths.copy_(tc.lengths[slot:slot + 1])
     stage.pos_offset.copy_(tc.pos_offset[slot:slot + 1])
     return stage
+
+
+def suffix_graph(runner, x: torch.Tensor, slot: int, cached: int, P: int) -> torch.Tensor:
+    """The rest x [T, hidden] of `slot`'s prompt after `cached` tokens through the captured graph
+    of bucket P >= T (captured on first use; `capture_suffix_graphs` at warm-up): the logits of
+    its last token [1, V]."""
+    dev, T = runner.device, x.shape[0]
+    xp = torch.zeros(1, P, x.shape[-1], device=dev, dtype=x.dtype)
+    xp[0, :T] = x
+    inputs = dict(x=xp, pos=torch.arange(cached, cached + P, device=dev)[None],
+                  lens=torch.full((1,), cached, dtype=torch.int32, device=dev),
+                  last=torch.full((1, 1), T - 1, dtype=torch.long, device=dev))
+    stage = staged_row(runner, slot)
+    return runner.graphs.run(("suffix", P), partial(suffix_step, runner.target.lm, stage), inputs)
+
+
+def capture_suffix_graphs(runner) -> int:
+    """Capture every bucket's rest graph (on an idle runner, over slot 0 with its pages released:
+    the writes land in scratch). Returns how many were captured."""
+    if runner.graphs is None:
+        return 0
+    todo = [P for P in range(SUFFIX_STEP, SUFFIX_GRAPH_MAX + 1, SUFFIX_STEP)
+            if P <= runner.max_len and ("suffix", P) not in runner.graphs.graphs]
+    if todo:
+        runner.pages.scribble(0)
+        hidden = runner.target.lm.cfg.hidden_size
+        for P in todo:
+            suffix_graph(runner, torch.zeros(P, hidden, device=runner.device, dtype=runner.dtype), 0, 0, P)
+    return len(todo)
 
 
 def pick_slot(runner, req, slots: list) -> int:
@@ -278,13 +308,7 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
         # (text after every image: an M-RoPE row's three ids are equal there, its slot + the
         # row's offset, which the forward adds to these 1-D positions; `media_graphs`: image
         # tokens too where positions are 1-D RoPE, an invariant engine's prefill)
-        xp = torch.zeros(1, P, x.shape[-1], device=dev, dtype=x.dtype)
-        xp[0, :T] = x
-        inputs = dict(x=xp, pos=torch.arange(cached, cached + P, device=dev)[None],
-                      lens=torch.full((1,), cached, dtype=torch.int32, device=dev),
-                      last=torch.full((1, 1), T - 1, dtype=torch.long, device=dev))
-        stage = staged_row(runner, slot)
-        return runner.graphs.run(("suffix", P), partial(suffix_step, runner.target.lm, stage), inputs)
+        return suffix_graph(runner, x, slot, cached, P)
     if pos3 is None:
         pos = torch.arange(cached, n, device=dev)[None]
     else:
