@@ -39,10 +39,17 @@ def _patch_triton_language_once_per_launch():
     if original is None or launch is None or not hasattr(interpreter, "_LangPatchScope"):
         return                                  # another triton: leave it as it is
     running = []                                # [ids of the modules patched] during a launch
+    # id(a helper's globals) -> (those globals, ids of tl / tl.core among them): the walk over
+    # a module's globals once, not at every helper call (the globals are held: no id reuse)
+    lang_mods = {}
 
     def patch_lang(fn):
-        mods = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v)
-                and (v is interpreter.tl or v is interpreter.tl.core)}
+        known = lang_mods.get(id(fn.__globals__))
+        if known is None or known[0] is not fn.__globals__:
+            known = lang_mods[id(fn.__globals__)] = (fn.__globals__, frozenset(
+                id(v) for v in fn.__globals__.values()
+                if inspect.ismodule(v) and (v is interpreter.tl or v is interpreter.tl.core)))
+        mods = known[1]
         if running and running[0] and mods <= running[0]:   # a helper call: its modules are patched
             return interpreter._LangPatchScope()
         if running:                             # the launch's own patch, or other modules
@@ -60,8 +67,41 @@ def _patch_triton_language_once_per_launch():
     interpreter.GridExecutor.__call__ = launch_once_patched
 
 
+def _cache_interpreter_np_dtypes():
+    """The interpreter's `_get_np_dtype` (every cast, splat, load and narrowing binary op)
+    builds its 19-entry dtype table anew at each call: one table, built once, answers the
+    same. With the cached module walk above: a sampling kernel test's interpreter time
+    -33% (test_split_sampling_follows_mixture_and_skips_empty_chunks: 123 -> 82 CPU-s)."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_get_np_dtype", None)
+    tl = getattr(interpreter, "tl", None)
+    if original is None or tl is None:
+        return
+    try:
+        table = {t: original(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+                                          tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16)}
+    except Exception:                           # another triton: leave it as it is
+        return
+    pointer, block = tl.pointer_type, tl.block_type
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, block):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, pointer):
+            return np.dtype(np.uint64)
+        got = table.get(tt_dtype)
+        return got if got is not None else original(tt_dtype)   # (fp8 types: the original table)
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_language_once_per_launch()
+    _cache_interpreter_np_dtypes()
 
 # parallel workers of one run (pytest-xdist) share the checkpoints the tests build
 # (tests/models.py, tests/realistic.py), instead of each building its own
