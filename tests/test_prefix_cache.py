@@ -11,6 +11,7 @@ import torch
 
 from realistic import image
 from tabed_engine import Engine, SamplingParams, TreeConfig
+from tabed_engine.engine import prefix_cache
 from tabed_engine.engine.prefix_cache import Entry, PrefixIndex, common_prefix, media_keys
 from tabed_engine.engine.prompt import Prepared
 from test_real_checkpoints import loaded
@@ -193,19 +194,24 @@ def test_the_off_switch():
     assert "prefix_cache" not in engine_kwargs(build_parser().parse_args(["serve", "--target", "t"]))
 
 
+def graphed_pair(max_batch: int):
+    """(an engine with the cache on emulated CUDA graphs (`test_batch.emulated_graphs`: caches
+    poisoned) and the GPU's 64-token limit on rests, the uncached engine)."""
+    from test_batch import emulated_graphs
+    target, draft, processor = loaded("llama")
+    on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
+                max_len=256, max_batch=max_batch, adaptive=False)
+    emulated_graphs(on)
+    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
+    return on, engine(False, max_batch)
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_graph_path_suffix(speculative):
     """What the GPU runs, on the CPU: the rest of the prompt padded to a 16-token bucket through
     the (emulated) graph of its slot and bucket, every cache slot poisoned first; a rest longer
     than SUFFIX_GRAPH_MAX prefills the whole prompt instead (no reuse)."""
-    from tabed_engine.engine import prefix_cache
-    from test_batch import emulated_graphs
-    target, draft, processor = loaded("llama")
-    on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
-                max_len=256, max_batch=2, adaptive=False)
-    off = engine(False, 2)
-    emulated_graphs(on)
-    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
+    on, off = graphed_pair(2)
     img = [image(18)]
     prompt = ids_of(on, user("What is shown in this photo?", True), img)
     first = both(on, off, prompt, img, speculative)
@@ -226,14 +232,7 @@ def test_one_suffix_graph_serves_every_slot(speculative):
     over the staging row loaded with its own slot's table (emulated graphs, caches poisoned), and
     both give the uncached engine's tokens (a graph bound to slot 0 would read and write slot 0's
     pages for the second)."""
-    from tabed_engine.engine import prefix_cache
-    from test_batch import emulated_graphs
-    target, draft, processor = loaded("llama")
-    on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
-                max_len=256, max_batch=2, adaptive=False)
-    off = engine(False, 2)
-    emulated_graphs(on)
-    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
+    on, off = graphed_pair(2)
     imgs = [[image(18)], [image(19)]]
     prompts = [ids_of(on, user(q, True), im) for q, im in zip(("What is shown in this photo?", "Describe it."), imgs)]
     firsts = on.generate(prompts, images=imgs, sampling=[SP, SP], speculative=speculative)
@@ -253,14 +252,7 @@ def test_one_suffix_graph_serves_every_slot(speculative):
 def test_warmup_captures_the_rest_graphs():
     """`warmup()` captures every bucket's rest graph (emulated graphs): a chat's cache-hit
     follow-up then captures nothing and gives the uncached engine's tokens."""
-    from tabed_engine.engine import prefix_cache
-    from test_batch import emulated_graphs
-    target, draft, processor = loaded("llama")
-    on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
-                max_len=256, max_batch=1, adaptive=False)
-    off = engine(False, 1)
-    emulated_graphs(on)
-    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
+    on, off = graphed_pair(1)
     on.warmup()
     buckets = range(prefix_cache.SUFFIX_STEP, prefix_cache.SUFFIX_GRAPH_MAX + 1, prefix_cache.SUFFIX_STEP)
     assert {("suffix", P) for P in buckets} <= set(on.runner.graphs.graphs)
