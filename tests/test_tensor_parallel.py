@@ -207,6 +207,9 @@ import sys, torch
 torch.set_num_threads(1)
 from tabed_engine import Engine, SamplingParams
 eng = Engine.from_pretrained(sys.argv[1], device="cpu", dtype=torch.float32, tensor_parallel=2)
+# one short generation first: the lazy imports of a first request are done before the signal (an
+# interrupt inside a class body being created comes out as a RuntimeError, not KeyboardInterrupt)
+eng.generate("w1", sampling=SamplingParams(max_new_tokens=1))
 print(eng.worker_pids[0], flush=True)
 eng.generate("w1 w2 w3", sampling=SamplingParams(max_new_tokens=1000, stop_at_eos=False))
 """
