@@ -111,7 +111,7 @@ for stage in "$@"; do
         ${MIXED_ARGS:---rates 40 --prefill-chunks 0 512 256 128} 2>&1 | grep -v Warn | tail -20
       ;;
     multiturn)
-      timeout ${MULTITURN_TIMEOUT:-300} $PY benchmarks/multiturn.py --out "$OUT" 2>&1 | grep -v Warn | tail -25
+      timeout ${MULTITURN_TIMEOUT:-300} $PY benchmarks/multiturn.py --out "$OUT" ${MULTITURN_ARGS:-} 2>&1 | grep -v Warn | tail -25
       ;;
     demo-tau)
       # the bundled pair's acceptance in float32 and bf16, the default path and invariant=True
