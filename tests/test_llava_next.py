@@ -200,7 +200,7 @@ def test_views_have_their_own_spans():
         layout = eng.draft.vision.anyres
         assert [n for _, n in p.spans] == ([4, 4] if layout is None else [layout.num_tokens(s, grid=2) for s in sizes])
         assert t.ids.count(eng.escape_token) >= 2 and eng.target.image_token_id not in t.ids
-        assert all(f.shape[0] == n for f, (_, n) in zip(m.feats + p.feats, m.spans + p.spans))
+        assert all(f.shape[0] == n for f, (_, n) in zip(m.features() + p.features(), m.spans + p.spans))
 
 
 @pytest.mark.parametrize("name", ["vicuna", "mistral", "mixed"])
@@ -283,7 +283,10 @@ def test_device_images_prepare_like_the_processor(name):
         b.pixel_values = ours["pixel_values"]
         if name == "mixed":
             assert b.draft_pixel_values is None and a.draft_pixel_values is not None
-            build_views(eng, b, None, None)             # the draft's own pixels, on the device
+            rows = build_views(eng, b, None, None)
+            assert b.draft_pixel_values is None         # deferred until a row's features are needed
+            for r in rows:
+                r.features()                            # the draft's own pixels, on the device
             assert torch.equal(b.draft_pixel_values, a.draft_pixel_values)
 
 

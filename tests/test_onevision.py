@@ -254,7 +254,7 @@ def test_video_features_and_views():
     rows = build_views(eng, prep, None, None)
     assert [len(r.ids) for r in rows] == view_lengths(eng, prep, None)
     m, t, p = rows
-    assert m.ids == prep.ids and len(m.feats) == 2 and m.spans[1] == prep.video_spans[0]
+    assert m.ids == prep.ids and len(m.features()) == 2 and m.spans[1] == prep.video_spans[0]
     assert eng.target.video_token_id not in t.ids and eng.target.image_token_id not in t.ids
     assert p.ids.count(eng.target.video_token_id) == 19
     with pytest.raises(ValueError, match="video placeholder"):

@@ -63,6 +63,13 @@ class Probe:
 
         monkeypatch.setattr(Runner, "_prefill_views", views)
         monkeypatch.setattr(ViewIndex, "plan", plan)
+        self.towers = []       # vision tower runs (target's or draft's): (images,) per call
+        for vision in {id(v): v for e in engines for v in (e.target.vision, e.draft.vision)}.values():
+            def select(*a, _real=vision.select_images, **kw):
+                self.towers.append(a[0].shape[0])
+                return _real(*a, **kw)
+
+            monkeypatch.setattr(vision, "select_images", select)
         for lm in {id(e.draft.lm): e.draft.lm for e in engines}.values():
             real = lm.forward
 
@@ -81,9 +88,10 @@ def both(probe, on, off, prompt, images, sp=SP, **kw):
     """The same request on both engines: equal tokens, first-token draft logits and weights.
     Returns (the cached engine's output, its view plan, its views' ids, its draft prefill calls)."""
     probe.calls.clear()
+    probe.towers.clear()
     n_plans = len(probe.plans)
     a = on.generate(prompt, images=images, sampling=sp, **kw)
-    calls = list(probe.calls)
+    calls, probe.on_towers = list(probe.calls), list(probe.towers)
     assert len(probe.plans) == n_plans + 1                  # one view lookup
     plan, keys = probe.plans[-1], probe.keys[-1]
     b = off.generate(prompt, images=images, sampling=sp, **kw)
@@ -127,6 +135,9 @@ def test_multi_turn_chat(monkeypatch, views, tree):
         out, plan, rows, calls = both(probe, on, off, prompt, img)
         for k, ((c, src), before, now) in enumerate(zip(plan, prev, rows)):
             assert src == k and len(before) <= c < len(now), (k, plan)      # its own row, no copy
+        # the picture lies inside every cached prefix: no vision tower ran, the target's or
+        # the draft's (the views' features are computed only for image tokens they prefill)
+        assert probe.on_towers == [], probe.on_towers
 
 
 def test_an_autoregressive_turn_leaves_the_draft_rows(monkeypatch):
@@ -297,6 +308,7 @@ def test_qwen2_5_vl_multi_turn(monkeypatch, qwen):
     imgs = img + [random_image(4, 56)]
     _, plan, rows2, _ = both(probe, on, off, turn2, imgs)
     assert all(len(a) <= c < len(b) for (c, _), a, b in zip(plan, rows, rows2))
+    assert probe.on_towers and probe.on_towers[-1] > 0      # the new image's features: the draft's tower ran
 
 
 def test_qwen2_5_vl_video(monkeypatch, qwen):

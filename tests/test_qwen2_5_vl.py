@@ -206,7 +206,7 @@ def test_pooled_view_rows(dirs):
     assert p.positions[1, start:start + h * w].tolist() == [start + i for i in range(h) for _ in range(w)]
     assert p.positions[2, start:start + h * w].tolist() == [start + j for _ in range(h) for j in range(w)]
     assert t.positions is None and c.positions is None and eng.target.image_token_id not in t.ids
-    assert torch.allclose(p.feats[0][0], m.feats[0].view(*vision.merged_grid(sizes[0]), -1)[:2, :2].mean((0, 1)),
+    assert torch.allclose(p.features()[0][0], m.features()[0].view(*vision.merged_grid(sizes[0]), -1)[:2, :2].mean((0, 1)),
                           atol=1e-6)
 
 

@@ -177,16 +177,16 @@ def test_view_rows(dirs):
     m, t, p = build_views(eng, prep, None, None)
     assert [len(r.ids) for r in (m, t, p)] == view_lengths(eng, prep, None)
     (s, n), = prep.video_spans
-    assert t.ids == prep.ids[:s] + [eng.escape_token] + prep.ids[s + n:] and t.positions is None and not t.feats
+    assert t.ids == prep.ids[:s] + [eng.escape_token] + prep.ids[s + n:] and t.positions is None and not t.features()
     assert eng.tokenizer.decode([eng.escape_token]) == "\n"
     vision = eng.draft.vision
     gt, gh, gw = vision.video_grid(prep.video_pixels[0])
     assert (gt, gh, gw) == (3, 7, 4) and m.ids == prep.ids and m.spans == prep.video_spans
     ph, pw = -(-gh // 2), -(-gw // 2)
-    assert p.spans == [(s, gt * ph * pw)] and p.feats[0].shape[0] == gt * ph * pw
-    grid = m.feats[0].view(gt, gh, gw, -1)
-    torch.testing.assert_close(p.feats[0][ph * pw + 1], grid[1, :2, 2:4].mean((0, 1)))      # slice 1, window (0, 1)
-    torch.testing.assert_close(p.feats[0][ph * pw - 1], grid[0, 6:, 2:].mean((0, 1)))       # a partial last-row window
+    assert p.spans == [(s, gt * ph * pw)] and p.features()[0].shape[0] == gt * ph * pw
+    grid = m.features()[0].view(gt, gh, gw, -1)
+    torch.testing.assert_close(p.features()[0][ph * pw + 1], grid[1, :2, 2:4].mean((0, 1)))      # slice 1, window (0, 1)
+    torch.testing.assert_close(p.features()[0][ph * pw - 1], grid[0, 6:, 2:].mean((0, 1)))       # a partial last-row window
     ids = p.positions[:, s:s + gt * ph * pw].view(3, gt, ph, pw)
     assert ids[0, :, 0, 0].tolist() == [s, s + 2, s + 4]
     assert ids[1, 0, :, 0].tolist() == list(range(s, s + ph)) and ids[2, 0, 0].tolist() == list(range(s, s + pw))

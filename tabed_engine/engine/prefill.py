@@ -292,7 +292,9 @@ class PrefillSteps:
         # the row's pages: the cached prefix's shared (or copied) from `src`, the rest fresh
         self.pages.target.assign([(slot, src, cached, self.pages.target_tokens(req))])
         covered = cached > 0 and all(s + m <= cached for s, m in req.prep.media_spans)
-        if req.prep.num_images and req.prep.pixel_values is None and not (covered and not req.speculative):
+        # (covered: the draft's views preprocess and encode only images their own cached
+        # prefixes lack, `views.build_views`)
+        if req.prep.num_images and req.prep.pixel_values is None and not covered:
             from tabed_engine.models.image_ops import device_pixels      # preprocessed here, on the device
             req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
         sel, feats = (None, None) if covered else self.encode(req.prep)

@@ -153,7 +153,7 @@ def prefill_rows(runner, rows, cache: KVCache, cached: list[int], P: int) -> tor
         if all(s + n <= c for s, n in r.spans):           # no image in the rest: its tokens alone
             x[i, : lens[i] - c] = draft.lm.embed_tokens(runner.to_device(r.ids[c:]))
         else:
-            x[i, : lens[i] - c] = runner.embed(draft, r.ids, r.spans, r.feats)[c:]
+            x[i, : lens[i] - c] = runner.embed(draft, r.ids, r.spans, r.features())[c:]
     offsets = [0 if r.positions is None else int(r.positions.max()) + 1 - n for r, n in zip(rows, lens)]
     slots = torch.tensor(cached)[:, None] + torch.arange(P)                 # [K, P]
     if all(r.positions is None for r in rows):

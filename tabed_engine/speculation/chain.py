@@ -33,7 +33,7 @@ def prefill_draft(eng, rows, cache, pad_to: int = 0):
     Tm = max(max(lens), pad_to)
     x = torch.zeros(len(rows), Tm, draft.lm.cfg.hidden_size, device=dev, dtype=eng.dtype)
     for i, r in enumerate(rows):
-        x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.feats)
+        x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.features())
     pos, offsets = prompt_positions([r.positions for r in rows], lens, Tm)
     # host lists and tensors uploaded without a device sync (`Runner.to_device`): a blocking
     # upload waits for the stream's queued work, and this runs on the side stream while the host

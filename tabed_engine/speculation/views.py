@@ -22,7 +22,7 @@ image-token counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -33,8 +33,16 @@ from tabed_engine.engine.prompt import Prepared
 class ViewRow:
     ids: list[int]
     spans: list[tuple[int, int]]            # image-token runs in `ids`
-    feats: list[torch.Tensor]               # projected features per span
+    # projected features per span, or a function computing them on first use (`features`): a
+    # row whose images lie inside a cached prefix never runs the draft's vision tower
+    feats: Union[list[torch.Tensor], Callable[[], list[torch.Tensor]]]
     positions: Optional[torch.Tensor] = None   # M-RoPE ids [3, len(ids)]; None: the slots
+
+    def features(self) -> list[torch.Tensor]:
+        """The projected features per span (computed here the first time when deferred)."""
+        if callable(self.feats):
+            self.feats = self.feats()
+        return self.feats
 
 
 def resolve_escape_token(tokenizer) -> Optional[int]:
@@ -78,21 +86,35 @@ def _replace_images(prep: Prepared, pieces: list[list[int]], video_pieces: Optio
 def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
                 caption, skip: frozenset = frozenset()) -> list[ViewRow]:
     """One `ViewRow` per engine view, in `engine.views` order. Views in `skip` (left out of the
-    request's mixture) get the T view's row: it costs the least and needs no caption."""
+    request's mixture) get the T view's row: it costs the least and needs no caption. The M and
+    P rows' image features are deferred (`ViewRow.features`): their token counts follow from
+    the images' sizes, and the draft's vision tower (and its preprocessing) runs only when a
+    row's image tokens are prefilled, not when a cached prefix holds them."""
     draft, target = engine.draft, engine.target
-    sel = None
-    if prep.num_images:
-        own = prep.draft_pixel_values is not None or getattr(engine, "draft_processor", None) is not None
-        same = (not own and draft.vision_sd_hash == target.vision_sd_hash
-                and draft.vision.feature_layer == target.vision.feature_layer
-                and draft.vision.strategy == target.vision.strategy)
-        pixels = prep.draft_pixel_values if own else prep.pixel_values
-        if own and pixels is None:     # the draft's own preprocessing, on the device (draft_device_images)
-            from tabed_engine.models.image_ops import device_pixels
-            pixels = prep.draft_pixel_values = device_pixels(prep.images, engine.draft_processor.image_processor,
-                                                             engine.device)
-        sel = target_sel if same and target_sel is not None else \
-            draft.vision.select_images(pixels.to(engine.device), prep.image_sizes)
+    done: dict = {}
+
+    def draft_sel() -> torch.Tensor:
+        """The draft's selected image features (once per request)."""
+        if "sel" not in done:
+            own = prep.draft_pixel_values is not None or getattr(engine, "draft_processor", None) is not None
+            same = (not own and draft.vision_sd_hash == target.vision_sd_hash
+                    and draft.vision.feature_layer == target.vision.feature_layer
+                    and draft.vision.strategy == target.vision.strategy)
+            if same and target_sel is not None:
+                done["sel"] = target_sel
+            else:
+                from tabed_engine.models.image_ops import device_pixels
+                pixels = prep.draft_pixel_values if own else prep.pixel_values
+                if pixels is None:     # preprocessed on the device (device_images), as the target's
+                    proc = engine.draft_processor if own else engine.processor
+                    pixels = device_pixels(prep.images, proc.image_processor, engine.device)
+                    if own:
+                        prep.draft_pixel_values = pixels
+                    else:
+                        prep.pixel_values = pixels
+                done["sel"] = draft.vision.select_images(pixels.to(engine.device), prep.image_sizes)
+        return done["sel"]
+
     # videos: the draft's own frames' features in the M and P rows (P: `pool_video`, Qwen2.5-VL
     # pools each temporal slice's merged grid as it pools images; OneVision keeps M's, its frames
     # already pooled by the model), an escape token in the T and C rows
@@ -103,19 +125,24 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
     vid_tok = target.video_token_id
     img_tok = target.image_token_id
     escape = [] if engine.escape_token is None else [engine.escape_token]
-    media = sel is not None or nv > 0
+    media = prep.num_images > 0 or nv > 0
     rows = []
     for v in engine.views:
         v = "T" if v in skip else v
         if v in ("M", "P") and media:
             pool = 0 if v == "M" else engine.pool_size or draft.vision.default_pool
-            feats = [] if sel is None else draft.vision.image_features(sel, prep.image_sizes, pool=pool)
+            counts = draft.vision.tokens_per_image(prep.image_sizes, pool=pool) if prep.num_images else []
             vf = [draft.vision.pool_video(f, p, pool) for f, p in zip(vfeats, vpix)]
-            ids, spans = _replace_images(prep, [[img_tok] * f.shape[0] for f in feats],
+            ids, spans = _replace_images(prep, [[img_tok] * n for n in counts],
                                          [[vid_tok] * f.shape[0] for f in vf])
-            rows.append(ViewRow(ids, spans, [*feats, *vf],
-                                draft.vision.positions(ids, spans[:len(feats)], prep.image_sizes, pool,
-                                                       videos=[(s, p) for (s, _), p in zip(spans[len(feats):], vpix)])))
+
+            def feats(pool=pool, vf=vf):
+                imgs = draft.vision.image_features(draft_sel(), prep.image_sizes, pool=pool) if prep.num_images else []
+                return [*imgs, *vf]
+
+            rows.append(ViewRow(ids, spans, feats,
+                                draft.vision.positions(ids, spans[:len(counts)], prep.image_sizes, pool,
+                                                       videos=[(s, p) for (s, _), p in zip(spans[len(counts):], vpix)])))
         elif v == "T" and media:
             ids, _ = _replace_images(prep, [escape] * prep.num_images, [escape] * nv)
             rows.append(ViewRow(ids, [], []))
