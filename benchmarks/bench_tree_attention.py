@@ -3,6 +3,7 @@
     python benchmarks/bench_tree_attention.py [--out benchmarks/results/tree_attention.json]
     python benchmarks/bench_tree_attention.py --sweep --rows 1 --nodes 6 64 --out F.json
         # the N > 1 kernel's launch configs (query tile, splits, warps) in CUDA graphs
+        # (with --causal: the causal mode's, query tiles up to 128, --out tree_attention_causal_sweep.json)
     TRITON_INTERPRET=1 python benchmarks/bench_tree_attention.py --smoke   # CPU, tiny, no claims
     python benchmarks/bench_tree_attention.py --causal [--out benchmarks/results/tree_attention_causal.json]
         # prompt chunks (causal mode, N = 128 / 512 / 1664 over prefixes 0 / 600 / 2000)
@@ -344,7 +345,8 @@ SWEEP_BLOCK_M, SWEEP_SPLITS, SWEEP_WARPS = (16, 32, 64), (1, 2, 3, 4, 6, 8), (4,
 
 def sweep(args):
     """Graph-replayed time of every launch config of the N > 1 kernel at each (R, prefix, N),
-    against the default heuristic's, with its bandwidth and the copy ceiling of the same run."""
+    against the default heuristic's, with its bandwidth and the copy ceiling of the same run
+    (--causal: of the causal mode, prompt chunks)."""
     if not torch.cuda.is_available():
         sys.exit("--sweep needs a CUDA GPU")
     H, Hkv, D, S, dtype = 32, 32, 128, 4096, torch.bfloat16
@@ -355,17 +357,21 @@ def sweep(args):
         for prefix in args.prefix:
             for N in [n for n in args.nodes if n > 1]:
                 q, k, v, lengths, tm = make_inputs(R, N, H, Hkv, D, prefix, S, dtype, "cuda")
+                tm = None if args.causal else tm
                 pk = paged(k, v)
                 out = torch.empty_like(q)
-                truth = tree_attention_reference(q, *pk, lengths, tm, span=prefix + N).float()
+                truth = tree_attention_reference(q, *pk, lengths, tm, span=prefix + N, causal=args.causal).float()
                 nbytes, _ = bytes_and_flops(R, N, H, Hkv, D, prefix, q.element_size())
-                default_us = graph_ms(lambda: _k.tree_attention(q, *pk, lengths, tm, out=out)) * 1e3
+                default_us = graph_ms(lambda: _k.tree_attention(q, *pk, lengths, tm, out=out,
+                                                                causal=args.causal)) * 1e3
                 configs = []
-                for bm in [b for b in SWEEP_BLOCK_M if b <= max(16, triton.next_power_of_2(N))]:
-                    for sp in SWEEP_SPLITS:
+                tiles = SWEEP_BLOCK_M + (128,) if args.causal else SWEEP_BLOCK_M
+                for bm in [b for b in tiles if b <= max(16, triton.next_power_of_2(N))]:
+                    for sp in SWEEP_SPLITS if not args.causal else SWEEP_SPLITS[:2]:
                         for nw in SWEEP_WARPS:
                             cfg = {"block_m": bm, "splits": sp, "num_warps": nw}
-                            fn = lambda: _k.tree_attention(q, *pk, lengths, tm, out=out, config=cfg)  # noqa: E731
+                            fn = lambda: _k.tree_attention(q, *pk, lengths, tm, out=out, config=cfg,  # noqa: E731
+                                                           causal=args.causal)
                             out.fill_(float("nan"))
                             fn()
                             err = (out.float() - truth).abs().max().item()
@@ -378,8 +384,10 @@ def sweep(args):
                       f"(block_m {best['block_m']}, splits {best['splits']}, warps {best['num_warps']}; "
                       f"{best['gbs']:.0f} GB/s = {100 * best['gbs'] / copy_gbs:.0f}% of copy, err {best['max_abs_err']:.2g})")
     out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        "tree_attention_sweep.json")
-    result = dict(op="tree_attention launch-config sweep", device=torch.cuda.get_device_name(),
+                                        "tree_attention_causal_sweep.json" if args.causal
+                                        else "tree_attention_sweep.json")
+    result = dict(op="tree_attention launch-config sweep" + (" (causal)" if args.causal else ""),
+                  device=torch.cuda.get_device_name(),
                   torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command=" ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), copy_gbs=copy_gbs,

@@ -55,8 +55,8 @@ def random_tree_masks(R, N, gen, chain=False):
 
 def bruteforce(q, k_cache, v_cache, lengths, tree_mask, scale, dtype):
     """Visible slots listed node by node from the mask bits, or causally when tree_mask is None
-    (no shared code with the kernel or `tree_attention_mask`). float64 = ground truth; bf16/fp16 = the same-precision baseline
-    (scores and P rounded to dtype, softmax in fp32)."""
+    (no shared code with the kernel or `tree_attention_mask`). float64 = ground truth;
+    bf16/fp16 = the same-precision baseline (scores and P rounded to dtype, softmax in fp32)."""
     R, N, H, D = q.shape
     group = H // k_cache.shape[1]
     out = torch.empty(R, N, H, D, dtype=dtype)
