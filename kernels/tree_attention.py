@@ -24,6 +24,28 @@ The counters live in a per-device workspace that the combining program resets to
 The deal is cyclic (block b -> split b % SPLITS) so the work stays balanced for any length
 without reading `lengths` on the host.
 
+Causal mode (`causal=True`, no mask words): a prompt chunk of N tokens (any N up to the cache
+span) over a row whose cache holds the prefix, node i seeing slots [0, length + i] (its own K/V
+and the earlier nodes' are written). A tile of nodes [lo, hi] takes the blocks below
+length + lo + 1 unmasked, and the masked loop tests `slot < length + node + 1` up to
+length + hi + 1 only: a tile of early nodes never walks the rest of the chunk, and no slot at
+or past length + N is loaded.
+
+Invariance (`invariant=True`: 16-query tiles, block b in split b % SPLITS, the splits
+combined in order, all from the cache shape): a node's output is a function of its own
+visible keys only, so a causal node i equals an AR step (one query, mask 1) at length + i,
+and a chain node at that slot, bit for bit. (1) The same blocks go to the same split in the
+same order whichever loop takes them, and a row of a tensor-core dot does not depend on the
+other rows of its tile. (2) A block the node sees whole gives the same bits in
+either loop: the masked step applies the mask by selecting after `s - m`, so a visible score
+takes the unmasked step's arithmetic, and masked loads read the same values. (3) A block the
+node sees part of gives what the AR step's block gives: both mask the same slots, p = 0 there,
+and K/V of slots past the tile's last node read as 0 (other=0, so no 0 * NaN). (4) A block the
+node sees none of (one a longer row of its tile needs) leaves m, l, acc unchanged: every score
+is -inf, so m_new = m, alpha = exp2(0) = 1, p = 0, l + 0 = l and acc * 1 + (0 @ V) = acc (V
+finite: slots below length + N are written, the rest load as 0). A split that saw no key at
+all keeps m = -1e30, l = 0, acc = 0, as in the AR step, where it ran no block.
+
 One query per row (N = 1: an AR decode step, a draft step) takes a leaner kernel: one program
 per (row, query head, split) with the scores and the weighted sum of V as CUDA-core
 multiply-adds over [BLOCK_N, D] tiles (a 16-row tensor-core tile would be 15/16 padding),
@@ -48,11 +70,13 @@ def _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis,
     if DOT_FP32:  # the CPU interpreter's bf16 tl.dot returns garbage (triton 3.9); same values in fp32
         q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * qk_scale
-    if MASKED:
-        s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:  # the mask selects after `s - m`: a visible score takes the unmasked step's arithmetic
+        m_new = tl.maximum(m_i, tl.max(tl.where(vis, s, float("-inf")), 1))
+        p = tl.exp2(tl.where(vis, s - m_new[:, None], float("-inf")))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(in_ty).to(v.dtype), v, input_precision=PRECISION, out_dtype=tl.float32)
     return m_new, l_i, acc
@@ -96,7 +120,7 @@ def _tree_attention_kernel(
     R, N, SLOTS, H, S, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid_m = tl.program_id(0)  # tile of (node, head-in-group) pairs; fastest so tiles sharing K/V run together
@@ -117,7 +141,11 @@ def _tree_attention_kernel(
 
     q = tl.load(q_ptr + r * stride_qr + node[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    bits = tl.load(mask_ptr + r * stride_mr + node * stride_mn, mask=m_ok, other=0)
+    if CAUSAL:  # node i sees slots < length + i + 1; the tile's nodes are [lo, hi]
+        lo = (pid_m * BLOCK_M) // GROUP
+        hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, N - 1)
+    else:
+        bits = tl.load(mask_ptr + r * stride_mr + node * stride_mn, mask=m_ok, other=0)
     k_base = k_ptr + kh * stride_kh + offs_d[None, :]
     v_base = v_ptr + kh * stride_vh + offs_d[None, :]
     tab = tab_ptr + r * stride_tr
@@ -127,7 +155,10 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    n_full = length // BLOCK_N
+    if CAUSAL:  # blocks every node of the tile sees whole
+        n_full = (length + lo + 1) // BLOCK_N
+    else:
+        n_full = length // BLOCK_N
     for b in range(split, n_full, SPLITS):
         page = tl.load(tab + (b * BLOCK_N) // PAGE).to(tl.int64)
         offs_p = (b * BLOCK_N) % PAGE + offs_b  # the tile's slots inside its page
@@ -141,16 +172,22 @@ def _tree_attention_kernel(
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, None, False, PRECISION, DOT_FP32)
 
-    end = length + SLOTS  # the tree's slots: the queries' own and any fed before them
+    if CAUSAL:
+        end = length + hi + 1  # the tile's last node's own slot: a tile of early nodes stops early
+    else:
+        end = length + SLOTS  # the tree's slots: the queries' own and any fed before them
     first = n_full + (split - n_full % SPLITS + SPLITS) % SPLITS  # continue the cyclic deal
     for b in range(first, tl.cdiv(end, BLOCK_N), SPLITS):
         offs_s = b * BLOCK_N + offs_b
         s_ok = (offs_s < end) & (offs_s < S)  # slots past the tree may hold anything (NaN)
-        j = offs_s - length
-        in_tree = (j >= 0) & s_ok
-        jj = tl.where(in_tree, j, 0).to(tl.int64)
-        bit = ((bits[:, None] >> jj[None, :]) & 1) != 0
-        vis = (offs_s < length)[None, :] | (in_tree[None, :] & bit)
+        if CAUSAL:
+            vis = offs_s[None, :] < (length + node + 1)[:, None]
+        else:
+            j = offs_s - length
+            in_tree = (j >= 0) & s_ok
+            jj = tl.where(in_tree, j, 0).to(tl.int64)
+            bit = ((bits[:, None] >> jj[None, :]) & 1) != 0
+            vis = (offs_s < length)[None, :] | (in_tree[None, :] & bit)
         page = tl.load(tab + (b * BLOCK_N) // PAGE, mask=b * BLOCK_N < S, other=0).to(tl.int64)
         offs_p = (b * BLOCK_N) % PAGE + offs_b
         ld_ok = s_ok[:, None] & d_ok[None, :]
@@ -318,8 +355,8 @@ def check_page(page: int):
         raise ValueError(f"page size {page} must be a multiple of 64 (the attention kernels' key tile)")
 
 
-def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scale=None, out=None,
-                   num_splits=None, config=None, tree_slots=None, invariant=False):
+def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask=None, *, scale=None, out=None,
+                   num_splits=None, config=None, tree_slots=None, invariant=False, causal=False):
     """Triton tree attention; see `tabed_engine.ops.tree_attention` for the contract.
 
     q [R, N, H, D], k_cache/v_cache page pools [P, Hkv, PAGE, D] (any strides, unit last
@@ -333,6 +370,9 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scal
     `invariant`: `invariant_launch`'s config whatever R and N (`num_splits` / `config` refused),
     so a query's output does not depend on the other rows and nodes of the launch: a chain's
     node j (slot lengths[r] + j) gets the bits an AR step at that length gets.
+    `causal` (tree_mask None, no tree_slots): node i sees slots [0, lengths[r] + i] (a prompt
+    chunk over a cached prefix), N up to S; with `invariant` a node gets the bits of an AR
+    step at lengths[r] + i.
     """
     if invariant and (num_splits is not None or config is not None):
         raise ValueError("tree_attention: invariant calls take no num_splits / config")
@@ -351,11 +391,22 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scal
     S = block_table.shape[1] * PAGE
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv})")
-    if not 1 <= N <= _MAX_NODES:
-        raise ValueError(f"N={N} query nodes per row, expected 1..{_MAX_NODES}")
-    tree_slots = N if tree_slots is None else int(tree_slots)
-    if not N <= tree_slots <= _MAX_NODES:
-        raise ValueError(f"tree_slots={tree_slots}: expected N={N} to {_MAX_NODES}")
+    if causal:
+        if tree_mask is not None or tree_slots is not None:
+            raise ValueError("tree_attention: causal calls take no tree_mask / tree_slots")
+        if not 1 <= N <= S:
+            raise ValueError(f"N={N} causal query nodes per row, expected 1..{S} (the cache span)")
+        tree_slots = N
+    else:
+        if tree_mask is None:
+            raise ValueError("tree_attention: tree_mask is required unless causal=True")
+        if not 1 <= N <= _MAX_NODES:
+            raise ValueError(f"N={N} query nodes per row, expected 1..{_MAX_NODES} (or causal=True)")
+        tree_slots = N if tree_slots is None else int(tree_slots)
+        if not N <= tree_slots <= _MAX_NODES:
+            raise ValueError(f"tree_slots={tree_slots}: expected N={N} to {_MAX_NODES}")
+        if tree_mask.shape != (R, N) or tree_mask.dtype != torch.int64:
+            raise ValueError(f"tree_mask must be int64 [{R}, {N}], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
     if D > 256:
         raise ValueError(f"head_dim {D} > 256 is not supported")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -364,11 +415,9 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scal
         raise TypeError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if lengths.shape != (R,) or lengths.dtype != torch.int32:
         raise ValueError(f"lengths must be int32 [{R}], got {lengths.dtype} {tuple(lengths.shape)}")
-    if tree_mask.shape != (R, N) or tree_mask.dtype != torch.int64:
-        raise ValueError(f"tree_mask must be int64 [{R}, {N}], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
-    tensors = (k_cache, v_cache, block_table, lengths, tree_mask)
+    tensors = (k_cache, v_cache, block_table, lengths) + (() if causal else (tree_mask,))
     if any(t.device != q.device for t in tensors):
         raise ValueError("q, k_cache, v_cache, block_table, lengths and tree_mask must be on one device")
     if out is None:
@@ -381,7 +430,7 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scal
 
     scale = D ** -0.5 if scale is None else float(scale)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the kernel
-    if N == 1 and tree_slots == 1 and not invariant:
+    if N == 1 and tree_slots == 1 and not invariant and not causal:
         return _decode_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, out, qk_scale, num_splits)
 
     group = H // Hkv
@@ -390,7 +439,8 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scal
         block_m, _, splits, warps, _ = invariant_launch(S, D, q.dtype)
         config = {"block_m": block_m, "splits": splits, "num_warps": warps}
     # up to 32 queries per kv head: 16-query tiles (more programs, each with fewer rows to
-    # combine); past that one 64-query tile reads K/V once (tree_attention_sweep.json)
+    # combine); past that one 64-query tile reads K/V once (tree_attention_sweep.json); a
+    # prompt chunk has many tiles per kv head already and keeps 64
     BLOCK_M = config.get("block_m") or (16 if N * group <= 32 else 64)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
@@ -410,18 +460,20 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, *, scal
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((splits, R, N, H, D), device=q.device, dtype=torch.float32)
         counters = _counters(q.device, m_blocks * R * Hkv)
+    mask = lengths.view(R, 1) if causal else tree_mask  # causal: never read
     use_pdl = pdl(q.device)
     _tree_attention_kernel[(m_blocks, R * Hkv, splits)](
-        q, k_cache, v_cache, block_table, lengths, tree_mask, out, m_part, l_part, acc_part, counters,
+        q, k_cache, v_cache, block_table, lengths, mask, out, m_part, l_part, acc_part, counters,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
-        tree_mask.stride(0), tree_mask.stride(1),
+        mask.stride(0), mask.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         R, N, tree_slots, H, S, qk_scale,
         GROUP=group, HEAD_DIM=D, SPLITS=splits, PAGE=PAGE,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
-        PDL=use_pdl, num_warps=config.get("num_warps", 4), num_stages=num_stages, launch_pdl=use_pdl,
+        PDL=use_pdl, CAUSAL=causal, num_warps=config.get("num_warps", 4), num_stages=num_stages,
+        launch_pdl=use_pdl,
     )
     return out

@@ -200,6 +200,7 @@ def _exercise():
     for splits in (1, 2, 3):
         tree_attention.tree_attention(qa, kc, vc, table, lengths, mask, num_splits=splits)
         tree_attention.tree_attention(qa[:, :1], kc, vc, table, lengths, mask[:, :1], num_splits=splits)  # one query
+        tree_attention.tree_attention(qa, kc, vc, table, lengths, causal=True, num_splits=splits)  # a prompt chunk
 
     x = torch.randn(3, 64, generator=g).to(bf)
     add_rms_norm.add_rms_norm(x, x.clone(), torch.ones(64, dtype=bf), 1e-6)

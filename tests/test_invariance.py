@@ -144,7 +144,7 @@ def test_invariant_attention_chain_node_equals_ar_step(dtype, kernel_device):
 
 def test_invariant_attention_launch_does_not_follow_rows_or_nodes(monkeypatch):
     """Every invariant call launches the tensor-core kernel with one config (16-query tiles, a
-    split count from the cache length only), never the one-query kernel."""
+    split count from the cache length only), never the one-query kernel; causal calls too."""
     rec, dec = _Recorder(), _Recorder()
     monkeypatch.setattr(_t, "_tree_attention_kernel", rec)
     monkeypatch.setattr(_t, "_decode_attention_kernel", dec)
@@ -158,6 +158,10 @@ def test_invariant_attention_launch_does_not_follow_rows_or_nodes(monkeypatch):
                 q = torch.zeros(R, N, 32, 128, dtype=torch.bfloat16)
                 _t.tree_attention(q, k, k, table[:R], torch.full((R,), 5, dtype=torch.int32),
                                   torch.ones(R, N, dtype=torch.int64), invariant=True)
+            for N in (1, 6, 100):  # prompt chunks (causal): the same config
+                q = torch.zeros(R, N, 32, 128, dtype=torch.bfloat16)
+                _t.tree_attention(q, k, k, table[:R], torch.full((R,), 5, dtype=torch.int32), causal=True,
+                                  invariant=True)
         configs = {(grid[2], kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLITS"], kw["num_warps"], kw["num_stages"])
                    for grid, kw in rec.launches}
         assert len(configs) == 1, configs

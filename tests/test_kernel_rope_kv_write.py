@@ -172,6 +172,13 @@ def test_kernel_strided_qkv_and_ragged_rows(dtype, kernel_device):
     run_and_check(case, launcher)
 
 
+def test_kernel_prompt_chunk_past_64_tokens_over_a_prefix(kernel_device):
+    # a chunked prefill's later chunk: 65 tokens at slots lengths + t over a cached prefix
+    # (lengths 45 and 100, the second ending on the last slot), past a 64-token tile
+    case = make_case(2, 65, 2, 2, 16, torch.bfloat16, kernel_device, seed=65, S=165, lengths=[45, 100])
+    run_and_check(case, launcher)
+
+
 def test_kernel_full_cache_drops_overflow(kernel_device):
     # lengths[r] + t >= S (the table's W * PAGE slots): those writes are dropped, not spilled
     # into another page, row or head

@@ -13,7 +13,8 @@ import torch
 from paging import to_pages
 from tabed_engine.kernels import _common
 from tabed_engine.kernels import tree_attention as _k
-from tabed_engine.ops.tree_attention import tree_attention, tree_attention_mask, tree_attention_reference
+from tabed_engine.ops.tree_attention import (causal_attention_mask, tree_attention, tree_attention_mask,
+                                             tree_attention_reference)
 
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 
@@ -53,9 +54,9 @@ def random_tree_masks(R, N, gen, chain=False):
 
 
 def bruteforce(q, k_cache, v_cache, lengths, tree_mask, scale, dtype):
-    """Visible slots listed node by node from the mask bits (no shared code with the kernel or
-    `tree_attention_mask`). float64 = ground truth; bf16/fp16 = the same-precision baseline
-    (scores and P rounded to dtype, softmax in fp32)."""
+    """Visible slots listed node by node from the mask bits, or causally when tree_mask is None
+    (no shared code with the kernel or `tree_attention_mask`). float64 = ground truth;
+    bf16/fp16 = the same-precision baseline (scores and P rounded to dtype, softmax in fp32)."""
     R, N, H, D = q.shape
     group = H // k_cache.shape[1]
     out = torch.empty(R, N, H, D, dtype=dtype)
@@ -63,8 +64,11 @@ def bruteforce(q, k_cache, v_cache, lengths, tree_mask, scale, dtype):
         length = int(lengths[r])
         vis = torch.zeros(N, length + N, dtype=torch.bool)
         for i in range(N):
-            word = int(tree_mask[r, i]) & ((1 << 64) - 1)
             vis[i, :length] = True
+            if tree_mask is None:  # causal: the nodes up to itself
+                vis[i, length:length + i + 1] = True
+                continue
+            word = int(tree_mask[r, i]) & ((1 << 64) - 1)
             vis[i, [length + j for j in range(N) if word >> j & 1]] = True
         k = k_cache[r][:, : length + N].to(dtype).repeat_interleave(group, 0)  # [H, L, D]
         v = v_cache[r][:, : length + N].to(dtype).repeat_interleave(group, 0)
@@ -75,7 +79,8 @@ def bruteforce(q, k_cache, v_cache, lengths, tree_mask, scale, dtype):
     return out
 
 
-def make_case(R, N, H, Hkv, D, dtype, device, *, chain=False, seed=0, S=None, lengths=None):
+def make_case(R, N, H, Hkv, D, dtype, device, *, chain=False, seed=0, S=None, lengths=None, causal=False):
+    """(q, k, v, lengths, masks) of R rows of N nodes; masks None when `causal` (any N)."""
     gen = torch.Generator().manual_seed(seed)
     S = S or 200 + N + 3  # > 3 key blocks of 64, not a multiple of anything
     if lengths is None:
@@ -96,15 +101,15 @@ def make_case(R, N, H, Hkv, D, dtype, device, *, chain=False, seed=0, S=None, le
     cache = cache.to(device=device, dtype=dtype).transpose(3, 4)
     # q as a slice of a fused [R, N, H + 2 Hkv, D] projection output: non-contiguous.
     qkv = torch.randn(R, N, H + 2 * Hkv, D, generator=gen).to(device=device, dtype=dtype)
-    masks = random_tree_masks(R, N, gen, chain=chain)
-    return qkv[:, :, :H], cache[0, 1], cache[1, 1], lengths.to(device), masks.to(device)
+    masks = None if causal else random_tree_masks(R, N, gen, chain=chain).to(device)
+    return qkv[:, :, :H], cache[0, 1], cache[1, 1], lengths.to(device), masks
 
 
 def check(q, k, v, lengths, masks, out, scale=None):
     """Assert out (kernel result) is within 2x the same-precision baseline error of the truth."""
     D = q.shape[-1]
     scale = D ** -0.5 if scale is None else scale
-    args = [t.cpu() for t in (q, k, v, lengths, masks)]
+    args = [None if t is None else t.cpu() for t in (q, k, v, lengths, masks)]
     truth = bruteforce(*args, scale, torch.float64)
     out = out.cpu().double()
     assert torch.isfinite(out).all(), "kernel left NaN/inf (unwritten output or read a poisoned slot)"
@@ -278,6 +283,124 @@ def test_launcher_rejects_bad_input():
         kernel(big, k[:1], v[:1], lengths[:1], torch.ones(1, 65, dtype=torch.int64))
 
 
+# ---- causal mode: prompt chunks of any length over a cached prefix ------------------------
+
+# (R, N, H, Hkv, D, dtype, splits, lengths, S): N past 64 and not a multiple of the query tile
+# (64-query tiles; 16-query ones at N * group <= 32), lengths 0 / mid-block / ending on the
+# last slot, GQA and not, a padded head dim (40)
+CAUSAL_CASES = [
+    (3, 37, 4, 2, 40, torch.float32, 1, [0, 100, 163], 200),
+    (2, 70, 2, 2, 64, torch.bfloat16, 2, [130, 0], 200),
+    (3, 13, 4, 2, 64, torch.bfloat16, 3, [0, 187, 61], 200),
+]
+
+
+@pytest.mark.parametrize("R,N,H,Hkv,D,dtype,splits,lengths,S", CAUSAL_CASES)
+def test_causal_kernel_matches_bruteforce(R, N, H, Hkv, D, dtype, splits, lengths, S, kernel_device):
+    # slots past lengths + N and the output are NaN: a tile that read past its last node's
+    # slot, or left a query unwritten, shows NaN
+    q, k, v, lengths, _ = make_case(R, N, H, Hkv, D, dtype, kernel_device, seed=N, S=S, lengths=lengths,
+                                    causal=True)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    assert kernel(q, k, v, lengths, None, out=out, num_splits=splits, causal=True) is out
+    check(q, k, v, lengths, None, out)
+    ref = reference(q.cpu(), k.cpu(), v.cpu(), lengths.cpu(), causal=True)
+    check(q, k, v, lengths, None, ref)
+
+
+def test_causal_equals_chain_mask(kernel_device):
+    # N <= 64: the causal call is the chain mask's (lower-triangular bits) call, bit for bit
+    # (the same tiles and splits; causal takes more blocks unmasked, which must not change a bit)
+    q, k, v, lengths, chain = make_case(2, 29, 2, 1, 64, torch.float32, kernel_device, chain=True, seed=3,
+                                        lengths=[50, 0], S=200)
+    for splits in (1, 3):
+        a = kernel(q, k, v, lengths, chain, num_splits=splits)
+        b = kernel(q, k, v, lengths, None, num_splits=splits, causal=True)
+        assert torch.equal(a, b), (a - b).abs().max()
+    torch.testing.assert_close(reference(q.cpu(), k.cpu(), v.cpu(), lengths.cpu(), causal=True),
+                               reference(q.cpu(), k.cpu(), v.cpu(), lengths.cpu(), chain.cpu()), rtol=0, atol=0)
+
+
+def _causal_vs_ar(q, k, v, table, lengths, nodes):
+    """Invariant causal outputs [R, N, H, D] and, for each node i in `nodes`, the invariant AR
+    step (one query, mask 1) at lengths + i over the same cache."""
+    out = _k.tree_attention(q, k, v, table, lengths, causal=True, invariant=True)
+    one = torch.ones(q.shape[0], 1, dtype=torch.int64, device=q.device)
+    ar = {i: _k.tree_attention(q[:, i:i + 1].contiguous(), k, v, table, (lengths + i).int(), one, invariant=True)[:, 0]
+          for i in nodes}
+    return out, ar
+
+
+@pytest.mark.parametrize("H,Hkv", [(2, 1), (1, 1)])
+def test_causal_invariant_node_equals_ar_step(H, Hkv, kernel_device):
+    """With invariant=True a causal node's output has the bits of an AR step at its length,
+    and of the same token in a chunk split elsewhere. Chunks of 20 nodes cross a key-block
+    edge (from 180, and from 63 - 16 / group: a node's blocks go through the masked loop where
+    its AR step takes them unmasked, and the reverse for the second tile's first node, whose
+    tile takes block 0 unmasked and its AR step at 63 masked); the cache spans 4 key blocks,
+    so each node's keys are dealt to 4 splits and a tile of early nodes walks blocks it sees
+    none of.
+    The interpreter's numpy dot rounds a row by its place in the 16-row tile (a GPU's
+    tensor-core rows do not): on the CPU a node is compared bit for bit with the AR step where
+    both sit at the same place (node i * group a multiple of 16) and to float32 rounding
+    elsewhere; the chunk split at 16 / group nodes (the same places) bit for bit."""
+    R, N, D, dtype = 2, 20, 32, torch.float32
+    group = H // Hkv
+    q, k, v, lengths, _ = make_case(R, N, H, Hkv, D, dtype, kernel_device, seed=H, S=256,
+                                    lengths=[63 - 16 // group, 180], causal=True)
+    k, v, table = to_pages(k, v, seed=H)
+    nodes = sorted({0, 5, 16 // group, 16, 19})
+    out, ar = _causal_vs_ar(q, k, v, table, lengths, nodes)
+    assert not out.isnan().any()
+    for i in nodes:
+        if kernel_device == "cuda" or (i * group) % 16 == 0:
+            assert torch.equal(out[:, i], ar[i]), (i, (out[:, i] - ar[i]).abs().max())
+        else:
+            torch.testing.assert_close(out[:, i], ar[i], rtol=0, atol=1e-6)
+    a = 16 // group if kernel_device != "cuda" else 7
+    head = _k.tree_attention(q[:, :a], k, v, table, lengths, causal=True, invariant=True)
+    tail = _k.tree_attention(q[:, a:], k, v, table, (lengths + a).int(), causal=True, invariant=True)
+    assert torch.equal(torch.cat([head, tail], 1), out)
+    # the check can fail: the invariant launch's config by hand gives the same bits, another
+    # deal of the key blocks (one split, or three: block 3 joins block 0) moves some
+    same = _k.tree_attention(q, k, v, table, lengths, causal=True, config={"block_m": 16, "splits": 4})
+    assert torch.equal(same, out)
+    for splits in (1, 3):
+        other = _k.tree_attention(q, k, v, table, lengths, causal=True, config={"block_m": 16, "splits": splits})
+        torch.testing.assert_close(other, out, rtol=0, atol=1e-5)
+        assert not torch.equal(other, out), splits
+
+
+def test_causal_reference_and_mask_helper():
+    m = causal_attention_mask(torch.tensor([0, 2], dtype=torch.int32), 2, 5)
+    expect = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]],
+                           [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]], dtype=torch.bool)
+    assert torch.equal(m, expect)
+    q, k, v, lengths, _ = make_case(3, 70, 4, 1, 40, torch.bfloat16, "cpu", seed=9, S=160, lengths=[0, 90, 33],
+                                    causal=True)
+    out = torch.full_like(q, float("nan"))
+    assert dispatch(q, k, v, lengths, None, out=out, causal=True) is out  # CPU: the reference
+    check(q, k, v, lengths, None, out)
+    torch.testing.assert_close(reference(q, k, v, lengths, causal=True, span=160), out, rtol=0, atol=0)
+
+
+def test_causal_rejects_bad_input():
+    q, k, v, lengths, masks = make_case(2, 5, 4, 2, 64, torch.float32, "cpu", lengths=[0, 7], S=40)
+    with pytest.raises(ValueError, match="causal calls take no tree_mask"):
+        kernel(q, k, v, lengths, masks, causal=True)
+    with pytest.raises(ValueError, match="causal calls take no tree_mask / tree_slots"):
+        kernel(q, k, v, lengths, None, causal=True, tree_slots=5)
+    with pytest.raises(ValueError, match="tree_mask is required"):
+        kernel(q, k, v, lengths, None)
+    with pytest.raises(ValueError, match="causal calls take no tree_mask"):
+        reference(q, k, v, lengths, masks, causal=True)
+    with pytest.raises(ValueError, match="tree_mask is required"):
+        reference(q, k, v, lengths, None)
+    big = torch.zeros(1, 65, 4, 64)   # the cache spans 64 slots: N = 65 does not fit
+    with pytest.raises(ValueError, match="N=65 causal"):
+        kernel(big, k[:1], v[:1], lengths[:1], None, causal=True)
+
+
 # ---- GPU only: real cache sizes, default split heuristic ------------------------------------
 
 @pytest.mark.gpu
@@ -302,6 +425,32 @@ def test_gpu_split_heuristic_fills_sms():
     assert _k._decode_splits(dev, 32, 64) * 32 >= 2 * sms      # one query: ~4 programs per SM
     assert _k._decode_splits(dev, 32, 3) == 3                  # never more splits than key blocks
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hkv", [32, 8])
+def test_gpu_causal_prompt_chunk_and_invariance(Hkv):
+    # a prompt chunk of 512 tokens over a 1000-slot prefix (and one from 0), bf16, 32 heads of
+    # 128: against float64 truth; the invariant call's nodes bit for bit the AR steps at their
+    # lengths (blocks the chunk's tiles take masked, the AR steps unmasked), the chunk split at
+    # an odd place bit for bit the whole, and a chain's nodes too
+    R, N, H, D = 2, 512, 32, 128
+    q, kc, vc, lengths, _ = make_case(R, N, H, Hkv, D, torch.bfloat16, "cuda", S=1539, lengths=[1000, 0],
+                                      seed=Hkv, causal=True)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    kernel(q, kc, vc, lengths, None, out=out, causal=True)
+    check(q, kc, vc, lengths, None, out)
+    k, v, table = to_pages(kc, vc, seed=Hkv)
+    nodes = [0, 1, 23, 24, 63, 64, 100, 255, 511]
+    inv, ar = _causal_vs_ar(q, k, v, table, lengths, nodes)
+    check(q, kc, vc, lengths, None, inv)
+    for i in nodes:
+        assert torch.equal(inv[:, i], ar[i]), (i, (inv[:, i].float() - ar[i].float()).abs().max())
+    head = _k.tree_attention(q[:, :137], k, v, table, lengths, causal=True, invariant=True)
+    tail = _k.tree_attention(q[:, 137:], k, v, table, (lengths + 137).int(), causal=True, invariant=True)
+    assert torch.equal(torch.cat([head, tail], 1), inv)
+    # a 64-node chain over slots 1000..1063 (across the key-block edge at 1024): the same bits
+    chain = random_tree_masks(R, 64, None, chain=True).cuda()
+    assert torch.equal(_k.tree_attention(q[:, :64], k, v, table, lengths, chain, invariant=True), inv[:, :64])
 
 def test_counters_workspace_outgrown_is_kept():
     # a CUDA graph bakes the workspace's address in: growing it must not free the old one
