@@ -15,23 +15,24 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 
 
-def _engines(tree=None):
+def _engines(tree=None, chunk=37):
     from realistic import checkpoint
     from tabed_engine import Engine
 
     target, draft = checkpoint("llama")
     kw = dict(device=DEVICE, dtype=torch.float32, views=("M", "T"), policy="kld", max_len=512, max_batch=4,
               tree=tree, adaptive=False)
-    fast = Engine.from_pretrained(target, draft, prefix_cache=True, prefill_chunk=37, **kw)
+    fast = Engine.from_pretrained(target, draft, prefix_cache=True, prefill_chunk=chunk, **kw)
     plain = Engine.from_pretrained(target, draft, prefix_cache=False, prefill_chunk=None, **kw)
     return fast, plain
 
 
-@pytest.mark.parametrize("tree", [None, "4x2x2"])
-def test_gpu_cached_and_chunked_prefill_equal_plain(tree):
+# chunks of 37 tokens run the kernels' tree-mask path, of 100 their causal mode (past 64 tokens)
+@pytest.mark.parametrize("tree,chunk", [(None, 37), ("4x2x2", 37), (None, 100)])
+def test_gpu_cached_and_chunked_prefill_equal_plain(tree, chunk):
     from tabed_engine import SamplingParams
 
-    fast, plain = _engines(tree)
+    fast, plain = _engines(tree, chunk)
     sp = SamplingParams(max_new_tokens=12)
     img = [image(40)]
     prompt = ids_of(fast, user("What is shown in this photo?", True), img)

@@ -202,15 +202,14 @@ def graphed_pair(max_batch: int):
     on = Engine(target, processor, draft=draft, device="cpu", dtype=torch.float32, views=("M", "T"),
                 max_len=256, max_batch=max_batch, adaptive=False)
     emulated_graphs(on)
-    on.runner.prefix.max_suffix = prefix_cache.SUFFIX_GRAPH_MAX
     return on, engine(False, max_batch)
 
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_graph_path_suffix(speculative):
     """What the GPU runs, on the CPU: the rest of the prompt padded to a 16-token bucket through
-    the (emulated) graph of its slot and bucket, every cache slot poisoned first; a rest longer
-    than SUFFIX_GRAPH_MAX prefills the whole prompt instead (no reuse)."""
+    the (emulated) graph of its bucket, every cache slot poisoned first; a rest longer than 64
+    tokens reuses the prefix as well, through a 64-token bucket's graph."""
     on, off = graphed_pair(2)
     img = [image(18)]
     prompt = ids_of(on, user("What is shown in this photo?", True), img)
@@ -221,8 +220,10 @@ def test_graph_path_suffix(speculative):
     rest = len(turn2) - out.stats.cached_tokens
     assert ("suffix", -(-rest // 16) * 16) in on.runner.graphs.graphs
     long_rest = turn2 + out.token_ids + tail_ids(on, "a b c d e f g h i j " * 8)
-    assert len(long_rest) - (len(turn2) + len(out.token_ids) - 1) > prefix_cache.SUFFIX_GRAPH_MAX
-    assert both(on, off, long_rest, img, speculative).stats.cached_tokens == 0
+    cached = len(turn2) + len(out.token_ids) - 1
+    assert len(long_rest) - cached > 64
+    assert both(on, off, long_rest, img, speculative).stats.cached_tokens == cached
+    assert ("suffix", -(-(len(long_rest) - cached) // 64) * 64) in on.runner.graphs.graphs
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -254,7 +255,8 @@ def test_warmup_captures_the_rest_graphs():
     follow-up then captures nothing and gives the uncached engine's tokens."""
     on, off = graphed_pair(1)
     on.warmup()
-    buckets = range(prefix_cache.SUFFIX_STEP, prefix_cache.SUFFIX_GRAPH_MAX + 1, prefix_cache.SUFFIX_STEP)
+    buckets = prefix_cache.suffix_buckets(min(on.runner.prefill_graph_max, on.runner.max_len))
+    assert buckets[:5] == [16, 32, 48, 64, 128] and buckets[-1] == 256
     assert {("suffix", P) for P in buckets} <= set(on.runner.graphs.graphs)
     img = [image(21)]
     prompt = ids_of(on, user("What is shown in this photo?", True), img)

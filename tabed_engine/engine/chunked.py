@@ -34,9 +34,9 @@ from tabed_engine.engine.request import RequestOutput
 
 # the budget by default: the longest prompt the target prefills as one captured graph. Prompts up
 # to it (a LLaVA-1.5 prompt) prefill in one replay as before; a longer one is split, its first
-# chunk still a graph; the later chunks run eagerly, which on the GPU costs kernel launches
-# (benchmarks/results/multiturn_llava-1.5-7b_eager_suffix.md), so smaller chunks are a choice
-# for a server whose decode latency matters more than its prompts' TTFT
+# chunk a prefill graph and the later ones the rest graphs of their padded lengths
+# (`prefix_cache.suffix_graph`); smaller chunks are a choice for a server whose decode latency
+# matters more than its prompts' TTFT (docs/serving.md)
 DEFAULT_PREFILL_CHUNK = PREFILL_GRAPH_MAX
 
 

@@ -33,9 +33,6 @@ PREFILL_STEP = 64
 # longer prompts prefill eagerly: there the kernels outlast the host's launches, all a graph
 # removes, and the padding costs more (benchmarks/results/ttft_llava-1.5-7b.json, graph vs eager)
 PREFILL_GRAPH_MAX = 1664
-# an invariant engine prefills through the decode kernels, at most this many tokens a forward
-# (the tree-attention kernel's node limit)
-INVARIANT_PREFILL_STEP = 64
 
 
 def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Optional[int]:
@@ -183,17 +180,13 @@ class PrefillSteps:
 
     def prefill_invariant(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
                           pos3: Optional[torch.Tensor]) -> torch.Tensor:
-        """`prefill_range` of an invariant engine: tokens [start, end) as forwards of at most
-        INVARIANT_PREFILL_STEP new tokens over the row's KV (`prefix_cache.prefill_suffix`: a
-        captured graph per padded length where it can), each through the decode
-        path's row-count-invariant kernels (a chain of new tokens). A token's KV and logits then
-        have the same bits however the prompt is cut (a cold prefill, a prefix-cache hit, chunks
-        of any budget) and the bits a decode step at its position would give."""
-        logits = None
-        for s in range(start, end, INVARIANT_PREFILL_STEP):
-            e = min(end, s + INVARIANT_PREFILL_STEP)
-            logits = prefill_suffix(self, prep, x[s - start:e - start], slot, s, pos3, end=e, media_graphs=True)
-        return logits
+        """`prefill_range` of an invariant engine: tokens [start, end) as new tokens over the
+        row's KV (`prefix_cache.prefill_suffix`: a captured graph per padded length where it
+        can), through the decode path's row-count-invariant kernels (the attention in its
+        causal mode). A token's KV and logits then have the same bits however the prompt is cut
+        (a cold prefill, a prefix-cache hit, chunks of any budget) and the bits a decode step at
+        its position would give."""
+        return prefill_suffix(self, prep, x, slot, start, pos3, end=end)
 
     def _prefill_inputs(self):
         """The padded prefill's static inputs, one set shared by every bucket's graph: embeddings

@@ -182,28 +182,44 @@ class PrefixIndex:
 
 
 # ---------------------------------------------------------------------- the runner's side
-# With CUDA graphs the rest of a prompt after its cached prefix runs as a captured graph per
-# SUFFIX_STEP-token bucket (any slot: `staged_row`), up to SUFFIX_GRAPH_MAX tokens (the decode
-# kernels' query limit); a longer rest prefills the whole prompt through its padded graph instead: eagerly, the
-# 7B target's forward of a 41-token rest took 39 ms of kernel launches against 18 ms for the
-# whole 616-token prompt's graph (H200, benchmarks/results/multiturn_llava-1.5-7b_eager_suffix.md)
-SUFFIX_GRAPH_MAX = 64
+# With CUDA graphs the rest of a prompt after its cached prefix (or a prefill chunk after the
+# chunks before it) runs as a captured graph per padded length (any slot: `staged_row`): rests of
+# up to SUFFIX_STEP * 4 tokens in SUFFIX_STEP-token buckets, longer ones in PREFILL_STEP-token
+# buckets up to the runner's `prefill_graph_max`; past that eagerly. Their attention is the
+# kernels' (a causal mode past 64 tokens: `ForwardContext.causal`), so a graph does not depend on
+# the prefix's length. Eagerly, the 7B target's forward of a 41-token rest took 39 ms of kernel
+# launches against 18 ms for the whole 616-token prompt's graph (H200,
+# benchmarks/results/multiturn_llava-1.5-7b_eager_suffix.md).
 SUFFIX_STEP = 16
+SUFFIX_GRAPH_MAX = 64        # the draft views' rests (engine/view_cache.py) reuse up to this many tokens
+
+
+def suffix_bucket(T: int, limit: int) -> Optional[int]:
+    """The padded length of a rest of T tokens (None: above `limit`, eager)."""
+    from tabed_engine.engine.prefill import PREFILL_STEP
+    step = SUFFIX_STEP if T <= 4 * SUFFIX_STEP else PREFILL_STEP
+    P = -(-T // step) * step
+    return P if P <= limit else None
+
+
+def suffix_buckets(limit: int) -> list[int]:
+    """Every bucket `suffix_bucket` returns up to `limit`, ascending."""
+    return sorted({suffix_bucket(T, limit) for T in range(1, limit + 1)} - {None})
 
 
 def new_index(runner) -> Optional[PrefixIndex]:
     """The runner's index (None with `Engine(prefix_cache=False)`)."""
     if not runner.eng.prefix_cache:
         return None
-    return PrefixIndex(runner.max_batch, runner.max_len,
-                       max_suffix=SUFFIX_GRAPH_MAX if runner.graphs is not None else None)
+    return PrefixIndex(runner.max_batch, runner.max_len)
 
 
 def suffix_step(lm, cache, x: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, last: torch.Tensor,
                 kv_len: Optional[int] = None) -> torch.Tensor:
-    """The rest of one prompt, padded: x [1, P, hidden] at positions pos [1, P] after a committed
-    prefix of lens [1] tokens of the one-row `cache`; the logits of position `last` [1, 1] of the
-    P [1, V]. The padding after the prompt writes K/V past it (the next forward overwrites it)."""
+    """The rest of one prompt, padded: x [1, P, hidden] at positions pos [1, P] (M-RoPE: [3, 1,
+    P], less the row's offset) after a committed prefix of lens [1] tokens of the one-row
+    `cache`; the logits of position `last` [1, 1] of the P [1, V]. The padding after the prompt
+    writes K/V past it (the next forward overwrites it)."""
     return lm(cache, pos, embeds=x, lengths=lens, logits_index=last, kv_len=kv_len)[:, -1]
 
 
@@ -224,14 +240,30 @@ def staged_row(runner, slot: int):
     return stage
 
 
-def suffix_graph(runner, x: torch.Tensor, slot: int, cached: int, P: int) -> torch.Tensor:
+def rest_positions(runner, cached: int, P: int, pos3: Optional[torch.Tensor], offset: int) -> torch.Tensor:
+    """The positions input of a padded rest [cached, cached + P): the slots [1, P], or for an
+    M-RoPE target [3, 1, P]: the prompt's ids there less the row's `offset` (the forward adds it
+    back), the slots past the prompt (padding) and wherever `pos3` is None."""
+    slots = torch.arange(cached, cached + P)
+    if runner.target.lm.cfg.mrope_section is None:
+        return slots[None]
+    pos = slots.repeat(3, 1)
+    if pos3 is not None:
+        T = min(P, pos3.shape[1] - cached)
+        pos[:, :T] = pos3[:, cached:cached + T].cpu() - offset
+    return pos[:, None]
+
+
+def suffix_graph(runner, x: torch.Tensor, slot: int, cached: int, P: int, pos3: Optional[torch.Tensor] = None,
+                 offset: int = 0) -> torch.Tensor:
     """The rest x [T, hidden] of `slot`'s prompt after `cached` tokens through the captured graph
     of bucket P >= T (captured on first use; `capture_suffix_graphs` at warm-up): the logits of
-    its last token [1, V]."""
+    its last token [1, V]. pos3 / offset: an M-RoPE prompt's ids [3, n] and the row's offset."""
     dev, T = runner.device, x.shape[0]
     xp = torch.zeros(1, P, x.shape[-1], device=dev, dtype=x.dtype)
     xp[0, :T] = x
-    inputs = dict(x=xp, pos=torch.arange(cached, cached + P, device=dev)[None],
+    pos = rest_positions(runner, cached, P, pos3, offset)
+    inputs = dict(x=xp, pos=pos.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pos,
                   lens=torch.full((1,), cached, dtype=torch.int32, device=dev),
                   last=torch.full((1, 1), T - 1, dtype=torch.long, device=dev))
     stage = staged_row(runner, slot)
@@ -243,8 +275,8 @@ def capture_suffix_graphs(runner) -> int:
     the writes land in scratch). Returns how many were captured."""
     if runner.graphs is None:
         return 0
-    todo = [P for P in range(SUFFIX_STEP, SUFFIX_GRAPH_MAX + 1, SUFFIX_STEP)
-            if P <= runner.max_len and ("suffix", P) not in runner.graphs.graphs]
+    todo = [P for P in suffix_buckets(min(runner.prefill_graph_max, runner.max_len))
+            if ("suffix", P) not in runner.graphs.graphs]
     if todo:
         runner.pages.scribble(0)
         hidden = runner.target.lm.cfg.hidden_size
@@ -286,33 +318,27 @@ def retire(runner, req):
 
 
 def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int,
-                   pos3: Optional[torch.Tensor], end: Optional[int] = None, media_graphs: bool = False) -> torch.Tensor:
+                   pos3: Optional[torch.Tensor], end: Optional[int] = None) -> torch.Tensor:
     """Prefill target row `slot` from `cached` on: the prompt's tokens [cached, end) (default: to
     the prompt's end) run as new tokens of a row whose committed length is `cached` (its pages
-    hold the cached prefix: `PagePool.assign`) (eager: the masked SDPA path, or on CUDA the
-    decode kernels up to 64 tokens). A chunk of a chunked
-    prefill is the same call (`PrefillSteps.prefill_chunk`). x: those tokens' embeddings
-    [end - cached, hidden]; pos3: the whole prompt's M-RoPE ids [3, n] or None (the row's
-    `pos_offset` is already the prompt's: the forward adds it back). Returns the logits of
-    position end - 1 [1, V]. The captured suffix graphs (per padded length) serve rests
-    of text after every image, and with `media_graphs` (an invariant engine's prefill) any rest
-    whose positions are 1-D."""
+    hold the cached prefix: `PagePool.assign`): through the captured graph of its padded length
+    (`suffix_graph`) where there is one, else eagerly (on CUDA the kernels, a causal attention
+    past 64 tokens; elsewhere the masked SDPA path). A chunk of a chunked prefill is the same
+    call (`PrefillSteps.prefill_chunk`). x: those tokens' embeddings [end - cached, hidden];
+    pos3: the whole prompt's M-RoPE ids [3, n] or None (the row's `pos_offset` is already the
+    prompt's: the forward adds it back). Returns the logits of position end - 1 [1, V]."""
     tc = runner.tcache
     n = len(prep.ids) if end is None else end
     dev = runner.device
     T = n - cached
-    P = -(-T // SUFFIX_STEP) * SUFFIX_STEP
-    text_rest = all(s + m <= cached for s, m in prep.media_spans)
-    graphed = text_rest or (media_graphs and pos3 is None)
-    if runner.graphs is not None and graphed and P <= SUFFIX_GRAPH_MAX and cached + P <= tc.max_len:
-        # (text after every image: an M-RoPE row's three ids are equal there, its slot + the
-        # row's offset, which the forward adds to these 1-D positions; `media_graphs`: image
-        # tokens too where positions are 1-D RoPE, an invariant engine's prefill)
-        return suffix_graph(runner, x, slot, cached, P)
+    offset = 0 if pos3 is None else int(pos3.max()) + 1 - len(prep.ids)
+    P = suffix_bucket(T, runner.prefill_graph_max) if runner.prefill_graphs else None
+    if runner.graphs is not None and P is not None and cached + P <= tc.max_len:
+        return suffix_graph(runner, x, slot, cached, P, pos3, offset)
     if pos3 is None:
         pos = torch.arange(cached, n, device=dev)[None]
     else:
-        pos = (pos3[:, cached:n].to(dev) - tc.pos_offset[slot])[:, None]
+        pos = (pos3[:, cached:n] - offset).to(dev)[:, None]
     lengths = torch.full((1,), cached, dtype=torch.int32, device=dev)
     last = torch.full((1, 1), n - 1 - cached, dtype=torch.long, device=dev)
     return runner.target.lm(cache_rows(tc, slot, slot + 1), pos, embeds=x[None], lengths=lengths,

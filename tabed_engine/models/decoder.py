@@ -110,7 +110,8 @@ class ForwardContext:
     On CUDA, calls of at most 64 new tokens per row (decode, verification, tree nodes)
     write their K/V through the `rope_kv_write` kernel and attend through `tree_attention`;
     both read each row's own length on the device (no slot index, no mask tensor, no length
-    bucket: CUDA-graph friendly). Otherwise SDPA with a
+    bucket: CUDA-graph friendly); so do longer calls without a tree (a prompt's rest after
+    its cached prefix, a prefill chunk: `causal`), the attention in its causal mode. Otherwise SDPA with a
     dense boolean mask, or plain causal SDPA (FlashAttention) for a fresh single-row prefill;
     a fresh prefill on CUDA rotates and writes its K/V through `rope_kv_write` too (rows from
     slot 0: `starts32`). `slot` ([1] int64, device): a fresh single-row prefill written into
@@ -140,6 +141,13 @@ class ForwardContext:
         self.fresh = fresh
         self.slot = slot
         self.tree_bits = self.mask = None
+        # more than 64 new tokens a row without a tree (a prompt's rest after a cached prefix, a
+        # prefill chunk): the same kernels, the attention in its causal mode (no mask words)
+        self.causal = (dev.type == "cuda" and not kernels and not fresh and tree_mask is None
+                       and tree_bits is None and slot is None)
+        if self.causal:
+            self.lengths32 = self.write32 = lengths.int()
+            return
         if fresh:  # a prefill writes every row from slot 0: the fused prefill's lengths
             self.starts32 = torch.zeros(len(lengths) if slot is None else len(slot), dtype=torch.int32,
                                         device=lengths.device)
@@ -177,6 +185,12 @@ class ForwardContext:
             idx = rel.clamp(0, n - 1).expand(R, T, kv_len)
             new = (rel >= 0) & (rel < n) & torch.gather(tree_mask, 2, idx)
         self.mask = (prefix | new)[:, None]                                  # [R, 1, T, S]
+
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the call's attention runs the kernel path (`rope_kv_write` + `tree_attention`)."""
+        return self.tree_bits is not None or self.causal
 
 
 class LlamaLM(nn.Module):
@@ -257,7 +271,7 @@ class LlamaLM(nn.Module):
         lengths = cache.lengths if lengths is None else lengths
         kv_len = cache.max_len if kv_len is None else kv_len
         ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot, tree_bits, tree_offset)
-        ctx.invariant = self.invariant and ctx.tree_bits is not None
+        ctx.invariant = self.invariant and ctx.kernels
         # the table spans the cache: a draft's cache may be longer than the draft's position
         # limit (it has the target's length); a request's draft rows stay within the limit
         # (`Engine._draft_room`, checked when it is added), and only the slots drafted past a

@@ -123,12 +123,12 @@ class Attention(nn.Module):
         cfg = self.cfg
         inv = ctx.invariant
         qkv = self.qkv_proj(x, invariant=inv)                   # [R, T, (h + 2 kv) * hd]
-        if ctx.tree_bits is not None:      # decode / verify / tree nodes: Triton kernels
+        if ctx.kernels:      # decode / verify / tree nodes / prompt chunks on CUDA: Triton kernels
             # one launch rotates q and k and writes k, v at cache slots lengths[r] + t
             q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, table, ctx.write32,
                               cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
-            out = tree_attention(q, k_cache, v_cache, table, ctx.lengths32, ctx.tree_bits, tree_slots=ctx.tree_slots,
-                                 invariant=inv)
+            out = tree_attention(q, k_cache, v_cache, table, ctx.lengths32, ctx.tree_bits,
+                                 tree_slots=None if ctx.causal else ctx.tree_slots, invariant=inv, causal=ctx.causal)
             return self.o_proj(out.reshape(R, T, -1), invariant=inv)
         if ctx.fresh and use_kernel(qkv, cfg.head_dim):  # CUDA prefill: one launch
             q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg)
