@@ -81,26 +81,34 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-COUNTERS = {}   # device -> int32 arrival counters, all zero between launches
+COUNTERS = {}   # (device, stream) -> int32 arrival counters, all zero between launches
 _OUTGROWN = []  # earlier workspaces: CUDA graphs captured with them still count in them
 
 
 def counters(device, n):
-    """n zeroed int32 arrival counters of `device`'s workspace, for kernels whose last
-    program to arrive combines the others' partials and resets its counter (every launch
-    leaves them zero; launches on one stream share them). Grown outside CUDA-graph capture
-    only (a graph's warm-up call runs first); an outgrown workspace is kept, never freed, for
-    the graphs that captured its address. During a capture that needs more, the graph gets
-    its own zeroed buffer (a captured memset)."""
-    buf = COUNTERS.get(device)
+    """n zeroed int32 arrival counters of the current stream's workspace on `device`, for
+    kernels whose last program to arrive combines the others' partials and resets its
+    counter (every launch leaves them zero). Each stream has its own: launches on one
+    stream run in order and may share counters, launches on two streams may run at once,
+    and two kernels counting arrivals in one counter would each miss a program's partials
+    or fold early (the draft's view prefill on a second stream beside the target's prefill
+    does this). A graph counts in the workspace of the stream it was captured on, so graphs
+    captured on one stream must not be replayed on two streams at once (`engine.graphs`
+    replays a cache's graphs on one stream). Grown outside CUDA-graph capture only (a graph's
+    warm-up call runs first, on the capture stream); an outgrown workspace is kept, never
+    freed, for the graphs that captured its address. During a capture that needs more, the
+    graph gets its own zeroed buffer (a captured memset)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = COUNTERS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     if buf is not None:
         _OUTGROWN.append(buf)
-    COUNTERS[device] = buf = torch.zeros(max(n, 1024, 2 * (0 if buf is None else buf.numel())), dtype=torch.int32,
-                                         device=device)
+    COUNTERS[key] = buf = torch.zeros(max(n, 1024, 2 * (0 if buf is None else buf.numel())), dtype=torch.int32,
+                                      device=device)
     return buf
 
 

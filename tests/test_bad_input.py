@@ -580,3 +580,34 @@ def test_stream_validates_at_the_call(eng):
         eng.stream("<image> w1")                                # no next(): the call itself raises
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.stream("w1", sampling=SamplingParams(max_new_tokens=100000))
+
+
+
+@pytest.mark.parametrize("where,exc", [("prefill", RuntimeError), ("sd_block", RuntimeError),
+                                       ("ar_step", RuntimeError), ("prefill", ValueError)])
+def test_an_engine_failure_is_logged_with_its_traceback(eng, img, ref, where, exc, monkeypatch, caplog):
+    """A failure inside the engine (not the caller's input) ends the request with an error and
+    is logged at ERROR with its traceback (the request's error string alone has no stack, and
+    a server's log is where an operator looks); a ValueError (a request the engine refuses) is
+    a warning without one. The engine keeps answering as before."""
+    import logging
+
+    runner = eng.runner
+    name = {"prefill": "prefill_begin"}.get(where, where)     # (the default admission's entry)
+    real = getattr(runner, name)
+
+    def fails(*args, **kwargs):
+        raise exc(f"injected failure in {where}")
+
+    monkeypatch.setattr(runner, name, fails)
+    with caplog.at_level(logging.WARNING, logger="tabed_engine.engine"):
+        with pytest.raises(RuntimeError, match=f"injected failure in {where}"):
+            eng.generate(GOOD_TEXT, images=[img], sampling=GOOD_SP, speculative=where != "ar_step")
+    logged = [r for r in caplog.records if r.name == "tabed_engine.engine"]
+    assert len(logged) == 1 and f"injected failure in {where}" in logged[0].getMessage() + str(logged[0].exc_info)
+    if exc is RuntimeError:
+        assert logged[0].levelno == logging.ERROR and logged[0].exc_info[1].args == (f"injected failure in {where}",)
+    else:
+        assert logged[0].levelno == logging.WARNING and not logged[0].exc_info
+    monkeypatch.setattr(runner, name, real)
+    assert_usable(eng, img, ref)

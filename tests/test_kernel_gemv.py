@@ -221,7 +221,7 @@ def test_rows_kernel_split_k(M, N, K, BK, splits, kernel_device):
         out = torch.full((M, N // 2), float("nan"), device=kernel_device, dtype=torch.bfloat16)
         check_glu(_k.gemv_rows(x, wg, None if bias is None else bias[:N // 2 * 2], glu=True, out=out,
                                config=(16, BK, 2, 3, splits)), x, wg, None if bias is None else bias[:N // 2 * 2])
-    assert not _common.COUNTERS[x.device].any()
+    assert not _common.counters(x.device, 1).any()
 
 
 def test_k_split():
@@ -359,3 +359,33 @@ def test_benchmark_sweep_smoke(tmp_path, kernel_device):
         assert r["max_abs_err_vs_cublas"] < 0.1 and not r["failed"]
         assert all(r["baseline_us"][k] > 0 for k in ("cublas", "rows16", "split16"))
     assert ast.literal_eval(configs["literal"]) == {(r["N"], r["K"], 64): tuple(r["best"]) for r in swept}
+
+
+@pytest.mark.gpu
+def test_split_k_on_two_streams_at_once_gpu():
+    # split-K launches on two streams at the same time (the draft's view prefill beside the
+    # target's prefill): each stream counts arrivals in its own workspace, so every launch
+    # folds all its partials exactly once; with one shared workspace the two streams' programs
+    # count in the same counters and outputs come out unwritten (NaN here) or wrong
+    from tabed_engine.kernels import _common
+
+    cfg = (32, 128, 4, 2, 6)                   # ~0.2 GB of weights: a launch outlasts the host's next
+    cases = [make_case(40, 8191, 12289, torch.bfloat16, "cuda", seed=s) for s in (1, 2)]
+    want = [_k.gemv_rows(x, w, config=cfg) for x, w, _ in cases]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    assert streams[0].cuda_stream != streams[1].cuda_stream
+    outs = [[torch.full_like(y, float("nan")) for _ in range(200)] for y in want]
+    torch.cuda.synchronize()
+    for i in range(200):                       # interleaved launches: the streams overlap
+        for s, (x, w, _), out in zip(streams, cases, outs):
+            with torch.cuda.stream(s):
+                _k.gemv_rows(x, w, out=out[i], config=cfg)
+    torch.cuda.synchronize()
+    for y, out in zip(want, outs):
+        bad = sum(not torch.equal(o, y) for o in out)
+        assert bad == 0, f"{bad} of {len(out)} launches differ from the stream-alone result"
+    with torch.cuda.stream(streams[0]):
+        a = _common.counters(torch.device("cuda"), 1)
+    with torch.cuda.stream(streams[1]):
+        b = _common.counters(torch.device("cuda"), 1)
+    assert a.data_ptr() != b.data_ptr() and not a.any() and not b.any()

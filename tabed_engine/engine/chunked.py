@@ -23,6 +23,7 @@ block. The chunk and the block are separate forwards of one step.
 """
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import random
@@ -38,6 +39,19 @@ from tabed_engine.engine.request import RequestOutput
 # (`prefix_cache.suffix_graph`); smaller chunks are a choice for a server whose decode latency
 # matters more than its prompts' TTFT (docs/serving.md)
 DEFAULT_PREFILL_CHUNK = PREFILL_GRAPH_MAX
+
+
+log = logging.getLogger("tabed_engine.engine")
+
+
+def log_failure(e: Exception, what: str):
+    """Log a request's failure: the caller's error (a ValueError / TypeError: a request the
+    engine refuses) as a warning without a stack, anything else (a device or engine fault) at
+    ERROR with its traceback; the request itself ends with the message (`finish("error")`)."""
+    if isinstance(e, (ValueError, TypeError)):
+        log.warning("%s failed: %s: %s", what, type(e).__name__, e)
+    else:
+        log.error("%s failed; it ends with an error", what, exc_info=e)
 
 
 def check_prefill_chunk(value) -> Optional[int]:
@@ -146,6 +160,7 @@ class ChunkedAdmission:
         return ran
 
     def _fail(self, req, job: Optional[PrefillJob], e: Exception, outputs: list):
+        log_failure(e, f"the prefill of request {req.request_id}")
         self.runner.pending = None
         if job is not None:
             self.runner.prefill_abandon(job)

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from tabed_engine.engine.chunked import ChunkedAdmission
+from tabed_engine.engine.chunked import ChunkedAdmission, log_failure
 from tabed_engine.engine.prefix_cache import pick_slot, retire
 from tabed_engine.engine.request import Request, RequestOutput
 from tabed_engine.engine.runner import Runner, bucket_of
@@ -274,6 +274,7 @@ class Scheduler(ChunkedAdmission):
             else:
                 new = self.runner.ar_step(reqs, b, gen, queue_next=g_next == 0)
         except Exception as e:                       # a device failure: the batch cannot go on
+            log_failure(e, f"a decode step of {len(live)} request(s)")
             self.runner.pending = None
             for r in live:
                 r.finish("error", f"{type(e).__name__}: {e}")
@@ -343,6 +344,7 @@ class Scheduler(ChunkedAdmission):
                 if first_in_batch:
                     self._seed_batch(head)
             except Exception as e:                   # this request fails alone
+                log_failure(e, f"the prefill of request {head.request_id}")
                 self.runner.pending = None
                 head.finish("error", f"{type(e).__name__}: {e}")
                 outputs.append(self._output(head, []))
