@@ -114,6 +114,30 @@ def test_rope_index_matches_transformers(hf):
     assert int(got.max()) + 1 - len(ids) == int(delta)
 
 
+@pytest.mark.parametrize("grids", [[(1, 8, 12)], [(1, 14, 10), (1, 4, 6)], [(2, 10, 18)], [(1, 16, 16)],
+                                   [(1, 2, 2), (3, 6, 4), (1, 12, 20)]])
+def test_tower_forward_matches_transformers(hf, grids):
+    """The engine's run of the vision transformer (one attention call per chunk length, the
+    window layout and rotary from a plan) gives transformers' features: windows whole and
+    partial (grids that are not multiples of the window, one smaller than a window), several
+    images, video frames (t > 1)."""
+    from tabed_engine.models.qwen2_5_vl_vision import TowerPlan, tower_forward
+
+    tower = hf.model.visual
+    vc = hf.config.vision_config
+    g = torch.Generator().manual_seed(sum(t * h * w for t, h, w in grids))
+    n = sum(t * h * w for t, h, w in grids)
+    patches = torch.randn(n, 3 * vc.temporal_patch_size * vc.patch_size ** 2, generator=g)
+    want = tower(patches, grid_thw=torch.tensor(grids)).pooler_output
+    plan = TowerPlan(grids, vc.spatial_merge_size, vc.window_size, vc.patch_size, tower.rotary_pos_emb.inv_freq, "cpu")
+    assert plan.window_groups and plan.frame_groups
+    got = tower_forward(tower, patches, plan)
+    assert torch.equal(got, want)          # (the same operations per chunk: the same bits in float32)
+    # the windows this grid list has: as many chunk lengths as transformers' cu_window_seqlens shows
+    lens = [L for L, _, k in plan.window_groups for _ in range(k)]
+    assert sum(lens) == n
+
+
 def test_dynamic_resolution_counts_match_the_processor(target):
     """Token counts, grids and pixel patches of images of several sizes as the processor's."""
     vision, ip = target.target.vision, target.processor.image_processor

@@ -1,6 +1,6 @@
-"""Qwen2.5-VL's vision side: the vision transformer (transformers' own module, run eagerly once
-per request: window attention with its full-attention layers, 2-D rotary, the 2x2 patch
-merger), dynamic resolution (`smart_resize` between the processor's min and max pixels) and
+"""Qwen2.5-VL's vision side: the vision transformer (transformers' own modules and weights, run
+by `tower_forward` without host syncs: window attention as one batched call per window length,
+its full-attention layers, 2-D rotary, the 2x2 patch merger), dynamic resolution (`smart_resize` between the processor's min and max pixels) and
 the M-RoPE position ids of a prompt's image and video blocks (`rope_index`).
 
 A block of t x h x w merged tokens (h, w: the patch grid over the spatial merge size) starting
@@ -91,6 +91,124 @@ def patchify_video(pixels: torch.Tensor, patch: int, merge: int, temporal: int) 
     return x.reshape(t * gh * gw, C * temporal * patch * patch)
 
 
+class TowerPlan:
+    """What the vision transformer needs for one list of patch grids, built once on the host and
+    kept on the device: the window permutation of the merge units (transformers'
+    `get_window_index`: windows of `window` pixels, aligned at the grid's origin, the last row
+    and column of windows partial), the 2-D rotary cos / sin in that order, and the attention
+    chunks (windows; whole frames in the full-attention layers) grouped by length, so that each
+    layer runs one batched attention per distinct chunk length instead of one per chunk."""
+
+    def __init__(self, grids: Sequence[tuple[int, int, int]], merge: int, window: int, patch: int,
+                 inv_freq: torch.Tensor, device):
+        vw = window // merge // patch            # merge units along a window's side
+        unit = merge * merge
+        order, windows, frames, hpos, wpos = [], [], [], [], []
+        base = 0
+        for t, gh, gw in grids:
+            lh, lw = gh // merge, gw // merge
+            # processor order: units (t, lh, lw), patches (merge, merge) inside a unit
+            bh = torch.arange(lh).view(lh, 1, 1, 1).expand(lh, lw, merge, merge)
+            bw = torch.arange(lw).view(1, lw, 1, 1).expand(lh, lw, merge, merge)
+            i = torch.arange(merge).view(1, 1, merge, 1).expand(lh, lw, merge, merge)
+            j = torch.arange(merge).view(1, 1, 1, merge).expand(lh, lw, merge, merge)
+            hpos.append((bh * merge + i).reshape(-1).repeat(t))
+            wpos.append((bw * merge + j).reshape(-1).repeat(t))
+            units = torch.arange(t * lh * lw).view(t, lh, lw)
+            for f in range(t):
+                frames.append(lh * lw * unit)
+                for y in range(0, lh, vw):
+                    for x in range(0, lw, vw):
+                        win = units[f, y:y + vw, x:x + vw].reshape(-1)
+                        order.append(win + base)
+                        windows.append(win.numel() * unit)
+            base += t * lh * lw
+        self.n = base * unit                      # patches
+        self.window_index = torch.cat(order).to(device)                       # [units]
+        self.reverse = torch.argsort(self.window_index)
+        pos = torch.stack([torch.cat(hpos), torch.cat(wpos)])                  # [2, patches]
+        freqs = pos[..., None].to(inv_freq.device).float() * inv_freq.float()  # [2, patches, hd/4]
+        emb = torch.cat([freqs[0], freqs[1]], -1)
+        emb = torch.cat([emb, emb], -1).to(device)
+        emb = self.permute(emb)
+        self.cos, self.sin = emb.cos(), emb.sin()                              # [patches, hd] float32
+        self.window_groups = self._groups(windows, device)
+        self.frame_groups = self._groups(frames, device)
+
+    def permute(self, x: torch.Tensor) -> torch.Tensor:
+        """Patches [n, ...] in the processor's order -> in window order (whole merge units)."""
+        unit = self.n // self.window_index.numel()
+        return x.reshape(-1, unit, *x.shape[1:])[self.window_index].reshape(self.n, *x.shape[1:])
+
+    @staticmethod
+    def _groups(lengths: list[int], device) -> list[tuple[int, Optional[torch.Tensor], int]]:
+        """Chunks of `lengths` (consecutive in window order) by length: (L, index [n, L] of
+        their patches, or None when they are all the patches in order, n)."""
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        by_len: dict[int, list[int]] = {}
+        for s, n in zip(starts, lengths):
+            if n:
+                by_len.setdefault(n, []).append(s)
+        total = sum(lengths)
+        out = []
+        for L, ss in by_len.items():
+            if len(ss) * L == total:              # every chunk one length: a reshape, no gather
+                out.append((L, None, len(ss)))
+            else:
+                idx = (torch.tensor(ss)[:, None] + torch.arange(L)).to(device)
+                out.append((L, idx, len(ss)))
+        return out
+
+
+def _chunked_attention(q, k, v, groups, scale: float) -> torch.Tensor:
+    """Attention inside each chunk (no mask): q, k, v [n, H, hd] in window order -> [n, H, hd];
+    one scaled-dot-product call per chunk length."""
+    out = None
+    for L, idx, n in groups:
+        if idx is None:
+            qs, ks, vs = (t.view(n, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2).reshape(q.shape)
+        if out is None:
+            out = torch.empty_like(q)
+        flat = idx.reshape(-1)
+        qs, ks, vs = (t.index_select(0, flat).view(n, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        res = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
+        out.index_copy_(0, flat, res.reshape(-1, *q.shape[1:]))
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """2-D rotary in float32 (transformers' `apply_rotary_pos_emb_vision`): x [n, H, hd]."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None] + rot * sin[:, None]).to(x.dtype)
+
+
+@torch.no_grad()
+def tower_forward(tower, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
+    """transformers' Qwen2.5-VL vision transformer (its modules and weights) over flattened
+    patches [n, C*T*p*p] -> merged features [n / merge², out_hidden], without a host sync: the
+    attention runs per chunk length (`TowerPlan`) rather than per window, the window layout
+    and rotary come from the plan."""
+    x = tower.patch_embed(pixel_values)
+    x = plan.permute(x)
+    full = set(tower.fullatt_block_indexes)
+    for i, blk in enumerate(tower.blocks):
+        attn = blk.attn
+        h = blk.norm1(x)
+        qkv = attn.qkv(h).view(plan.n, 3, attn.num_heads, -1)
+        q = _rotate(qkv[:, 0], plan.cos, plan.sin)
+        k = _rotate(qkv[:, 1], plan.cos, plan.sin)
+        scale = getattr(attn, "scaling", None) or q.shape[-1] ** -0.5
+        o = _chunked_attention(q, k, qkv[:, 2], plan.frame_groups if i in full else plan.window_groups, scale)
+        x = x + attn.proj(o.reshape(plan.n, -1))
+        x = x + blk.mlp(blk.norm2(x))
+    return tower.merger(x)[plan.reverse]
+
+
 class QwenVision(nn.Module):
     """The vision tower of a Qwen2.5-VL checkpoint behind the engine's vision interface
     (`select_images`, `image_features`, `tokens_per_image`, `positions`; videos: `video_tokens`,
@@ -112,6 +230,26 @@ class QwenVision(nn.Module):
         self.patch, self.merge, self.temporal = vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size
         self.tokens_per_second = vc.tokens_per_second
         self.min_pixels = self.max_pixels = None
+        self._plans: dict = {}                # (grids, device) -> TowerPlan, the latest PLANS_KEPT
+
+    PLANS_KEPT = 16
+
+    def features(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """The tower over flattened patches [n, C*T*p*p] of images / videos of patch grids
+        [(t, h, w), ...] -> merged features [n / merge², hidden] (`tower_forward`, its plan for
+        these grids built on first use and kept)."""
+        key = (tuple(tuple(int(v) for v in g) for g in grids), str(patches.device))
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            tw = self.tower
+            plan = TowerPlan(key[0], self.merge, tw.window_size, self.patch, tw.rotary_pos_emb.inv_freq,
+                             patches.device)
+            if len(self._plans) >= self.PLANS_KEPT:
+                self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan                   # (most recently used last)
+        if patches.shape[0] != plan.n:
+            raise ValueError(f"{patches.shape[0]} patches for grids {list(key[0])} of {plan.n}")
+        return tower_forward(self.tower, patches.to(self.tower.patch_embed.proj.weight.dtype), plan)
 
     # ------------------------------------------------------------------ engine interface
     fixed_tokens = None          # image-token counts depend on each image's size
@@ -190,9 +328,7 @@ class QwenVision(nn.Module):
         `get_video_features` runs it on `pixel_values_videos`."""
         t, h, w = self.video_grid(pixels)
         patches = patchify_video(pixels, self.patch, self.merge, self.temporal)
-        dtype = self.tower.patch_embed.proj.weight.dtype
-        grid = torch.tensor([[t, h * self.merge, w * self.merge]], device=pixels.device)
-        return self.tower(patches.to(dtype), grid_thw=grid).pooler_output
+        return self.features(patches, [(t, h * self.merge, w * self.merge)])
 
     def pool_video(self, feats: torch.Tensor, pixels: torch.Tensor, pool: int) -> torch.Tensor:
         """The P view's video features: `video_features` averaged over pool x pool windows of
@@ -208,9 +344,7 @@ class QwenVision(nn.Module):
         if pixel_values.dim() != 2 or pixel_values.shape[0] != n:
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold the {n} patches of images of "
                              f"sizes {list(sizes)} (is the processor the checkpoint's Qwen2-VL image processor?)")
-        dtype = self.tower.patch_embed.proj.weight.dtype
-        grid = torch.tensor(grids, device=pixel_values.device)
-        return self.tower(pixel_values.to(dtype), grid_thw=grid).pooler_output
+        return self.features(pixel_values, grids)
 
     @torch.no_grad()
     def image_features(self, sel: torch.Tensor, sizes=None, pool: int = 0) -> list[torch.Tensor]:
@@ -227,7 +361,9 @@ class QwenVision(nn.Module):
         return dict(self.tower.state_dict())
 
     def reset_buffers(self):
-        """Rebuild the rotary frequencies (non-persistent buffers: not in checkpoints)."""
+        """Rebuild the rotary frequencies (non-persistent buffers: not in checkpoints); the
+        plans built from the old ones are dropped."""
+        self._plans.clear()
         rot = self.tower.rotary_pos_emb
         inv, _ = rot.compute_axial_rope_parameters(rot.config, device=rot.inv_freq.device)
         rot.inv_freq.copy_(inv)
