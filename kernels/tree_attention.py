@@ -83,6 +83,45 @@ def _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis,
 
 
 @triton.jit
+def _attend_paths(q, k_base, v_base, tab, bits_ptr, node, m_i, l_i, acc, b, pid_m, length, N, SLOTS, S, qk_scale,
+                  stride_mn, stride_kp, stride_ks, stride_vp, stride_vs, offs_b, d_ok,
+                  GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Key block b of the virtual sequence each node of the tile sees (`paths`): slot v below
+    `length` is the prefix's, slot length + k its path's k-th node (its k-th set bit, the
+    root first), so the block holds what an AR step's block b holds at length + depth. One
+    masked step per node of the tile, visible to that node's rows only (the others' state
+    passes unchanged: every score masked, K/V loads 0 where not visible)."""
+    offs_v = b * BLOCK_N + offs_b
+    tail = offs_v - length
+    for t in tl.static_range(BLOCK_M):
+        row = pid_m * BLOCK_M + t
+        nn = row // GROUP
+        if t == 0:
+            first_row = nn < N
+        else:
+            first_row = (nn < N) & (row % GROUP == 0)
+        if first_row:
+            nbits = tl.load(bits_ptr + nn * stride_mn)
+            j_of = tl.zeros([BLOCK_N], tl.int32)
+            cnt = tl.zeros([BLOCK_N], tl.int32)
+            for j in range(0, SLOTS):
+                bit = ((nbits >> j) & 1).to(tl.int32)
+                j_of = tl.where((bit != 0) & (cnt == tail), j, j_of)
+                cnt += bit
+            lane = ((offs_v < length) | ((tail >= 0) & (tail < cnt))) & (offs_v < S)
+            slot = tl.where(offs_v < length, offs_v, length + j_of)
+            page = tl.load(tab + slot // PAGE, mask=lane, other=0).to(tl.int64)
+            offs_p = slot % PAGE
+            ld = lane[:, None] & d_ok[None, :]
+            k = tl.load(k_base + page[:, None] * stride_kp + offs_p[:, None] * stride_ks, mask=ld, other=0.0)
+            v = tl.load(v_base + page[:, None] * stride_vp + offs_p[:, None] * stride_vs, mask=ld, other=0.0)
+            vis = (node == nn)[:, None] & lane[None, :]
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis, True, PRECISION, DOT_FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _combine_splits(m_part_ptr, l_part_ptr, acc_part_ptr, rows, n_rows, row_ok, offs_d, d_ok,
                     SPLITS: tl.constexpr, D_STRIDE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                     BLOCK_D: tl.constexpr):
@@ -120,7 +159,7 @@ def _tree_attention_kernel(
     R, N, SLOTS, H, S, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, PDL: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr, CAUSAL: tl.constexpr, PATHS: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid_m = tl.program_id(0)  # tile of (node, head-in-group) pairs; fastest so tiles sharing K/V run together
@@ -174,26 +213,37 @@ def _tree_attention_kernel(
 
     if CAUSAL:
         end = length + hi + 1  # the tile's last node's own slot: a tile of early nodes stops early
+    elif PATHS:  # a node's virtual slots end at length + its depth (its set bits - 1)
+        ones = tl.zeros([BLOCK_M], tl.int32)
+        for j in range(0, SLOTS):
+            ones += ((bits >> j) & 1).to(tl.int32)
+        end = length + tl.max(tl.where(m_ok, ones, 1), 0)
     else:
         end = length + SLOTS  # the tree's slots: the queries' own and any fed before them
     first = n_full + (split - n_full % SPLITS + SPLITS) % SPLITS  # continue the cyclic deal
     for b in range(first, tl.cdiv(end, BLOCK_N), SPLITS):
-        offs_s = b * BLOCK_N + offs_b
-        s_ok = (offs_s < end) & (offs_s < S)  # slots past the tree may hold anything (NaN)
-        if CAUSAL:
-            vis = offs_s[None, :] < (length + node + 1)[:, None]
+        if PATHS:
+            m_i, l_i, acc = _attend_paths(q, k_base, v_base, tab, mask_ptr + r * stride_mr, node, m_i, l_i, acc,
+                                          b, pid_m, length, N, SLOTS, S, qk_scale, stride_mn, stride_kp,
+                                          stride_ks, stride_vp, stride_vs, offs_b, d_ok, GROUP, PAGE, BLOCK_M,
+                                          BLOCK_N, PRECISION, DOT_FP32)
         else:
-            j = offs_s - length
-            in_tree = (j >= 0) & s_ok
-            jj = tl.where(in_tree, j, 0).to(tl.int64)
-            bit = ((bits[:, None] >> jj[None, :]) & 1) != 0
-            vis = (offs_s < length)[None, :] | (in_tree[None, :] & bit)
-        page = tl.load(tab + (b * BLOCK_N) // PAGE, mask=b * BLOCK_N < S, other=0).to(tl.int64)
-        offs_p = (b * BLOCK_N) % PAGE + offs_b
-        ld_ok = s_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + page * stride_kp + offs_p[:, None] * stride_ks, mask=ld_ok, other=0.0)
-        v = tl.load(v_base + page * stride_vp + offs_p[:, None] * stride_vs, mask=ld_ok, other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis, True, PRECISION, DOT_FP32)
+            offs_s = b * BLOCK_N + offs_b
+            s_ok = (offs_s < end) & (offs_s < S)  # slots past the tree may hold anything (NaN)
+            if CAUSAL:
+                vis = offs_s[None, :] < (length + node + 1)[:, None]
+            else:
+                j = offs_s - length
+                in_tree = (j >= 0) & s_ok
+                jj = tl.where(in_tree, j, 0).to(tl.int64)
+                bit = ((bits[:, None] >> jj[None, :]) & 1) != 0
+                vis = (offs_s < length)[None, :] | (in_tree[None, :] & bit)
+            page = tl.load(tab + (b * BLOCK_N) // PAGE, mask=b * BLOCK_N < S, other=0).to(tl.int64)
+            offs_p = (b * BLOCK_N) % PAGE + offs_b
+            ld_ok = s_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + page * stride_kp + offs_p[:, None] * stride_ks, mask=ld_ok, other=0.0)
+            v = tl.load(v_base + page * stride_vp + offs_p[:, None] * stride_vs, mask=ld_ok, other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, vis, True, PRECISION, DOT_FP32)
 
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -356,7 +406,7 @@ def check_page(page: int):
 
 
 def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask=None, *, scale=None, out=None,
-                   num_splits=None, config=None, tree_slots=None, invariant=False, causal=False):
+                   num_splits=None, config=None, tree_slots=None, invariant=False, causal=False, paths=False):
     """Triton tree attention; see `tabed_engine.ops.tree_attention` for the contract.
 
     q [R, N, H, D], k_cache/v_cache page pools [P, Hkv, PAGE, D] (any strides, unit last
@@ -373,7 +423,15 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask=None, *,
     `causal` (tree_mask None, no tree_slots): node i sees slots [0, lengths[r] + i] (a prompt
     chunk over a cached prefix), N up to S; with `invariant` a node gets the bits of an AR
     step at lengths[r] + i.
+    `paths` (a tree): a node's bits are its path, the root's slot first (every set bit an
+    ancestor or itself, an ancestor at a lower slot than its descendants); its keys past the
+    prefix are summed as an AR step at lengths[r] + depth holds them (depth: its set bits - 1,
+    the path's nodes at the slots after the prefix), so with `invariant` a tree node gets that
+    AR step's bits. Costs one masked key step per node of a query tile in the blocks past the
+    prefix's last whole one.
     """
+    if paths and causal:
+        raise ValueError("tree_attention: paths is for tree masks, not causal calls")
     if invariant and (num_splits is not None or config is not None):
         raise ValueError("tree_attention: invariant calls take no num_splits / config")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
@@ -430,7 +488,7 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask=None, *,
 
     scale = D ** -0.5 if scale is None else float(scale)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the kernel
-    if N == 1 and tree_slots == 1 and not invariant and not causal:
+    if N == 1 and tree_slots == 1 and not invariant and not causal and not paths:
         return _decode_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, out, qk_scale, num_splits)
 
     group = H // Hkv
@@ -473,7 +531,7 @@ def tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask=None, *,
         R, N, tree_slots, H, S, qk_scale,
         GROUP=group, HEAD_DIM=D, SPLITS=splits, PAGE=PAGE,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, DOT_FP32=dot_fp32,
-        PDL=use_pdl, CAUSAL=causal, num_warps=config.get("num_warps", 4), num_stages=num_stages,
+        PDL=use_pdl, CAUSAL=causal, PATHS=bool(paths), num_warps=config.get("num_warps", 4), num_stages=num_stages,
         launch_pdl=use_pdl,
     )
     return out

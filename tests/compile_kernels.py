@@ -201,6 +201,7 @@ def _exercise():
         tree_attention.tree_attention(qa, kc, vc, table, lengths, mask, num_splits=splits)
         tree_attention.tree_attention(qa[:, :1], kc, vc, table, lengths, mask[:, :1], num_splits=splits)  # one query
         tree_attention.tree_attention(qa, kc, vc, table, lengths, causal=True, num_splits=splits)  # a prompt chunk
+    tree_attention.tree_attention(qa, kc, vc, table, lengths, mask, invariant=True, paths=True)  # a tree's paths
 
     x = torch.randn(3, 64, generator=g).to(bf)
     add_rms_norm.add_rms_norm(x, x.clone(), torch.ones(64, dtype=bf), 1e-6)

@@ -142,6 +142,64 @@ def test_invariant_attention_chain_node_equals_ar_step(dtype, kernel_device):
             assert torch.equal(alone[0], out[r])
 
 
+def _tree_vs_ar(R, N, H, Hkv, D, dtype, device, seed, lengths=None):
+    """(tree outputs with `paths`, without, each node's AR step over a cache whose slots after
+    the prefix hold the node's path, in depth order) [R, N, H, D] each, and the inputs."""
+    q, k, v, lengths, _ = attn_case(R, N, H, Hkv, D, dtype, device, seed=seed, lengths=lengths)
+    masks = random_tree_masks(R, N, torch.Generator().manual_seed(seed + 1)).to(device)
+    kp, vp, table = to_pages(k, v, seed=seed)
+    tree = _t.tree_attention(q, kp, vp, table, lengths, masks, invariant=True, paths=True)
+    plain = _t.tree_attention(q, kp, vp, table, lengths, masks, invariant=True)
+    ar = torch.full_like(tree, float("nan"))
+    one = torch.ones(1, 1, dtype=torch.int64, device=device)
+    for r in range(R):
+        L = int(lengths[r])
+        for i in range(N):
+            path = [j for j in range(N) if (int(masks[r, i]) >> j) & 1]
+            k2, v2 = k[r:r + 1].clone(), v[r:r + 1].clone()
+            k2[:, :, L:L + len(path)] = k[r:r + 1, :, [L + j for j in path]]
+            v2[:, :, L:L + len(path)] = v[r:r + 1, :, [L + j for j in path]]
+            k2p, v2p, t2 = to_pages(k2, v2, seed=seed + i)
+            ar[r:r + 1, i:i + 1] = _t.tree_attention(q[r:r + 1, i:i + 1].contiguous(), k2p, v2p, t2,
+                                                     torch.tensor([L + len(path) - 1], dtype=torch.int32,
+                                                                  device=device), one, invariant=True)
+    return q, kp, vp, table, lengths, masks, tree, plain, ar
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_attention_tree_node_equals_ar_step(dtype, kernel_device):
+    """With `paths`, a tree node (random trees, branches hanging off the prefix too) has the
+    bits of an AR step at length + depth over a cache holding its path after the prefix, for
+    prefixes ending around key-block edges (the path straddles one), MHA and GQA; the keys
+    are the reference's either way. On the CPU (numpy dots) checked to float32 rounding."""
+    from test_kernel_tree_attention import check
+
+    for R, N, H, Hkv, D, seed, lengths in ((3, 9, 4, 2, 64, 3, [60, 127, 5]), (2, 6, 2, 2, 80, 4, [62, 0]),
+                                           (1, 17, 3, 1, 64, 5, [120])):
+        q, k, v, table, lengths, masks, tree, plain, ar = _tree_vs_ar(R, N, H, Hkv, D, dtype, kernel_device,
+                                                                       seed, lengths)
+        assert not tree.isnan().any()
+        if kernel_device == "cuda":
+            assert torch.equal(tree, ar), (tree - ar).abs().max()
+        else:
+            torch.testing.assert_close(tree, ar, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+        torch.testing.assert_close(tree, plain, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+        for r in range(R):   # the row alone: the same bits
+            alone = _t.tree_attention(q[r:r + 1], k, v, table[r:r + 1], lengths[r:r + 1], masks[r:r + 1],
+                                      invariant=True, paths=True)
+            assert torch.equal(alone[0], tree[r])
+
+
+@pytest.mark.gpu
+def test_gpu_tree_without_paths_is_not_ar():
+    """The broken variant: without `paths` a branching tree's nodes sum their path's keys where
+    the tree put them, and some node's bits differ from its AR step's (bf16)."""
+    _, _, _, _, _, masks, tree, plain, ar = _tree_vs_ar(4, 24, 32, 32, 128, torch.bfloat16, "cuda", 7,
+                                                       [60, 100, 250, 7])
+    assert torch.equal(tree, ar)
+    assert not torch.equal(plain, ar)
+
+
 def test_invariant_attention_launch_does_not_follow_rows_or_nodes(monkeypatch):
     """Every invariant call launches the tensor-core kernel with one config (16-query tiles, a
     split count from the cache length only), never the one-query kernel; causal calls too."""
@@ -173,23 +231,26 @@ def test_invariant_attention_launch_does_not_follow_rows_or_nodes(monkeypatch):
 
 
 def test_engine_option_and_cli(tmp_path):
-    """`invariant` must be a bool, sets the models' flag, and `--invariant` reaches the engine."""
+    """`invariant` must be a bool, sets the models' flag, takes trees (float32 on the CPU: tree
+    SD gives AR's tokens), and `--invariant` reaches the engine."""
     from models import model_dir
-    from tabed_engine import Engine
+    from tabed_engine import Engine, SamplingParams
+    from tabed_engine.models.tiny import random_image
     from tabed_engine.serving.cli import build_parser, engine_kwargs
 
     with pytest.raises(TypeError, match="invariant"):
         Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), invariant=1)
     eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), invariant=True, max_batch=2)
     assert eng.invariant and eng.target.lm.invariant and eng.draft.lm.invariant
-    assert not eng.view_tree                          # the first block a mixture chain
-    with pytest.raises(ValueError, match="chains only"):
-        eng.configure(tree="5x2x2")
-    with pytest.raises(ValueError, match="chains only"):
-        eng.configure(view_tree=True)
-    eng.configure(gamma=3)                            # still usable
-    with pytest.raises(ValueError, match="chains only"):
-        Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), invariant=True, tree=True)
+    assert eng.view_tree                              # trees too: a node reads its path as AR does
+    eng.configure(tree="5x2x2")
+    eng.configure(tree=None, gamma=3)
+    tree = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), invariant=True, tree="4x2x2",
+                                  max_batch=2, device="cpu", dtype=torch.float32)
+    prompt, sp = "<image>\n w1 w2 w3", SamplingParams(max_new_tokens=12)
+    img = [random_image(3)]
+    ar = tree.generate(prompt, images=img, sampling=sp, speculative=False).token_ids
+    assert tree.generate(prompt, images=img, sampling=sp).token_ids == ar
     args = build_parser().parse_args(["generate", "--target", "t", "--invariant", "--prompt", "p"])
     assert engine_kwargs(args)["invariant"] is True
     args = build_parser().parse_args(["generate", "--target", "t", "--prompt", "p"])
@@ -199,9 +260,9 @@ def test_engine_option_and_cli(tmp_path):
 @pytest.mark.gpu
 def test_gpu_bf16_sd_equals_ar_bitwise():
     """bf16 on the GPU with `invariant=True`: greedy SD tokens == AR tokens bit for bit, every
-    request alone and the same requests batched (AR and SD), 48 requests of 48 tokens, and with
-    a small prefill budget (chunks cut anywhere); seeded sampled requests batched with SD ==
-    alone with AR."""
+    request alone and the same requests batched (AR and SD, chains and trees), 48 requests of
+    48 tokens, and with a small prefill budget (chunks cut anywhere); seeded sampled requests
+    batched with SD == alone with AR."""
     from models import model_dir
     from tabed_engine import Engine, SamplingParams
     from test_prefill_graphs import _prompt
@@ -229,6 +290,13 @@ def test_gpu_bf16_sd_equals_ar_bitwise():
     s_ar = [eng.generate(t, images=im, sampling=p, speculative=False).token_ids for (t, im), p in zip(few, seeded)]
     s_batch = [o.token_ids for o in eng.generate([c[0] for c in few], images=[c[1] for c in few], sampling=seeded)]
     assert s_batch == s_ar
+    # trees: the tree's nodes read their paths as AR steps do (and the first block, the views'
+    # tree, too: view_tree is on above)
+    eng.configure(tree="4x2x2")
+    tree_alone = [eng.generate(t, images=im, sampling=sp).token_ids for t, im in cases[:24]]
+    tree_batch = [o.token_ids for o in eng.generate(texts, images=imgs, sampling=sp)]
+    assert tree_alone == alone_ar[:24]
+    assert tree_batch == alone_ar
 
 
 @pytest.mark.parametrize("graphs", [False, True])

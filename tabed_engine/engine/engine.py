@@ -139,15 +139,9 @@ class Engine(RequestIntake, EngineLimits):
         # decode and verification with launch configs that do not follow the number of rows
         # (models/decoder.py `LlamaLM.invariant`): on the GPU a request's tokens do not depend on
         # speculation or on the batch around it
+        # (a tree's nodes sit at other cache slots than plain decoding puts their tokens: their
+        # attention reads each node's path in the AR step's order, `tree_attention`'s paths)
         self.invariant = invariant
-        if invariant:
-            # a tree's nodes sit at other cache slots than plain decoding puts their tokens, so
-            # their attention sums in another order: chains only, and the first block a mixture
-            # chain rather than a tree of the views' chains
-            if self.tree is not None:
-                raise ValueError("invariant=True covers chains only (a tree node's attention is not the AR "
-                                 "step's): pass tree=None")
-            self.view_tree = False
         for model in (m for m in (target, draft) if m is not None):
             model.lm.invariant = invariant
         self.kv_cache_tokens = self._kv_cache_tokens(kv_cache_tokens, max_batch, memory_fraction)  # the KV pages
@@ -277,9 +271,6 @@ class Engine(RequestIntake, EngineLimits):
                 ens.temperature if weight_temperature is KEEP else weight_temperature,
                 ens.grid_step if grid_step is None else grid_step, self.max_len, self.pool_size, self.captioner)
             new_tree = self.tree if tree is KEEP else parse_tree(tree)
-            if self.invariant and (new_tree is not None or view_tree):
-                raise ValueError("invariant=True covers chains only (a tree node's attention is not the AR "
-                                 "step's): no tree= or view_tree=True")
             if view_tree is not None:
                 self.view_tree = bool(view_tree)
             if adaptive is not KEEP:

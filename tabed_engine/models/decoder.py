@@ -127,6 +127,9 @@ class ForwardContext:
         # lengths: [R] committed prefix per row; tree_mask: [R, T, T] bool or None (causal)
         dev = lengths.device
         self.invariant = False  # the model sets it for its kernel-path calls (`LlamaLM.invariant`)
+        # a tree (verification, the views' tree; not a draft tree fed depth by depth): with
+        # `invariant` its nodes' keys are summed as AR steps hold them (`tree_attention` paths)
+        self.tree = (tree_mask is not None or tree_bits is not None) and not tree_offset
         kernels = dev.type == "cuda" and T <= 64 and not fresh
         if tree_offset and (tree_bits is None or fresh or slot is not None or tree_offset + T > 64):
             raise ValueError(f"tree_offset={tree_offset} needs tree_bits, no fresh prefill or slot, and "
@@ -272,6 +275,7 @@ class LlamaLM(nn.Module):
         kv_len = cache.max_len if kv_len is None else kv_len
         ctx = ForwardContext(lengths, T, kv_len, tree_mask, fresh, slot, tree_bits, tree_offset)
         ctx.invariant = self.invariant and ctx.kernels
+        ctx.paths = ctx.invariant and ctx.tree
         # the table spans the cache: a draft's cache may be longer than the draft's position
         # limit (it has the target's length); a request's draft rows stay within the limit
         # (`Engine._draft_room`, checked when it is added), and only the slots drafted past a

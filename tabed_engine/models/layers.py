@@ -128,7 +128,8 @@ class Attention(nn.Module):
             q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, table, ctx.write32,
                               cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
             out = tree_attention(q, k_cache, v_cache, table, ctx.lengths32, ctx.tree_bits,
-                                 tree_slots=None if ctx.causal else ctx.tree_slots, invariant=inv, causal=ctx.causal)
+                                 tree_slots=None if ctx.causal else ctx.tree_slots, invariant=inv, causal=ctx.causal,
+                                 paths=ctx.paths)
             return self.o_proj(out.reshape(R, T, -1), invariant=inv)
         if ctx.fresh and use_kernel(qkv, cfg.head_dim):  # CUDA prefill: one launch
             q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg)

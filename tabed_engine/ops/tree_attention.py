@@ -143,6 +143,7 @@ def tree_attention(
     tree_slots: int | None = None,
     invariant: bool = False,
     causal: bool = False,
+    paths: bool = False,
 ) -> torch.Tensor:
     """Tree attention: the Triton kernel for CUDA tensors, else the reference.
 
@@ -177,6 +178,11 @@ def tree_attention(
         A prompt chunk over a cached prefix: node i sees slots [0, lengths[r] + i] (its own
         K/V and the earlier nodes' already written), N up to the cache span. Takes no
         tree_mask / tree_slots; slots >= lengths[r] + N are never read.
+    paths : bool
+        A tree whose bits are each node's path (ancestors at lower slots): on CUDA a node's
+        keys past the prefix are summed in the order an AR step at lengths[r] + depth holds
+        them, so with `invariant` a tree node gets that step's bits. The same keys either way:
+        the reference ignores it.
 
     Returns
     -------
@@ -187,7 +193,7 @@ def tree_attention(
         from tabed_engine.kernels import tree_attention as _k
 
         return _k.tree_attention(q, k_cache, v_cache, block_table, lengths, tree_mask, scale=scale, out=out,
-                                 tree_slots=tree_slots, invariant=invariant, causal=causal)
+                                 tree_slots=tree_slots, invariant=invariant, causal=causal, paths=paths)
     result = tree_attention_reference(q, k_cache, v_cache, block_table, lengths, tree_mask, scale=scale,
                                       tree_slots=tree_slots, causal=causal)
     if out is None:
