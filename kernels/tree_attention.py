@@ -46,6 +46,14 @@ is -inf, so m_new = m, alpha = exp2(0) = 1, p = 0, l + 0 = l and acc * 1 + (0 @ 
 finite: slots below length + N are written, the rest load as 0). A split that saw no key at
 all keeps m = -1e30, l = 0, acc = 0, as in the AR step, where it ran no block.
 
+Paths (`paths=True`, a tree): a node's ancestors sit at the tree's slots, not at the slots an
+AR step of its depth d holds them, so the blocks past the prefix's last whole one are read
+per node as an AR step at length + d reads them: virtual slot v is the prefix's slot v below
+length, else the node's path's (v - length)-th node (its set bits in slot order, the root
+first). Each such block is one masked step per node of the tile, visible to that node's rows
+only; by (4) the other rows pass it unchanged, and by (1)-(3) the node's rows get the AR
+step's arithmetic on the same values in the same lanes.
+
 One query per row (N = 1: an AR decode step, a draft step) takes a leaner kernel: one program
 per (row, query head, split) with the scores and the weighted sum of V as CUDA-core
 multiply-adds over [BLOCK_N, D] tiles (a 16-row tensor-core tile would be 15/16 padding),
