@@ -119,7 +119,7 @@ class DemoBench(E2EBench):
             if not os.path.isfile(os.path.join(d, "config.json")):
                 raise FileNotFoundError(f"no bundled checkpoint at {d}")
         t0 = time.perf_counter()
-        inv = self.args.invariant        # invariant=True covers chains only: no tree engine then
+        inv = self.args.invariant
         base = Engine.from_pretrained(dirs["target"], dirs["draft"], device=dev, dtype=dt, views=DEMO_VIEWS,
                                       policy=DEMO_POLICY, gamma=p.gamma, timing=False, prefix_cache=False,
                                       invariant=inv)
@@ -129,11 +129,10 @@ class DemoBench(E2EBench):
         self.ar_engine, self.target_lvlm, self.processor = base, base.target, base.processor
         name = f"{DEMO_POLICY}[{'+'.join(DEMO_VIEWS)}]"
         self.engines = {name: base, "M": single}
-        if not inv:
-            tree = TreeConfig()             # the default tree, over the demo's ensemble
-            self.engines[f"{name} tree {tree.depth}x{tree.width}x{tree.branch}"] = Engine(
-                base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=DEMO_VIEWS,
-                policy=DEMO_POLICY, gamma=p.gamma, timing=False, tree=tree, prefix_cache=False)
+        tree = TreeConfig()                 # the default tree, over the demo's ensemble
+        self.engines[f"{name} tree {tree.depth}x{tree.width}x{tree.branch}"] = Engine(
+            base.target, base.processor, draft=base.draft, device=dev, dtype=dt, views=DEMO_VIEWS,
+            policy=DEMO_POLICY, gamma=p.gamma, timing=False, tree=tree, prefix_cache=False, invariant=inv)
         self.check_no_override()
         self.examples = {sc: examples(sc, p.prompts, seed=0) for sc in SCENARIOS}
         self.hf = None
@@ -414,7 +413,7 @@ def add_args(ap: argparse.ArgumentParser):
     ap.add_argument("--max-new", type=int, default=None,
                     help="demo-pair: cap on new tokens per generation (default: per scenario, 16-48)")
     ap.add_argument("--invariant", action="store_true",
-                    help="demo-pair: the engines with invariant=True (chains only: no tree engine)")
+                    help="demo-pair: the engines with invariant=True (the tree engine too)")
 
 
 def run(args):

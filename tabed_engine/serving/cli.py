@@ -51,7 +51,7 @@ def add_engine_options(p: argparse.ArgumentParser):
                         "same way (prefix caching: on by default, docs/serving.md)")
     p.add_argument("--invariant", action="store_true",
                    help="row-count-invariant decoding on the GPU: a request's tokens have the same bits with "
-                        "or without speculation and alone or in any batch (chains; docs/api.md for its cost)")
+                        "or without speculation and alone or in any batch (chains and trees; docs/api.md for its cost)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the target over N processes, one GPU each from --device's index on (on the "
                         "CPU: N processes); this process starts and stops the workers (docs/parallel.md)")
