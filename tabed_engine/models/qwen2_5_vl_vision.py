@@ -245,7 +245,11 @@ class QwenVision(nn.Module):
             plan = TowerPlan(key[0], self.merge, tw.window_size, self.patch, tw.rotary_pos_emb.inv_freq,
                              patches.device)
             if len(self._plans) >= self.PLANS_KEPT:
-                self._plans.pop(next(iter(self._plans)))
+                old = self._plans.pop(next(iter(self._plans)))
+                if old.window_index.is_cuda:
+                    # (the tower may run on the draft's view stream and on the main one: no
+                    # stream may still read the plan's tensors when their memory is handed out)
+                    torch.cuda.synchronize(old.window_index.device)
         self._plans[key] = plan                   # (most recently used last)
         if patches.shape[0] != plan.n:
             raise ValueError(f"{patches.shape[0]} patches for grids {list(key[0])} of {plan.n}")
