@@ -138,6 +138,24 @@ def test_tower_forward_matches_transformers(hf, grids):
     assert sum(lens) == n
 
 
+def test_tower_plans_are_kept_per_grid(target):
+    """One plan per grid list, the latest PLANS_KEPT kept: a grid seen again reuses its plan
+    (same features), an evicted one is rebuilt alike; too few patches for the grids: ValueError."""
+    vis = target.target.vision
+    vis._plans.clear()
+    dim = 3 * vis.temporal * vis.patch ** 2
+    x = torch.randn(8 * 12, dim, generator=torch.Generator().manual_seed(0))
+    first = vis.features(x, [(1, 8, 12)])
+    plan = vis._plans[((1, 8, 12),), "cpu"]
+    assert torch.equal(vis.features(x, [(1, 8, 12)]), first) and vis._plans[((1, 8, 12),), "cpu"] is plan
+    for i in range(vis.PLANS_KEPT):
+        vis.features(torch.zeros(4 * (i + 1) * 2, dim), [(1, 4, 2 * (i + 1))])
+    assert len(vis._plans) == vis.PLANS_KEPT and ((1, 8, 12),) not in [k for k, _ in vis._plans]
+    assert torch.equal(vis.features(x, [(1, 8, 12)]), first)
+    with pytest.raises(ValueError, match="patches"):
+        vis.features(x[:-4], [(1, 8, 12)])
+
+
 def test_dynamic_resolution_counts_match_the_processor(target):
     """Token counts, grids and pixel patches of images of several sizes as the processor's."""
     vision, ip = target.target.vision, target.processor.image_processor
