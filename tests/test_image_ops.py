@@ -756,3 +756,23 @@ def test_qwen_supported_and_refused_processors():
     with pytest.raises(ValueError, match="aspect ratio"):       # as smart_resize refuses it in the processor
         device_pixels([image(1000, 4, seed=52)], qwen_processor(), "cpu")
 
+
+def test_long_axes_in_blocks_equal_processor(monkeypatch):
+    """The blocked resampling of long axes (resample.resample_axis past DENSE_BYTES), forced on
+    small images with blocks of 7 output pixels: still bit-exact for CLIP (crop and zero pad), the
+    any-resolution tiles and Qwen2-VL's patches, shrunk and enlarged, in both pass orders."""
+    from tabed_engine.models import resample
+
+    monkeypatch.setattr(resample, "DENSE_BYTES", 0)
+    monkeypatch.setattr(resample, "BLOCK", 7)
+    cases = [(pil_processor(**CONFIGS["pad"]), IMAGES[:5]), (pil_processor(), IMAGES[:3]),
+             (qwen_processor(**QWEN_CONFIGS["odd-layout"]), QWEN_IMAGES[:6]),
+             (qwen_processor(), [image(113, 2000, seed=53), image(700, 150, seed=54)])]
+    for ip, imgs in cases:
+        for im in imgs:
+            assert torch.equal(device_pixels([im], ip, "cpu"), ip([im], return_tensors="pt")["pixel_values"]), \
+                (type(ip).__name__, im.size)
+    ip = next_processor(**NEXT_CONFIGS[sorted(NEXT_CONFIGS)[0]])
+    imgs = [im for im in IMAGES[:4] if not misread_by_4x(im, ip)]
+    assert torch.equal(device_pixels(imgs, ip, "cpu"), ip(imgs, return_tensors="pt")["pixel_values"])
+    assert any(k[-1] == 7 for k in resample.matrices.items)      # (the blocks ran)

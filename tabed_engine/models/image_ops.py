@@ -11,7 +11,8 @@ point, so a float resize (torch's `interpolate(mode="bicubic", antialias=True)` 
 input) differs from them by whole levels (22 of 255 on the benchmark's photos, more on
 upsampled noise: results/ttft_vision_h200.json, float_resize_vs_processor_max_abs).
 Here each axis is one matmul with the integer fixed-point coefficients in float64 (pixels
-< 2^8 times coefficients < 2^23, sums < 2^31: exact in any summation order), then the same
+< 2^8 times coefficients < 2^23, sums < 2^31: exact in any summation order; a long axis resized
+to a long one, in blocks of output pixels: resample.py), then the same
 rounding and clipping to uint8 as the processor, the two passes in the processor's order:
 
 * PIL backend (`CLIPImageProcessor` in transformers 4.x, `CLIPImageProcessorPil` in 5.x):
@@ -81,7 +82,7 @@ import numpy as np
 import torch
 
 from tabed_engine.models.qwen2_5_vl_vision import smart_resize
-from tabed_engine.models.resample import fixed_point as _fixed_point, matrices as _matrices
+from tabed_engine.models.resample import fixed_point as _fixed_point, resample_axis as _resample_axis
 
 _CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil")
 # any-resolution (LLaVA-NeXT): 4.x LlavaNextImageProcessor (PIL) / ...Fast (torchvision); 5.x
@@ -331,12 +332,11 @@ def _resample(x: torch.Tensor, plan: PixelPlan, vertical_first: Optional[bool] =
         vertical_first = plan.backend == "pil" and _pillow_vertical_first(w, h, rw, rh)
     for axis in ("v", "h") if vertical_first else ("h", "v"):
         if axis == "h" and rw != w:
-            x = _fixed_point(x @ _matrices.get(w, rw, x0, nx, plan.backend, x.device))   # [..., *, nx]
+            x = _fixed_point(_resample_axis(x, -1, w, rw, x0, nx, plan.backend))   # [..., *, nx]
         elif axis == "h":
             x = x[..., x0:x0 + nx]
         elif rh != h:
-            m = _matrices.get(h, rh, y0, ny, plan.backend, x.device)
-            x = _fixed_point(torch.matmul(m.t(), x))                 # [..., ny, *]
+            x = _fixed_point(_resample_axis(x, -2, h, rh, y0, ny, plan.backend))   # [..., ny, *]
         else:
             x = x[..., y0:y0 + ny, :]
     if (ny, nx) == (oh, ow):
