@@ -751,11 +751,31 @@ def test_qwen_supported_and_refused_processors():
     assert not supports(Qwen2VLImageProcessorFast())
     ip = qwen_processor()
     ip.size = {}
+    for attr in ("min_pixels", "max_pixels"):     # (4.x keeps them as attributes too)
+        if hasattr(ip, attr):
+            setattr(ip, attr, None)
     with pytest.raises(ValueError, match="shortest_edge and longest_edge"):
         pixel_plan(ip)
     with pytest.raises(ValueError, match="aspect ratio"):       # as smart_resize refuses it in the processor
         device_pixels([image(1000, 4, seed=52)], qwen_processor(), "cpu")
 
+
+
+@pytest.mark.gpu
+def test_cuda_qwen_equals_processor():
+    """Qwen2.5-VL's published settings on CUDA (float64 matmuls there: still exact), image by
+    image and as one batch; bfloat16 out= equal to the processor's values rounded once."""
+    ip = qwen_processor()
+    imgs = [im for im in QWEN_IMAGES if not qwen_misread_by_4x(im)] + [image(3700, 3500, seed=50)]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")
+        ours = device_inputs([im], ip, "cuda")
+        assert ours["pixel_values"].is_cuda and torch.equal(ours["pixel_values"].cpu(), ref["pixel_values"]), im.size
+        assert torch.equal(ours["image_grid_thw"].cpu(), ref["image_grid_thw"])
+    ref = ip(imgs[:4], return_tensors="pt")["pixel_values"]
+    out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    device_pixels(imgs[:4], ip, "cuda", out=out)
+    assert torch.equal(out.cpu(), ref.to(torch.bfloat16))
 
 def test_long_axes_in_blocks_equal_processor(monkeypatch):
     """The blocked resampling of long axes (resample.resample_axis past DENSE_BYTES), forced on

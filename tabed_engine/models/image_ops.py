@@ -569,11 +569,10 @@ def device_inputs(images: Sequence, image_processor, device, dtype: torch.dtype 
     Qwen2-VL's processor "image_grid_thw": int64 [n, 3] (grid_t, grid_h, grid_w)."""
     pv = device_pixels(images, image_processor, device, dtype)
     plan = pixel_plan(image_processor)
+    sizes = [tuple(im.shape[:2]) if hasattr(im, "shape") else (im.height, im.width) for im in images]
     if plan.patches is not None:
-        sizes = [tuple(im.shape[:2]) if hasattr(im, "shape") else (im.height, im.width) for im in images]
-        return {"pixel_values": pv, "image_grid_thw": torch.tensor([patch_grid(s, plan) for s in sizes],
-                                                                   dtype=torch.int64, device=pv.device)}
+        grids = [patch_grid(s, plan) for s in sizes]
+        return {"pixel_values": pv, "image_grid_thw": torch.tensor(grids, dtype=torch.int64, device=pv.device)}
     if plan.anyres is None:
         return {"pixel_values": pv}
-    sizes = [tuple(im.shape[:2]) if hasattr(im, "shape") else (im.height, im.width) for im in images]
     return {"pixel_values": pv, "image_sizes": torch.tensor(sizes, dtype=torch.int64, device=pv.device)}
