@@ -583,3 +583,216 @@ def test_cuda_onevision_equals_processor():
     out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     device_pixels(imgs[4:7], ip, "cuda", out=out)
     assert torch.equal(out.cpu(), ref.to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------ Qwen2-VL / Qwen2.5-VL
+
+# Qwen/Qwen2.5-VL-*-Instruct's preprocessor_config.json
+QWEN = dict(min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
+            image_mean=list(MEAN), image_std=list(STD))
+QWEN_CONFIGS = {
+    "published": {},
+    "tiny": dict(min_pixels=256, max_pixels=2304, patch_size=4),          # tiny_qwen2_5_vl's fixture
+    "1280-tokens": dict(max_pixels=1280 * 28 * 28),                       # the common max_pixels: shrinks more
+    # every axis of the layout a different size (a merge / temporal / channel mix-up shows)
+    "odd-layout": dict(min_pixels=400, max_pixels=40000, patch_size=5, merge_size=3, temporal_patch_size=3),
+    "no-normalize": dict(min_pixels=256, max_pixels=2304, patch_size=4, do_normalize=False),
+    "no-rescale": dict(min_pixels=256, max_pixels=2304, patch_size=4, do_rescale=False),
+}
+# odd sizes; tiny ones scaled up to min_pixels; 672 x 672 (already a multiple of 28: no resize); a tall
+# one shrunk (Pillow 13 resizes it vertically first); one larger than 1280 tokens; extreme aspect
+# ratios; grey and RGBA inputs
+QWEN_IMAGES = [image(41, 67, seed=40), image(200, 113, seed=41), image(672, 672, seed=42), image(5, 7, seed=43),
+               image(113, 2000, seed=44), image(1500, 1100, seed=45), image(400, 3, seed=46), image(2, 300, seed=47),
+               image(37, 29, 0, seed=48), image(50, 45, 4, seed=49)]
+
+
+def qwen_processor(**kw):
+    """transformers' PIL-backed Qwen2-VL image processor (5.x: Qwen2VLImageProcessorPil; 4.x:
+    Qwen2VLImageProcessor), Qwen2.5-VL's published settings overridden by kw."""
+    try:
+        from transformers import Qwen2VLImageProcessorPil as cls
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as cls
+    if pixel_plan(cls(**QWEN)).backend != "pil":
+        pytest.skip(f"no PIL-backed Qwen2-VL image processor in this transformers ({cls.__name__} is not)")
+    return cls(**{**QWEN, **kw})
+
+
+def qwen_misread_by_4x(im) -> bool:
+    """transformers 4.x takes an image 3 pixels high for channels-first."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) < 5 and im.height == 3
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_CONFIGS))
+def test_qwen_equals_processor(name):
+    """Bit-exact pixel_values and equal image_grid_thw, image by image and as one batch (the
+    images' patch rows one after another)."""
+    ip = qwen_processor(**QWEN_CONFIGS[name])
+    imgs = [im for im in QWEN_IMAGES if not qwen_misread_by_4x(im)]
+    resized = 0
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")
+        ours = device_inputs([im], ip, "cpu")
+        assert ours["pixel_values"].dtype == torch.float32
+        assert ours["pixel_values"].shape == ref["pixel_values"].shape, (name, im.size)
+        assert torch.equal(ours["pixel_values"], ref["pixel_values"]), \
+            (name, im.size, (ours["pixel_values"] - ref["pixel_values"]).abs().max().item())
+        assert torch.equal(ours["image_grid_thw"], ref["image_grid_thw"])
+        t, gh, gw = ref["image_grid_thw"][0].tolist()
+        resized += (gh * ip.patch_size, gw * ip.patch_size) != (im.height, im.width)
+    assert resized >= len(imgs) - 1       # (the resampling ran, not only the layout)
+    batch = imgs[:4]
+    ref = ip(batch, return_tensors="pt")
+    ours = device_inputs(batch, ip, "cpu")
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+    assert torch.equal(ours["image_grid_thw"], ref["image_grid_thw"])
+
+
+@pytest.mark.slow
+def test_qwen_huge_image_equals_processor():
+    """An image past the published max_pixels (12845056): shrunk a little, in both pass orders
+    (a wide one, horizontal first; a tall one, vertical first under Pillow 13)."""
+    ip = qwen_processor()
+    for im in (image(3700, 3500, seed=50), image(1200, 11000, seed=51)):
+        ref = ip([im], return_tensors="pt")
+        t, gh, gw = ref["image_grid_thw"][0].tolist()
+        assert gh * gw * 14 * 14 <= QWEN["max_pixels"] < im.height * im.width
+        assert torch.equal(device_pixels([im], ip, "cpu"), ref["pixel_values"]), im.size
+
+
+def test_qwen_writes_every_element_of_out():
+    """out= (poisoned with NaN) is written whole: float32 equal to the processor, bfloat16 its
+    values rounded once; a wrong shape or a non-contiguous out is refused."""
+    ip = qwen_processor(**QWEN_CONFIGS["tiny"])
+    imgs = QWEN_IMAGES[:3]
+    ref = ip(imgs, return_tensors="pt")["pixel_values"]
+    out = torch.full(ref.shape, float("nan"))
+    assert device_pixels(imgs, ip, "cpu", out=out) is out and torch.equal(out, ref)
+    half = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16)
+    device_pixels(imgs, ip, "cpu", out=half)
+    assert torch.equal(half, ref.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        device_pixels(imgs, ip, "cpu", out=torch.empty(ref.shape[0] - 1, ref.shape[1]))
+    with pytest.raises(ValueError, match="contiguous"):
+        device_pixels(imgs, ip, "cpu", out=torch.empty(ref.shape[1], ref.shape[0]).t())
+
+
+@pytest.mark.parametrize("mutation", ["bilinear processor", "temporal before channel", "rows without merge",
+                                      "floor sizes"])
+def test_qwen_mistakes_are_caught(monkeypatch, mutation):
+    """The comparison fails for another resample filter, a wrong column or row order, or a
+    resize that rounds the sides down."""
+    import tabed_engine.models.image_ops as ops
+
+    ip = qwen_processor(**QWEN_CONFIGS["odd-layout"])
+    imgs = QWEN_IMAGES[:2]
+    good = ip(imgs, return_tensors="pt")["pixel_values"]
+    assert torch.equal(device_pixels(imgs, ip, "cpu"), good)
+    if mutation == "bilinear processor":
+        good = qwen_processor(**QWEN_CONFIGS["odd-layout"], resample=2)(imgs, return_tensors="pt")["pixel_values"]
+    elif mutation == "temporal before channel":
+        def patchify(x, p, out):
+            C, H, W = x.shape
+            gh, gw, m = H // p.patch, W // p.patch, p.merge
+            x = x.view(C, gh // m, m, p.patch, gw // m, m, p.patch).permute(1, 4, 2, 5, 0, 3, 6)
+            out.view(gh // m, gw // m, m, m, p.temporal, C, p.patch, p.patch).copy_(
+                x.unsqueeze(4).expand(-1, -1, -1, -1, p.temporal, -1, -1, -1))
+        monkeypatch.setattr(ops, "_patchify", patchify)
+    elif mutation == "rows without merge":          # plain row-major patch rows
+        def patchify(x, p, out):
+            C, H, W = x.shape
+            gh, gw = H // p.patch, W // p.patch
+            x = x.view(C, gh, p.patch, gw, p.patch).permute(1, 3, 0, 2, 4)
+            out.view(gh, gw, C, p.temporal, p.patch, p.patch).copy_(x.unsqueeze(3).expand(-1, -1, -1, p.temporal,
+                                                                                          -1, -1))
+        monkeypatch.setattr(ops, "_patchify", patchify)
+    else:
+        def smart(h, w, factor, lo, hi):
+            return max(factor, h // factor * factor), max(factor, w // factor * factor)
+        monkeypatch.setattr(ops, "smart_resize", smart)
+    bad = device_pixels(imgs, ip, "cpu")
+    assert bad.shape != good.shape or not torch.equal(bad, good)
+
+
+class Qwen2VLImageProcessorFast(BaseImageProcessorFast):
+    """transformers 4.x's torchvision-backed Qwen2-VL processor (stand-in holding its settings)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update({**QWEN, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+                              "do_normalize": True, "size": {"shortest_edge": 3136, "longest_edge": 12845056}, **kw})
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(resample=2), "only bicubic"),
+    (dict(do_resize=False), "do_resize off"),
+])
+def test_qwen_unsupported_settings_refused(kw, why):
+    ip = qwen_processor(**kw)
+    assert not supports(ip)
+    with pytest.raises(ValueError, match=why):
+        pixel_plan(ip)
+    with pytest.raises(ValueError, match=why):
+        device_pixels(QWEN_IMAGES[:1], ip, "cpu")
+
+
+def test_qwen_supported_and_refused_processors():
+    """The published settings and the tiny fixture's are supported (and need no layout: the
+    model's grids follow the processor it is bound to); the torchvision backend, a processor
+    without min / max pixels and an any-resolution layout are not."""
+    from tabed_engine.models.anyres import AnyRes
+
+    assert supports(qwen_processor()) and supports(qwen_processor(**QWEN_CONFIGS["tiny"]))
+    assert not supports(qwen_processor(), AnyRes(((672, 672),), 336, 24))
+    with pytest.raises(ValueError, match="only Qwen2-VL's PIL backend"):
+        pixel_plan(Qwen2VLImageProcessorFast())
+    assert not supports(Qwen2VLImageProcessorFast())
+    ip = qwen_processor()
+    ip.size = {}
+    for attr in ("min_pixels", "max_pixels"):     # (4.x keeps them as attributes too)
+        if hasattr(ip, attr):
+            setattr(ip, attr, None)
+    with pytest.raises(ValueError, match="shortest_edge and longest_edge"):
+        pixel_plan(ip)
+    with pytest.raises(ValueError, match="aspect ratio"):       # as smart_resize refuses it in the processor
+        device_pixels([image(1000, 4, seed=52)], qwen_processor(), "cpu")
+
+
+
+@pytest.mark.gpu
+def test_cuda_qwen_equals_processor():
+    """Qwen2.5-VL's published settings on CUDA (float64 matmuls there: still exact), image by
+    image and as one batch; bfloat16 out= equal to the processor's values rounded once."""
+    ip = qwen_processor()
+    imgs = [im for im in QWEN_IMAGES if not qwen_misread_by_4x(im)] + [image(3700, 3500, seed=50)]
+    for im in imgs:
+        ref = ip([im], return_tensors="pt")
+        ours = device_inputs([im], ip, "cuda")
+        assert ours["pixel_values"].is_cuda and torch.equal(ours["pixel_values"].cpu(), ref["pixel_values"]), im.size
+        assert torch.equal(ours["image_grid_thw"].cpu(), ref["image_grid_thw"])
+    ref = ip(imgs[:4], return_tensors="pt")["pixel_values"]
+    out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    device_pixels(imgs[:4], ip, "cuda", out=out)
+    assert torch.equal(out.cpu(), ref.to(torch.bfloat16))
+
+def test_long_axes_in_blocks_equal_processor(monkeypatch):
+    """The blocked resampling of long axes (resample.resample_axis past DENSE_BYTES), forced on
+    small images with blocks of 7 output pixels: still bit-exact for CLIP (crop and zero pad), the
+    any-resolution tiles and Qwen2-VL's patches, shrunk and enlarged, in both pass orders."""
+    from tabed_engine.models import resample
+
+    monkeypatch.setattr(resample, "DENSE_BYTES", 0)
+    monkeypatch.setattr(resample, "BLOCK", 7)
+    cases = [(pil_processor(**CONFIGS["pad"]), IMAGES[:5]), (pil_processor(), IMAGES[:3]),
+             (qwen_processor(**QWEN_CONFIGS["odd-layout"]), QWEN_IMAGES[:6]),
+             (qwen_processor(), [image(113, 2000, seed=53), image(700, 150, seed=54)])]
+    for ip, imgs in cases:
+        for im in imgs:
+            assert torch.equal(device_pixels([im], ip, "cpu"), ip([im], return_tensors="pt")["pixel_values"]), \
+                (type(ip).__name__, im.size)
+    ip = next_processor(**NEXT_CONFIGS[sorted(NEXT_CONFIGS)[0]])
+    imgs = [im for im in IMAGES[:4] if not misread_by_4x(im, ip)]
+    assert torch.equal(device_pixels(imgs, ip, "cpu"), ip(imgs, return_tensors="pt")["pixel_values"])
+    assert any(k[-1] == 7 for k in resample.matrices.items)      # (the blocks ran)

@@ -284,6 +284,39 @@ def test_gpu_float32_matches_transformers(dirs, hf):
                 assert eng.generate(text, images=images, sampling=SP, speculative=speculative).token_ids == want
 
 
+# ---------------------------------------------------------------- images preprocessed on the device
+def test_device_images_equal_processor_path(dirs, hf, monkeypatch):
+    """device_images=True (image_ops' Qwen2-VL preprocessing, the CUDA default; forced here on the
+    CPU): the prompt is tokenized without the image processor (the processor path's ids and spans),
+    the pixels and grids equal the processor's bit for bit, and the greedy tokens, AR then SD (the
+    SD turn's images lie in the cached prefix: the draft's views preprocess them), equal the
+    processor path's and transformers'."""
+    import tabed_engine.models.image_ops as ops
+
+    eng = sd_engine(dirs["target"], dirs["draft"], ("M", "T", "P"), None, device_images=True)
+    host = sd_engine(dirs["target"], dirs["draft"], ("M", "T", "P"), None)
+    assert eng.device_images and not host.device_images          # (the CPU's default: the processor)
+    assert ops.supports(eng.processor.image_processor, eng.target.vision.anyres)
+    calls = []
+    real = ops.device_pixels
+    monkeypatch.setattr(ops, "device_pixels", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    for kind in ("two images", "multi-turn"):
+        text, images = chat(eng, kind)
+        a = host._request(text, images, None, None, True).prep
+        b = eng._request(text, images, None, None, True).prep
+        assert (b.ids, b.image_spans) == (a.ids, a.image_spans) and b.pixel_values is None
+        ours = ops.device_inputs(b.images, eng.processor.image_processor, "cpu")
+        assert torch.equal(ours["pixel_values"], a.pixel_values)
+        assert torch.equal(ours["image_grid_thw"], eng.processor(text, images)["image_grid_thw"])
+        want = reference(hf, eng.processor, text, images)
+        calls.clear()
+        for speculative in (False, True):
+            for e in (eng, host):
+                out = e.generate(text, images=images, sampling=SP, speculative=speculative)
+                assert out.token_ids == want, (kind, speculative, e.device_images)
+        assert calls == [len(images)] * 2, calls     # the prefill's, then the draft views'
+
+
 # ---------------------------------------------------------------- sampling is lossless
 SAMPLING = SamplingParams(max_new_tokens=2, temperature=0.8, top_k=3, stop_at_eos=False)
 

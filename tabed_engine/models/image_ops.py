@@ -1,5 +1,5 @@
-"""Image preprocessing on the device, equal to the checkpoint's CLIP, LLaVA-NeXT or LLaVA-OneVision
-image processor.
+"""Image preprocessing on the device, equal to the checkpoint's CLIP, LLaVA-NeXT, LLaVA-OneVision or
+Qwen2-VL (Qwen2.5-VL) image processor.
 
 `device_pixels(images, image_processor, device, dtype)` returns the processor's
 `pixel_values` computed on `device`; the host only uploads each image's uint8 pixels.
@@ -11,7 +11,8 @@ point, so a float resize (torch's `interpolate(mode="bicubic", antialias=True)` 
 input) differs from them by whole levels (22 of 255 on the benchmark's photos, more on
 upsampled noise: results/ttft_vision_h200.json, float_resize_vs_processor_max_abs).
 Here each axis is one matmul with the integer fixed-point coefficients in float64 (pixels
-< 2^8 times coefficients < 2^23, sums < 2^31: exact in any summation order), then the same
+< 2^8 times coefficients < 2^23, sums < 2^31: exact in any summation order; a long axis resized
+to a long one, in blocks of output pixels: resample.py), then the same
 rounding and clipping to uint8 as the processor, the two passes in the processor's order:
 
 * PIL backend (`CLIPImageProcessor` in transformers 4.x, `CLIPImageProcessorPil` in 5.x):
@@ -44,13 +45,27 @@ crop_size height when one is set: refused), each tile then resized to `size` (a 
 normalised. As the engine calls it, with a flat image list: every image is tiled (a nested list,
 several images of one prompt, would pad them to squares instead; not reproduced).
 
+Qwen2-VL / Qwen2.5-VL (`Qwen2VLImageProcessorPil` in 5.x, `Qwen2VLImageProcessor` in 4.x: the PIL
+backend only): each image resized to `smart_resize` of its size (sides multiples of patch x merge,
+area within the size's shortest_edge / longest_edge, 4.x's min_pixels / max_pixels) with the PIL
+resampling above (no resize where the size is already that), rescaled and normalised as above, then
+laid out as the processor's flattened patches: repeated temporal_patch_size times, rows ordered
+(grid_h / merge, grid_w / merge, merge, merge), columns (channel, temporal, patch, patch); the
+images' rows concatenated: `pixel_values` [sum of grid_h * grid_w, 3 * temporal * patch²], and
+`device_inputs` adds `image_grid_thw` [[1, grid_h, grid_w], ...]. Checked bit-exact against 5.24 and
+4.57.6 (Pillow 13); 4.57 reads an image 3 pixels high as channels-first (a wrong picture, with a
+warning); here it is read as 5.x reads it. Videos stay on the host
+(`qwen2_5_vl.QwenVLProcessor.video_pixels`).
+
 Supported: `CLIPImageProcessor` / `CLIPImageProcessorFast` / `CLIPImageProcessorPil` with
 bicubic resampling, `size` {shortest_edge} or {height, width}, any crop, rescale and
-normalisation; `do_pad` only where it is a no-op (all images cropped to one size). LLaVA-NeXT
+normalisation; `do_pad` only where it is a no-op (all images cropped to one size). Qwen2-VL's PIL
+processor with bicubic resampling, do_resize on, any rescale and normalisation. LLaVA-NeXT
 processors with those CLIP steps, crop_size with a height, `size` {shortest_edge} or a square
 {height, width} (where 4.57 and 5.x agree); LLaVA-OneVision's PIL processor with bicubic
 resampling, a square `size`, no crop_size and no center crop. Not supported, so the processor runs: other
-processor classes (LLaVA's pad-to-square `LlavaImageProcessor`, SigLIP, ...), other filters
+processor classes (LLaVA's pad-to-square `LlavaImageProcessor`, SigLIP, Qwen2-VL's torchvision
+backend, ...), other filters
 (bilinear: torchvision's CPU rounding depends on the CPU's instruction set), `longest_edge` /
 `max_height` sizes. Images: RGB PIL
 images (what `prompt._to_pil` returns) or uint8 HWC RGB arrays / tensors (on any device);
@@ -66,7 +81,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from tabed_engine.models.resample import fixed_point as _fixed_point, matrices as _matrices
+from tabed_engine.models.qwen2_5_vl_vision import smart_resize
+from tabed_engine.models.resample import fixed_point as _fixed_point, resample_axis as _resample_axis
 
 _CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil")
 # any-resolution (LLaVA-NeXT): 4.x LlavaNextImageProcessor (PIL) / ...Fast (torchvision); 5.x
@@ -76,6 +92,9 @@ _ANYRES_CLASSES = ("LlavaNextImageProcessor", "LlavaNextImageProcessorFast", "Ll
 # LlavaOnevisionImageProcessor (torchvision) / ...Pil. Only the PIL backend is reproduced.
 _ONEVISION_CLASSES = ("LlavaOnevisionImageProcessor", "LlavaOnevisionImageProcessorFast",
                       "LlavaOnevisionImageProcessorPil")
+# Qwen2-VL (Qwen2.5-VL): 4.x Qwen2VLImageProcessor (PIL) / ...Fast (torchvision); 5.x
+# Qwen2VLImageProcessor (torchvision) / ...Pil. Only the PIL backend is reproduced.
+_PATCH_CLASSES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 _SIZE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width",
               "min_pixels", "max_pixels")
 
@@ -91,16 +110,31 @@ class AnyResPlan:
 
 
 @dataclass(frozen=True)
+class PatchPlan:
+    """Qwen2-VL's flattened-patch layout, after the image is resized to its `smart_resize` size."""
+
+    patch: int          # patch side (pixels)
+    merge: int          # spatial merge size: rows are ordered by merge x merge groups
+    temporal: int       # temporal patch size: an image is repeated this many times
+
+    def __post_init__(self):
+        if min(self.patch, self.merge, self.temporal) < 1:
+            raise ValueError(f"patch, merge and temporal patch sizes must be positive, got {self}")
+
+
+@dataclass(frozen=True)
 class PixelPlan:
     """What the processor does to each image, read from its configuration."""
 
     backend: str                              # "pil" | "torchvision": whose rounding to follow
-    resize: Optional[tuple]                   # ("shortest_edge", s) | ("exact", h, w) | None
+    resize: Optional[tuple]                   # ("shortest_edge", s) | ("exact", h, w) | ("smart", factor,
+                                              # min_pixels, max_pixels) | None
     crop: Optional[tuple[int, int]]           # (h, w) | None
     rescale: Optional[float]
     mean: Optional[tuple[float, ...]]         # normalisation, None: off
     std: Optional[tuple[float, ...]]
     anyres: Optional[AnyResPlan] = None      # any-resolution tiling first (LLaVA-NeXT), else None
+    patches: Optional[PatchPlan] = None      # Qwen2-VL's flattened patches last, else None
 
     def __post_init__(self):
         if self.backend not in ("pil", "torchvision"):
@@ -119,8 +153,8 @@ def pixel_plan(image_processor) -> PixelPlan:
     """The processor's preprocessing as a `PixelPlan`; ValueError naming what is unsupported."""
     ip = image_processor
     name = type(ip).__name__
-    if name not in _CLASSES + _ANYRES_CLASSES + _ONEVISION_CLASSES:
-        raise ValueError(f"{name} is not a CLIP, LLaVA-NeXT or LLaVA-OneVision image processor")
+    if name not in _CLASSES + _ANYRES_CLASSES + _ONEVISION_CLASSES + _PATCH_CLASSES:
+        raise ValueError(f"{name} is not a CLIP, LLaVA-NeXT, LLaVA-OneVision or Qwen2-VL image processor")
     bases = {c.__name__ for c in type(ip).__mro__}   # 4.x: BaseImageProcessor(Fast); 5.x: the backends
     if bases & {"TorchvisionBackend", "BaseImageProcessorFast"}:
         backend = "torchvision"
@@ -134,8 +168,12 @@ def pixel_plan(image_processor) -> PixelPlan:
     if onevision and backend != "pil":
         # (its tiles go through a torchvision resize to `size` this module has not been checked against)
         raise ValueError(f"{name}: only LLaVA-OneVision's PIL backend is reproduced, not {backend!r}")
+    if name in _PATCH_CLASSES and backend != "pil":
+        raise ValueError(f"{name}: only Qwen2-VL's PIL backend is reproduced, not {backend!r}")
     if backend == "pil":
         _pillow_order()
+    if name in _PATCH_CLASSES:
+        return _patch_plan(ip)
     resize = None
     anyres = name in _ANYRES_CLASSES or onevision
     if ip.do_resize or anyres:      # LLaVA-NeXT resizes to the grid and the base tile whatever do_resize
@@ -160,14 +198,43 @@ def pixel_plan(image_processor) -> PixelPlan:
         crop = (int(cs["height"]), int(cs["width"]))
     if not anyres and getattr(ip, "do_pad", None) and crop is None and (resize is None or resize[0] != "exact"):
         raise ValueError("do_pad pads images of different sizes to one; not reproduced")
-    mean = std = None
-    if ip.do_normalize:
-        mean, std = (tuple(float(v) for v in (x if isinstance(x, (list, tuple)) else [x] * 3))
-                     for x in (ip.image_mean, ip.image_std))
-        if len(mean) != 3 or len(std) != 3:
-            raise ValueError(f"image_mean {mean} / image_std {std}: expected 3 channels")
-    plan = PixelPlan(backend, resize, crop, float(ip.rescale_factor) if ip.do_rescale else None, mean, std)
+    plan = PixelPlan(backend, resize, crop, float(ip.rescale_factor) if ip.do_rescale else None, *_mean_std(ip))
     return replace(plan, anyres=_anyres_plan(ip, plan, onevision)) if anyres else plan
+
+
+def _mean_std(ip) -> tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]:
+    """The processor's normalisation (mean, std) per channel; (None, None) when it is off."""
+    if not ip.do_normalize:
+        return None, None
+    mean, std = (tuple(float(v) for v in (x if isinstance(x, (list, tuple)) else [x] * 3))
+                 for x in (ip.image_mean, ip.image_std))
+    if len(mean) != 3 or len(std) != 3:
+        raise ValueError(f"image_mean {mean} / image_std {std}: expected 3 channels")
+    return mean, std
+
+
+def _patch_plan(ip) -> PixelPlan:
+    """Qwen2-VL's PIL processor: the `smart_resize` bounds (size's shortest_edge / longest_edge,
+    else the min_pixels / max_pixels attributes, as `QwenVision.bind_processor` reads them, so the
+    pixels and the model's token counts agree), bicubic resampling, then rescale, normalisation
+    and the patch layout."""
+    name = type(ip).__name__
+    if not ip.do_resize:
+        raise ValueError(f"{name} with do_resize off: only its smart_resize to multiples of the patch is reproduced")
+    resample = getattr(ip.resample, "value", ip.resample)
+    if resample not in (3, "bicubic"):
+        raise ValueError(f"resample {ip.resample!r}: only bicubic is reproduced")
+    if getattr(ip, "do_center_crop", None) or getattr(ip, "do_pad", None):
+        raise ValueError(f"{name} with do_center_crop / do_pad: not steps of Qwen2-VL's processor, not reproduced")
+    size = _size(ip.size)
+    lo = size.get("shortest_edge") or getattr(ip, "min_pixels", None)
+    hi = size.get("longest_edge") or getattr(ip, "max_pixels", None)
+    if not lo or not hi:
+        raise ValueError(f"size {size}: Qwen2-VL's processor needs shortest_edge and longest_edge (min / max pixels)")
+    layout = PatchPlan(int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size))
+    resize = ("smart", layout.patch * layout.merge, int(lo), int(hi))
+    return PixelPlan("pil", resize, None, float(ip.rescale_factor) if ip.do_rescale else None, *_mean_std(ip),
+                     patches=layout)
 
 
 def _anyres_plan(ip, plan: PixelPlan, onevision: bool = False) -> AnyResPlan:
@@ -203,7 +270,8 @@ def _anyres_plan(ip, plan: PixelPlan, onevision: bool = False) -> AnyResPlan:
 def supports(image_processor, layout=None) -> bool:
     """Whether `device_pixels` reproduces this processor (else use the processor). layout: the
     model's `anyres.AnyRes`, when given, must tile as the processor does (same pinpoints and tile
-    side: the image-token counts follow the model's, the pixels the processor's)."""
+    side: the image-token counts follow the model's, the pixels the processor's); a Qwen2-VL
+    model has none (its grids follow the processor it is bound to, `QwenVision.bind_processor`)."""
     try:
         plan = pixel_plan(image_processor)
     except (ValueError, AttributeError, TypeError):
@@ -222,6 +290,8 @@ def _resized_size(h: int, w: int, resize) -> tuple[int, int]:
         return h, w
     if resize[0] == "exact":
         return resize[1], resize[2]
+    if resize[0] == "smart":        # Qwen2-VL: (factor, min_pixels, max_pixels)
+        return smart_resize(h, w, *resize[1:])
     s = resize[1]   # transformers' get_resize_output_image_size(default_to_square=False)
     short, long = (w, h) if w <= h else (h, w)
     new_long = int(s * long / short)
@@ -262,12 +332,11 @@ def _resample(x: torch.Tensor, plan: PixelPlan, vertical_first: Optional[bool] =
         vertical_first = plan.backend == "pil" and _pillow_vertical_first(w, h, rw, rh)
     for axis in ("v", "h") if vertical_first else ("h", "v"):
         if axis == "h" and rw != w:
-            x = _fixed_point(x @ _matrices.get(w, rw, x0, nx, plan.backend, x.device))   # [..., *, nx]
+            x = _fixed_point(_resample_axis(x, -1, w, rw, x0, nx, plan.backend))   # [..., *, nx]
         elif axis == "h":
             x = x[..., x0:x0 + nx]
         elif rh != h:
-            m = _matrices.get(h, rh, y0, ny, plan.backend, x.device)
-            x = _fixed_point(torch.matmul(m.t(), x))                 # [..., ny, *]
+            x = _fixed_point(_resample_axis(x, -2, h, rh, y0, ny, plan.backend))   # [..., ny, *]
         else:
             x = x[..., y0:y0 + ny, :]
     if (ny, nx) == (oh, ow):
@@ -411,7 +480,9 @@ def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype 
     -------
     Tensor: `image_processor(images, return_tensors="pt").pixel_values`: [n, 3, h, w]; for an
     any-resolution (LLaVA-NeXT, OneVision) processor [n, max_tiles, 3, h, w], each image's tiles (its base
-    tile first) then zero tiles up to the most any image has (do_pad).
+    tile first) then zero tiles up to the most any image has (do_pad); for Qwen2-VL's processor
+    the flattened patches of all images [sum of grid_h * grid_w, 3 * temporal * patch²], image
+    after image.
     """
     plan = pixel_plan(image_processor)
     device = torch.device(device)
@@ -422,6 +493,8 @@ def device_pixels(images: Sequence, image_processor, device, dtype: torch.dtype 
     pixels = [_upload(im, i, device) for i, im in enumerate(images)]
     if plan.anyres is not None:
         return _anyres_pixels(pixels, plan, device, dtype, out)
+    if plan.patches is not None:
+        return _patch_pixels(pixels, plan, device, dtype, out)
     sizes = {_output_size(p.shape[0], p.shape[1], plan) for p in pixels}
     if len(sizes) > 1:
         raise ValueError(f"the images preprocess to different sizes {sorted(sizes)} (no resize to a fixed "
@@ -456,11 +529,50 @@ def _anyres_pixels(pixels: list, plan: PixelPlan, device, dtype, out) -> torch.T
     return out
 
 
+# ---------------------------------------------------------------- flattened patches (Qwen2-VL)
+
+def patch_grid(size: tuple[int, int], plan: PixelPlan) -> tuple[int, int, int]:
+    """(grid_t, grid_h, grid_w) the processor gives an image of `size` (height, width): its
+    `image_grid_thw` row (grid_t 1: an image is one temporal patch)."""
+    h, w = _resized_size(*size, plan.resize)
+    return 1, h // plan.patches.patch, w // plan.patches.patch
+
+
+def _patchify(x: torch.Tensor, p: PatchPlan, out: torch.Tensor):
+    """Pixel values [C, H, W] -> the processor's patch rows in `out` [grid_h * grid_w, C * T * p * p]:
+    rows (grid_h / m, grid_w / m, m, m), columns (C, T, p, p), the image repeated over T."""
+    C, H, W = x.shape
+    gh, gw, m = H // p.patch, W // p.patch, p.merge
+    x = x.view(C, gh // m, m, p.patch, gw // m, m, p.patch).permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
+    out.view(gh // m, gw // m, m, m, C, p.temporal, p.patch, p.patch).copy_(
+        x.unsqueeze(5).expand(-1, -1, -1, -1, -1, p.temporal, -1, -1))
+
+
+def _patch_pixels(pixels: list, plan: PixelPlan, device, dtype, out) -> torch.Tensor:
+    grids = [patch_grid(tuple(px.shape[:2]), plan) for px in pixels]
+    rows = [t * h * w for t, h, w in grids]
+    out = _check_out(out, (sum(rows), 3 * plan.patches.temporal * plan.patches.patch ** 2), device, dtype)
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous (the patch rows are written through a view of it)")
+    start = 0
+    for px, (_, gh, gw), n in zip(pixels, grids, rows):
+        x = torch.empty(3, gh * plan.patches.patch, gw * plan.patches.patch, dtype=torch.float32, device=device)
+        _normalize(_resize_crop(px, plan), plan, x)      # (float32 as the processor; `out` rounds once)
+        _patchify(x, plan.patches, out[start:start + n])
+        start += n
+    return out
+
+
 def device_inputs(images: Sequence, image_processor, device, dtype: torch.dtype = torch.float32) -> dict:
     """The processor's image outputs computed on `device`: {"pixel_values"} (`device_pixels`), and
-    for an any-resolution processor "image_sizes" too: int64 [n, 2] (height, width) as given."""
+    for an any-resolution processor "image_sizes" too: int64 [n, 2] (height, width) as given; for
+    Qwen2-VL's processor "image_grid_thw": int64 [n, 3] (grid_t, grid_h, grid_w)."""
     pv = device_pixels(images, image_processor, device, dtype)
-    if pixel_plan(image_processor).anyres is None:
-        return {"pixel_values": pv}
+    plan = pixel_plan(image_processor)
     sizes = [tuple(im.shape[:2]) if hasattr(im, "shape") else (im.height, im.width) for im in images]
+    if plan.patches is not None:
+        grids = [patch_grid(s, plan) for s in sizes]
+        return {"pixel_values": pv, "image_grid_thw": torch.tensor(grids, dtype=torch.int64, device=pv.device)}
+    if plan.anyres is None:
+        return {"pixel_values": pv}
     return {"pixel_values": pv, "image_sizes": torch.tensor(sizes, dtype=torch.int64, device=pv.device)}

@@ -10,9 +10,12 @@ transformers 4.5x's save_pretrained (`model.language_model.*`, `model.visual.*`,
 transformers' `Qwen2_5_VLProcessor` cannot be built without torchvision (its video processor),
 so the family's processor is `QwenVLProcessor`: the checkpoint's tokenizer, its PIL image
 processor and chat template, expanding each `<|image_pad|>` to the image's token count as the
-published processor does. Videos (`<|video_pad|>`): the video processor's steps reproduced with
-the PIL image processor (`QwenVLProcessor.video_pixels`, the temporal grouping in
-`qwen2_5_vl_vision.patchify_video`), its settings read as transformers reads them (`video_settings`).
+published processor does. On CUDA the engine preprocesses images on the device by default
+(`image_ops`, bit-exact with this PIL processor: the flattened patches and grids of
+`Qwen2VLImageProcessorPil`); elsewhere, or with device_images=False, the processor does. Videos
+(`<|video_pad|>`), on the host: the video processor's steps reproduced with the PIL image processor
+(`QwenVLProcessor.video_pixels`, the temporal grouping in `qwen2_5_vl_vision.patchify_video`), its
+settings read as transformers reads them (`video_settings`).
 """
 from __future__ import annotations
 

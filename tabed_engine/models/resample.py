@@ -1,7 +1,11 @@
 """Fixed-point bicubic resampling coefficients as the image processors compute them: Pillow's
 `ImagingResample` (a = -0.5, 22 fractional bits) and torch's uint8 antialiased kernel (int16
-coefficients, the precision chosen from the largest weight), as device matrices (image_ops.py
-applies them one axis at a time: exact in float64 in any summation order)."""
+coefficients, the precision chosen from the largest weight), applied one axis at a time (image_ops.py):
+exact in float64 in any summation order. An axis is one matmul with a dense [in, out] matrix where
+that matrix is small (`DENSE_BYTES`); a long axis resized to a long one (Qwen2-VL keeps a
+3700-pixel side near 3700) would need a matrix quadratic in the side (108 MB there, 20 GB for a
+50000-pixel side), so there it goes in blocks of output pixels, each a matmul over only the inputs
+the block reads (`resample_axis`)."""
 from __future__ import annotations
 
 import functools
@@ -50,9 +54,21 @@ def _coefficients(in_size: int, out_size: int, backend: str):
     return xmin, np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)), bits
 
 
+def _matrix(xmin, k, bits: int, in_size: int, whole: bool):
+    """(lo, hi, [hi - lo, n] float64 matrix) of the n output pixels whose first inputs and taps
+    are xmin [n], k [n, ksize]: the coefficients over 2^bits (exact: a power of two) at rows
+    lo..hi of the input, the whole input (whole) or only the rows these outputs read."""
+    rows = np.minimum(xmin[:, None] + np.arange(k.shape[1]), in_size - 1)   # taps past the edge are 0
+    lo, hi = (0, in_size) if whole else (int(rows.min()), int(rows.max()) + 1)
+    m = np.zeros((hi - lo, len(xmin)))
+    np.add.at(m, (rows - lo, np.arange(len(xmin))[:, None]), k / (1 << bits))
+    return lo, hi, m
+
+
 class _MatrixCache:
-    """Resampling matrices on the device by (sizes, kept range, backend, device), least recently
-    used first out past `max_bytes`: a repeated image size costs no host work or upload."""
+    """Resampling matrices (whole, or in blocks) on the device by (sizes, kept range, backend, device),
+    least recently used first out past `max_bytes`: a repeated image size costs no host work or
+    upload."""
 
     def __init__(self, max_bytes: int = 64 << 20):
         self.max_bytes, self.bytes, self.items = max_bytes, 0, OrderedDict()
@@ -60,24 +76,53 @@ class _MatrixCache:
     def get(self, in_size: int, out_size: int, start: int, count: int, backend: str, device) -> torch.Tensor:
         """[in_size, count] float64 matrix of output pixels start..start+count: the fixed-point
         coefficients over 2^bits (exact: a power of two), so x @ m is the accumulator over 2^bits."""
-        key = (in_size, out_size, start, count, backend, device)
+        return self._cached((in_size, out_size, start, count, backend, device), None)[0][2]
+
+    def blocks(self, in_size: int, out_size: int, start: int, count: int, backend: str, device):
+        """Output pixels start..start+count in blocks of `BLOCK`, each (lo, hi, [hi - lo, block]
+        matrix): a block reads input pixels lo..hi only (a few taps an output, so about the block's
+        width), so x[..., lo:hi] @ matrix is its accumulator."""
+        return self._cached((in_size, out_size, start, count, backend, device), BLOCK)
+
+    def _cached(self, key: tuple, block):
+        key = key + (block,)
         hit = self.items.get(key)
         if hit is not None:
             self.items.move_to_end(key)
             return hit
+        in_size, out_size, start, count, backend, device = key[:6]
         xmin, k, bits = _coefficients(in_size, out_size, backend)
-        xmin, k = xmin[start:start + count], k[start:start + count]
-        m = np.zeros((in_size, count))
-        rows = np.minimum(xmin[:, None] + np.arange(k.shape[1]), in_size - 1)   # taps past the edge are 0
-        np.add.at(m, (rows, np.arange(count)[:, None]), k / (1 << bits))
-        self.items[key] = hit = torch.from_numpy(m).to(device)
-        self.bytes += m.nbytes
-        while self.bytes > self.max_bytes and len(self.items) > 1:
-            self.bytes -= self.items.popitem(last=False)[1].nbytes
+        step = count if block is None else block
+        hit = []
+        for j in range(start, start + count, step):
+            n = min(step, start + count - j)
+            lo, hi, m = _matrix(xmin[j:j + n], k[j:j + n], bits, in_size, block is None)
+            hit.append((lo, hi, torch.from_numpy(m).to(device)))
+        self.items[key] = hit = tuple(hit)
+        self.bytes += sum(m.nbytes for _, _, m in hit)
+        while self.bytes > self.max_bytes and len(self.items) > 1:    # (the newest always stays)
+            self.bytes -= sum(m.nbytes for _, _, m in self.items.popitem(last=False)[1])
         return hit
 
 
 matrices = _MatrixCache()
+
+# the largest dense resampling matrix (bytes): 2048 x 2048 in float64; a longer axis resized to a
+# long one goes in blocks of BLOCK output pixels (`resample_axis`)
+DENSE_BYTES = 32 << 20
+BLOCK = 256
+
+
+def resample_axis(x: torch.Tensor, dim: int, in_size: int, out_size: int, start: int, count: int,
+                  backend: str) -> torch.Tensor:
+    """The fixed-point accumulator (over 2^bits) of resizing float64 `x` (uint8 values) along `dim`
+    (-1: columns, -2: rows) from in_size to out_size pixels, output pixels start..start+count."""
+    if in_size * count * 8 <= DENSE_BYTES:
+        m = matrices.get(in_size, out_size, start, count, backend, x.device)      # [in, count]
+        return x @ m if dim == -1 else torch.matmul(m.t(), x)
+    parts = [x[..., lo:hi] @ m if dim == -1 else torch.matmul(m.t(), x[..., lo:hi, :])
+             for lo, hi, m in matrices.blocks(in_size, out_size, start, count, backend, x.device)]
+    return torch.cat(parts, dim)
 
 
 def fixed_point(acc: torch.Tensor) -> torch.Tensor:
