@@ -369,6 +369,12 @@ class QwenVision(nn.Module):
         plans built from the old ones are dropped."""
         self._plans.clear()
         rot = self.tower.rotary_pos_emb
-        inv, _ = rot.compute_axial_rope_parameters(rot.config, device=rot.inv_freq.device)
-        rot.inv_freq.copy_(inv)
-        rot.original_inv_freq.copy_(inv)
+        # head_dim / 4 frequencies over head_dim / 2 (rows and columns each rotate half of a
+        # head), theta from the config where transformers 5.x keeps it (4.x: its fixed 10000)
+        params = getattr(self.tower.config, "rope_parameters", None) or {}
+        theta = float(params.get("rope_theta", 10000.0))
+        dim = 2 * rot.inv_freq.numel()
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=rot.inv_freq.device) / dim))
+        for name in ("inv_freq", "original_inv_freq"):
+            if hasattr(rot, name):
+                getattr(rot, name).copy_(inv)
