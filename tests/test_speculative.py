@@ -234,7 +234,10 @@ def assert_matches(counts: Counter, dist: dict, n: int):
 # do not depend on the draft (AR == chain == tree per seed: tests/test_coupling.py), and its
 # distribution is checked there over 16,000 seeds per block kind: an engine-level run here would
 # repeat that at ~4 CPU-minutes
-LOSSLESS = {"M-uniform": (("M",), "uniform"), "MT-kld": (("M", "T"), "kld")}
+# config -> (views, policy, rows of other requests in each call): MT-kld's calls hold 14 measured
+# requests and 2 of another prompt (two images, another text), so its samples are also those of
+# sampling among other requests in a batch (tests/test_batch.py's mixed settings are its own)
+LOSSLESS = {"M-uniform": (("M",), "uniform", 0), "MT-kld": (("M", "T"), "kld", 2)}
 SAMPLES, SHARDS = 16000, 8
 SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
 
@@ -249,21 +252,25 @@ def sampling_engine(views, policy, device="cpu"):
                                   max_batch=BATCH)
 
 
-def sample(eng, seeds, batch=BATCH):
+def sample(eng, seeds, batch=BATCH, others=0):
     """Counts of the generated 3-token sequences over `seeds`, and the drafts accepted, by
     rejection sampling (seeded with reproducible=False: not the coupling). The requests run
-    `batch` at a time as the rows of one generate() call: each row draws its first token from
-    its own seed's generator and its blocks' noise from the batch's stream (the batch's first
-    seed), at its own offset, so the rows are independent samples; the batches' first seeds
-    differ, so are their streams."""
+    `batch` at a time as the rows of one generate() call, the last `others` rows of each call
+    requests of another prompt (not counted): each row draws its first token from its own
+    seed's generator and its blocks' noise from the batch's stream (the batch's first seed),
+    at its own offset, so the rows are independent samples; the batches' first seeds differ,
+    so are their streams."""
     text, imgs = word_prompt(1)
+    other, other_imgs = word_prompt(2)
     counts, accepted = Counter(), 0
     seeds = list(seeds)
-    for at in range(0, len(seeds), batch):
-        chunk = seeds[at:at + batch]
-        outs = eng.generate([text] * len(chunk), images=[imgs] * len(chunk),
-                            sampling=[dataclasses.replace(SAMPLING, seed=i, reproducible=False) for i in chunk])
-        for out in outs:
+    for at in range(0, len(seeds), batch - others):
+        chunk = seeds[at:at + batch - others]
+        outs = eng.generate([text] * len(chunk) + [other] * others,
+                            images=[imgs] * len(chunk) + [other_imgs] * others,
+                            sampling=[dataclasses.replace(SAMPLING, seed=i, reproducible=False)
+                                      for i in chunk + [(1 << 20) + chunk[0] * others + j for j in range(others)]])
+        for out in outs[:len(chunk)]:
             counts[tuple(out.token_ids)] += 1
             accepted += sum(out.stats.accepted_lengths)
     return counts, accepted
@@ -295,10 +302,10 @@ def exact_dist():
 def test_sampling_is_lossless(config, shard, exact_dist, tmp_path_factory):
     """SAMPLES sampled generations in SHARDS shards (xdist spreads them over workers); the
     shard that completes the set checks all SAMPLES against the exact distribution, with the
-    power to catch a 2% error."""
+    power to catch a 2% error. MT-kld: the measured requests share each batch with two others."""
     n = SAMPLES // SHARDS
-    views, policy = LOSSLESS[config]
-    counts, accepted = sample(sampling_engine(views, policy), range(shard * n, (shard + 1) * n))
+    views, policy, others = LOSSLESS[config]
+    counts, accepted = sample(sampling_engine(views, policy), range(shard * n, (shard + 1) * n), others=others)
     assert accepted > n * 0.15  # drafts really were accepted (not a target-only path)
     assert set(counts) <= set(exact_dist)
     check_when_complete(tmp_path_factory, f"lossless-{config}", shard, SHARDS, counts, exact_dist, SAMPLES, 0.02)

@@ -22,7 +22,7 @@ from tabed_engine.models.decoder import KVCache, LlamaLM
 from tabed_engine.models.vocab import MISSING_LOGIT, fit_vocab
 from tabed_engine.ops.window_divergence import window_divergence_reference
 from tabed_engine.speculation.tree import TreeConfig
-from test_speculative import SAMPLING, check_lossless, exact_first_tokens, word_prompt
+from test_speculative import SAMPLING, check_when_complete, exact_first_tokens, word_prompt
 
 TOKENS = 173          # the fixture's tokenizer
 HOT_SEED, HOT_SCALE = 3, 2.0    # padding rows the sampling test's target emits often
@@ -198,13 +198,13 @@ def test_in_memory_pair_needs_the_draft_processor(pairs):
     assert eng.draft_processor is None and d.lm.cfg.vocab_size == 180   # same layout: the target's pixels
 
 
-@pytest.mark.slow
-def test_sampled_sd_is_lossless_with_a_draft_short_of_the_target_vocab(pairs, tmp_path):
-    """Sampled SD of a draft lacking 4 of the target's padding ids (rows of a larger scale: the
-    target's top-k support holds them): the 3-token sequences follow the target's exact
-    distribution."""
+@pytest.fixture(scope="module")
+def short_draft_case(pairs, tmp_path_factory):
+    """(engine, sampling params, exact distribution) of the sampling test: a draft lacking 4 of
+    the target's padding ids (rows of a larger scale: the target's top-k support holds them)."""
     _, draft = pairs[180, 176]
-    target = repad(model_dir("mha"), str(tmp_path / "t180"), 180, seed=HOT_SEED, scale=HOT_SCALE)
+    target = repad(model_dir("mha"), str(tmp_path_factory.mktemp("hot") / "t180"), 180, seed=HOT_SEED,
+                   scale=HOT_SCALE)
     sp = dataclasses.replace(SAMPLING, top_k=5)
     ref = Engine.from_pretrained(target, device="cpu", dtype=torch.float32)
     text, imgs = word_prompt(1)
@@ -213,14 +213,31 @@ def test_sampled_sd_is_lossless_with_a_draft_short_of_the_target_vocab(pairs, tm
     assert missing > 0.05, missing      # the test exercises ids the draft cannot propose
     eng = Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, views=("M", "T"),
                                  policy="kld", gamma=2, adaptive=False, max_batch=16)
+    return eng, sp, dist
+
+
+SHORT_SAMPLES, SHORT_SHARDS = 6000, 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", range(SHORT_SHARDS))
+def test_sampled_sd_is_lossless_with_a_draft_short_of_the_target_vocab(short_draft_case, shard,
+                                                                       tmp_path_factory):
+    """Sampled SD of a draft lacking 4 of the target's padding ids: the 3-token sequences
+    follow the target's exact distribution. SHORT_SAMPLES seeds in SHORT_SHARDS shards
+    (xdist spreads them over workers); the shard completing the set checks them all."""
+    eng, sp, dist = short_draft_case
+    text, imgs = word_prompt(1)
     # 16 requests a generate() call (~2.5x less CPU than one each): seeded requests take the
     # coupling, whose tokens are each seed's alone in any batch (tests/test_coupling.py)
-    n, batch, counts, accepted = 6000, 16, Counter(), 0
-    for start in range(0, n, batch):
-        seeds = range(start, min(start + batch, n))
+    n, batch, counts, accepted = SHORT_SAMPLES // SHORT_SHARDS, 16, Counter(), 0
+    for start in range(shard * n, (shard + 1) * n, batch):
+        seeds = range(start, min(start + batch, (shard + 1) * n))
         for out in eng.generate([text] * len(seeds), images=[imgs] * len(seeds),
                                 sampling=[dataclasses.replace(sp, seed=i) for i in seeds]):
             counts[tuple(out.token_ids)] += 1
             accepted += sum(out.stats.accepted_lengths)
     assert accepted > n * 0.15
-    check_lossless(counts, dist, n, shift=0.035)
+    assert set(counts) <= set(dist)
+    check_when_complete(tmp_path_factory, "lossless-short-vocab", shard, SHORT_SHARDS, counts, dist,
+                        SHORT_SAMPLES, 0.035)
