@@ -103,8 +103,7 @@ def _skip_discarded_overflow_checks():
     """The interpreter's options ask for integer-overflow checks (`sanitize_overflow`) but not
     for `debug`, and the check's `device_assert` does nothing without `debug`: every int32
     add / sub / mul also computed its int64 result, two comparisons and their `and`, then
-    dropped them. Off while `debug` is off, the programs compute the same values (a split
-    sampling kernel test: 19.7 -> 17.2 CPU-s)."""
+    dropped them. Off while `debug` is off, the programs compute the same values."""
     import dataclasses
 
     try:
