@@ -712,7 +712,9 @@ def test_qwen_mistakes_are_caught(monkeypatch, mutation):
     else:
         def smart(h, w, factor, lo, hi):
             return max(factor, h // factor * factor), max(factor, w // factor * factor)
-        monkeypatch.setattr(ops, "smart_resize", smart)
+        from tabed_engine.models import image_plan
+
+        monkeypatch.setattr(image_plan, "smart_resize", smart)
     bad = device_pixels(imgs, ip, "cpu")
     assert bad.shape != good.shape or not torch.equal(bad, good)
 
