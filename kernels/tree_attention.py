@@ -117,8 +117,8 @@ def _attend_paths(q, k_base, v_base, tab, bits_ptr, node, m_i, l_i, acc, b, pid_
                 bit = ((nbits >> j) & 1).to(tl.int32)
                 j_of = tl.where((bit != 0) & (cnt == tail), j, j_of)
                 cnt += bit
-            lane = ((offs_v < length) | ((tail >= 0) & (tail < cnt))) & (offs_v < S)
             slot = tl.where(offs_v < length, offs_v, length + j_of)
+            lane = ((offs_v < length) | ((tail >= 0) & (tail < cnt))) & (offs_v < S) & (slot < S)
             page = tl.load(tab + slot // PAGE, mask=lane, other=0).to(tl.int64)
             offs_p = slot % PAGE
             ld = lane[:, None] & d_ok[None, :]
