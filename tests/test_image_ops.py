@@ -140,31 +140,41 @@ def test_torchvision_resize_matches_torch_uint8():
 
 # ------------------------------------------------------------------ buffers, refusals, bad input
 
+def check_out_written(imgs, ip, ref):
+    """device_pixels into NaN-poisoned out= buffers: float32 is `ref` exactly (the same
+    tensor returned), bfloat16 its values rounded once."""
+    out = torch.full(ref.shape, float("nan"))
+    assert device_pixels(imgs, ip, "cpu", out=out) is out and torch.equal(out, ref)
+    half = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16)
+    device_pixels(imgs, ip, "cpu", out=half)
+    assert torch.equal(half, ref.to(torch.bfloat16))
+
+
 def test_writes_every_element_of_out():
     ip = pil_processor(size={"shortest_edge": 64}, crop_size={"height": 60, "width": 61})
     imgs = IMAGES[:3]
-    out = torch.full((3, 3, 60, 61), float("nan"))
-    res = device_pixels(imgs, ip, "cpu", out=out)
-    assert res is out and torch.equal(out, ip(imgs, return_tensors="pt")["pixel_values"])
-    half = torch.full((3, 3, 60, 61), float("nan"), dtype=torch.bfloat16)
-    device_pixels(imgs, ip, "cpu", out=half)
-    assert torch.equal(half, ip(imgs, return_tensors="pt")["pixel_values"].to(torch.bfloat16))
+    check_out_written(imgs, ip, ip(imgs, return_tensors="pt")["pixel_values"])
     with pytest.raises(ValueError, match="out must be"):
         device_pixels(imgs, ip, "cpu", out=torch.empty(2, 3, 60, 61))
 
 
-@pytest.mark.parametrize("kw, why", [
-    (dict(resample=2), "only bicubic"),
-    (dict(size={"shortest_edge": 336, "longest_edge": 500}), "shortest_edge or height and width"),
-    (dict(do_center_crop=False, do_pad=True), "do_pad"),
+@pytest.mark.parametrize("family, kw, why", [
+    ("clip", dict(resample=2), "only bicubic"),
+    ("clip", dict(size={"shortest_edge": 336, "longest_edge": 500}), "shortest_edge or height and width"),
+    ("clip", dict(do_center_crop=False, do_pad=True), "do_pad"),
+    ("qwen", dict(resample=2), "only bicubic"),
+    ("qwen", dict(do_resize=False), "do_resize off"),
 ])
-def test_unsupported_settings_refused(kw, why):
-    ip = pil_processor(**kw) if "do_pad" not in kw else CLIPImageProcessorFast(**kw)
+def test_unsupported_settings_refused(family, kw, why):
+    if family == "qwen":
+        ip, imgs = qwen_processor(**kw), QWEN_IMAGES
+    else:
+        ip, imgs = pil_processor(**kw) if "do_pad" not in kw else CLIPImageProcessorFast(**kw), IMAGES
     assert not supports(ip)
     with pytest.raises(ValueError, match=why):
         pixel_plan(ip)
     with pytest.raises(ValueError, match=why):
-        device_pixels(IMAGES[:1], ip, "cpu")
+        device_pixels(imgs[:1], ip, "cpu")
 
 
 def test_other_processors_refused():
@@ -305,11 +315,7 @@ def test_anyres_writes_every_element_of_out():
     imgs = [NEXT_IMAGES[0], NEXT_IMAGES[2], NEXT_IMAGES[7]]          # 4, 5 and 3 tiles
     ref = ip(imgs, return_tensors="pt")["pixel_values"]
     assert ref.shape == (3, 5, 3, 30, 30) and not ref[2, 3:].any()
-    out = torch.full(ref.shape, float("nan"))
-    assert device_pixels(imgs, ip, "cpu", out=out) is out and torch.equal(out, ref)
-    half = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16)
-    device_pixels(imgs, ip, "cpu", out=half)
-    assert torch.equal(half, ref.to(torch.bfloat16))
+    check_out_written(imgs, ip, ref)
     with pytest.raises(ValueError, match="out must be"):
         device_pixels(imgs, ip, "cpu", out=torch.empty(3, 4, 3, 30, 30))
 
@@ -669,11 +675,7 @@ def test_qwen_writes_every_element_of_out():
     ip = qwen_processor(**QWEN_CONFIGS["tiny"])
     imgs = QWEN_IMAGES[:3]
     ref = ip(imgs, return_tensors="pt")["pixel_values"]
-    out = torch.full(ref.shape, float("nan"))
-    assert device_pixels(imgs, ip, "cpu", out=out) is out and torch.equal(out, ref)
-    half = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16)
-    device_pixels(imgs, ip, "cpu", out=half)
-    assert torch.equal(half, ref.to(torch.bfloat16))
+    check_out_written(imgs, ip, ref)
     with pytest.raises(ValueError, match="out must be"):
         device_pixels(imgs, ip, "cpu", out=torch.empty(ref.shape[0] - 1, ref.shape[1]))
     with pytest.raises(ValueError, match="contiguous"):
@@ -725,19 +727,6 @@ class Qwen2VLImageProcessorFast(BaseImageProcessorFast):
     def __init__(self, **kw):
         self.__dict__.update({**QWEN, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
                               "do_normalize": True, "size": {"shortest_edge": 3136, "longest_edge": 12845056}, **kw})
-
-
-@pytest.mark.parametrize("kw, why", [
-    (dict(resample=2), "only bicubic"),
-    (dict(do_resize=False), "do_resize off"),
-])
-def test_qwen_unsupported_settings_refused(kw, why):
-    ip = qwen_processor(**kw)
-    assert not supports(ip)
-    with pytest.raises(ValueError, match=why):
-        pixel_plan(ip)
-    with pytest.raises(ValueError, match=why):
-        device_pixels(QWEN_IMAGES[:1], ip, "cpu")
 
 
 def test_qwen_supported_and_refused_processors():
