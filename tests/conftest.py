@@ -131,10 +131,19 @@ if os.environ.get("PYTEST_XDIST_TESTRUNUID") and not os.environ.get("TABED_TEST_
         tempfile.gettempdir(), "tabed_models_" + os.environ["PYTEST_XDIST_TESTRUNUID"])
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_worker: the module's tests share a module-scoped server or "
+                                       "worker process: run them on one xdist worker, which starts it once")
+
+
 def pytest_collection_modifyitems(config, items):
     # the long tests (marked slow) first, so that parallel workers (`make test`: -n 2 with work
-    # stealing) end together instead of one finishing a long test while the other idles
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # stealing) end together instead of one finishing a long test while the other idles; before
+    # them the modules marked one_worker: work stealing (`--dist worksteal`, which ignores
+    # xdist_group) hands each worker a contiguous range and later takes the tail of a worker's
+    # queue, so the head of the first range stays on one worker. A module split over both
+    # workers started its server twice (test_data_parallel 2 x 17 s, test_server 2 x 12 s).
+    items.sort(key=lambda item: 0 if "one_worker" in item.keywords else 1 if "slow" in item.keywords else 2)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -21,6 +21,8 @@ pytest.importorskip("uvicorn")
 from tabed_engine import Engine, SamplingParams  # noqa: E402
 from tabed_engine.serving.replica import plan_replicas  # noqa: E402
 
+pytestmark = pytest.mark.one_worker     # one server (front + 2 replicas, ~17 s to start) for the module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "tabed_engine", "assets", "demo")
 MODEL = "demo"

@@ -25,6 +25,8 @@ pytest.importorskip("uvicorn")
 from benchmarks.world.scenarios import examples  # noqa: E402
 from tabed_engine import Engine, SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.one_worker     # one server process (~12 s to start) for the module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "tabed_engine", "assets", "demo")
 MODEL = "demo"

@@ -24,6 +24,8 @@ from tabed_engine.parallel.load import load_shard
 from tabed_engine.parallel.shard import check_degree, shard_lm, vocab_shard
 from tabed_engine.parallel.spmd import Spmd
 
+pytestmark = pytest.mark.one_worker     # one engine and its worker process for the module (`tp`)
+
 VOCAB = 173
 N = 12
 
