@@ -358,7 +358,7 @@ def test_sampling_is_lossless(dirs, hf):
             counts[tuple(out.token_ids)] += 1
             accepted += sum(out.stats.accepted_lengths)
     assert accepted > n * 0.15
-    check_lossless(counts, dist, n, shift=0.04)
+    check_lossless(counts, dist, n, shift=0.04, power=0.95)    # (96%: the likeliest outcome has p = 0.47)
 
 
 def test_padded_vocabularies_pair(dirs, tmp_path):

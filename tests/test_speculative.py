@@ -8,6 +8,7 @@ import itertools
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -212,22 +213,44 @@ def exact_first_tokens(eng, text, imgs, sp, n_tok):
     return dist
 
 
+def _match_statistics(counts, probs, n: int):
+    """`assert_matches`' statistics of counts [..., O] (numpy) against probabilities [O]: the
+    largest |z| over the outcomes, the chi-square over the outcomes expected >= 5 times and its
+    degrees of freedom."""
+    se = np.sqrt(np.maximum(probs * (1 - probs), 1e-4) / n)
+    worst = (np.abs(counts / n - probs) / se).max(-1)
+    big = n * probs >= 5
+    chi2 = ((counts[..., big] - n * probs[big]) ** 2 / (n * probs[big])).sum(-1)
+    return worst, chi2, int(big.sum()) - 1
+
+
+def _chi2_limit(dof: int) -> float:
+    # Wilson–Hilferty: chi2 > dof + 4.5 sqrt(2 dof) has probability < 1e-4 under the null
+    return dof + 4.5 * math.sqrt(2 * dof)
+
+
 def assert_matches(counts: Counter, dist: dict, n: int):
     """Every outcome's frequency within 4 standard errors of its probability (Bonferroni over
-    ~27 outcomes: < 0.2% false alarms), and a chi-square test. With n = 16000 samples a 2%
-    absolute error on any outcome of probability <= 0.5 is >= 5 standard errors away, so it
-    is caught; the test below checks that on the actual distribution."""
-    worst = 0.0
-    for seq, p in dist.items():
-        se = math.sqrt(max(p * (1 - p), 1e-4) / n)
-        worst = max(worst, abs(counts.get(seq, 0) / n - p) / se)
+    ~27 outcomes), and a chi-square test. `check_lossless` checks on the actual distribution
+    that a sampler broken by a small shift of mass is caught."""
     assert set(counts) <= set(dist)
-    chi2 = sum((counts.get(s, 0) - n * p) ** 2 / (n * p) for s, p in dist.items() if n * p >= 5)
-    dof = sum(1 for p in dist.values() if n * 1.0 * p >= 5) - 1
-    # Wilson–Hilferty: chi2 > dof + 4.5 sqrt(2 dof) has probability < 1e-4 under the null
-    assert chi2 < dof + 4.5 * math.sqrt(2 * dof), (chi2, dof)
+    keys = list(dist)
+    worst, chi2, dof = _match_statistics(np.array([counts.get(k, 0) for k in keys], dtype=np.float64),
+                                         np.array([dist[k] for k in keys]), n)
+    assert chi2 < _chi2_limit(dof), (chi2, dof)
     assert worst < 4.0, worst
     return worst
+
+
+def rejection_rate(dist: dict, broken: dict, n: int, trials: int = 20000) -> float:
+    """The share of `trials` simulated runs of n samples from `broken` (a sampler's wrong
+    distribution over the outcomes of `dist`) that `assert_matches(., dist, n)` rejects:
+    the check's power against that sampler (fixed seed: the same number every run)."""
+    keys = list(dist)
+    q = np.array([broken[k] for k in keys])
+    counts = np.random.default_rng(0).multinomial(n, q / q.sum(), size=trials).astype(np.float64)
+    worst, chi2, dof = _match_statistics(counts, np.array([dist[k] for k in keys]), n)
+    return float(np.mean((chi2 >= _chi2_limit(dof)) | (worst >= 4.0)))
 
 
 # rejection sampling (unseeded, or seeded with reproducible=False). The seeded coupling's tokens
@@ -276,9 +299,11 @@ def sample(eng, seeds, batch=BATCH, others=0):
     return counts, accepted
 
 
-def check_lossless(counts, dist, n, shift):
-    """The counts match the exact distribution, and the same check rejects the distribution
-    with `shift` of mass moved between its two likeliest outcomes (>= 5 standard errors)."""
+def check_lossless(counts, dist, n, shift, power=0.995):
+    """The counts match the exact distribution; the same check rejects the distribution with
+    `shift` of mass moved between its two likeliest outcomes, on these counts, and a sampler
+    broken that way in at least `power` of simulated runs of n samples (the power that decides
+    n: a broken sampler passes a 4-SE test at 5 SE in 16% of runs)."""
     assert_matches(counts, dist, n)
     top = sorted(dist, key=dist.get, reverse=True)[:2]
     shifted = dict(dist)
@@ -286,6 +311,7 @@ def check_lossless(counts, dist, n, shift):
     shifted[top[1]] += shift
     with pytest.raises(AssertionError):
         assert_matches(counts, shifted, n)
+    assert rejection_rate(dist, shifted, n) >= power, (rejection_rate(dist, shifted, n), n, shift)
 
 
 @pytest.fixture(scope="module")
