@@ -781,7 +781,7 @@ def test_mixed_sampling_in_a_batch_is_lossless(shard, exact_dist, exact_dist_sec
     text, imgs = word_prompt(1)
     other, other_imgs = word_prompt(2)
     greedy = eng.generate(text, images=imgs, sampling=SamplingParams(max_new_tokens=3, stop_at_eos=False)).token_ids
-    calls = 150
+    calls = 90      # 4 shards: 2,160 and 1,440 samples, >= 99.9% power against a 5% shift
     first, second, accepted = Counter(), Counter(), 0
     for call in range(calls):
         seed = (shard * 1000 + call) * 12

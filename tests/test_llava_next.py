@@ -367,7 +367,8 @@ def test_draft_tokenizer_must_match(tmp_path):
 
 # ---------------------------------------------------------------------------- sampling
 SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.7, top_k=3, stop_at_eos=False)
-SAMPLES, SHARDS, PER_CALL = 6400, 4, 16
+# 4,800 samples: 99.8% power against a 3.5% shift (the likeliest outcome has p = 0.21)
+SAMPLES, SHARDS, PER_CALL = 4800, 4, 16
 
 
 @pytest.fixture(scope="module")

@@ -261,7 +261,9 @@ def rejection_rate(dist: dict, broken: dict, n: int, trials: int = 20000) -> flo
 # requests and 2 of another prompt (two images, another text), so its samples are also those of
 # sampling among other requests in a batch (tests/test_batch.py's mixed settings are its own)
 LOSSLESS = {"M-uniform": (("M",), "uniform", 0), "MT-kld": (("M", "T"), "kld", 2)}
-SAMPLES, SHARDS = 16000, 8
+# 11,200 samples: 99.7% power against a 2% shift (the likeliest outcome has p = 0.18; 16,000 had
+# 99.99%, at 43% more CPU)
+SAMPLES, SHARDS = 11200, 8
 SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.6, top_k=3, stop_at_eos=False)
 
 
