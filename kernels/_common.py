@@ -252,6 +252,25 @@ def best_step(score, val, v0, best, best_v0, best_val):
 
 
 @triton.jit
+def _max_lowest(v1, i1, v2, i2):
+    """`argmax_lowest`'s combine: the larger value, the lower index between equal values; a
+    NaN loses to any number (as tl.max ignores it), the lower index between two NaNs."""
+    nan1 = v1 != v1
+    take = (v2 > v1) | ((v2 == v1) & (i2 < i1)) | (nan1 & ((v2 == v2) | (i2 < i1)))
+    return tl.where(take, v2, v1), tl.where(take, i2, i1)
+
+
+@triton.jit
+def argmax_lowest(values, indices, axis: tl.constexpr):
+    """(max of `values`, the lowest of `indices` where it is) along `axis`, in ONE reduction.
+    Not a max and then an equality test against it: the compiler may evaluate a computed
+    tensor more than once (a rematerialisation in another layout), and a value that rounds
+    differently there equals no element of the max it was compared with (the H200 returned
+    the no-match sentinel that way). NaNs lose to numbers; all NaN gives NaN."""
+    return tl.reduce((values, indices), axis, _max_lowest)
+
+
+@triton.jit
 def best_combine(best, best_v0, best_val, cols, axis: tl.constexpr):
     """Reduce element-wise running bests over `axis` (columns v0 + cols): best score,
     its lowest index (as torch.argmax), its val."""

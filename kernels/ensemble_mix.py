@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, best_combine, best_step, counters, exp2,
+from ._common import (BIG_IDX, LN2, LOG2E, NEG_BIG, argmax_lowest, best_combine, best_step, counters, exp2,
                       group_best_cols, group_cols, group_lse_step, lse_reduce, pdl, pdl_wait, sm_count)
 from .ensemble_mix_draw import (_fold_bests, _fold_token, _row_normalisers, _slot_draw, _slot_offsets, _store_token,
                                 _tile_q)
@@ -196,10 +196,9 @@ def _mix_chunk_kernel(
         x_c = tl.load(logits_ptr + (b * K + ks[:, None]).to(tl.int64) * stride_logits + cand[None, :],
                       mask=kmask[:, None] & kmask[None, :], other=float("-inf")).to(tl.float32)
         q_c = tl.sum(w[:, None] * exp2(x_c * scale - lse2[:, None], FAST), axis=0)   # [KP]
-        q_c = tl.where(kmask, q_c, -1.0)
-        q_cert = tl.max(q_c, axis=0)
-        tok_c = tl.min(tl.where(q_c == q_cert, cand, BIG_IDX), axis=0)
-        run_chunk = 1 - (q_cert > bound).to(tl.int32)   # NaN (a NaN or all -inf view): not certified
+        q_cert, tok_c = argmax_lowest(tl.where(kmask, q_c, -1.0), cand, 0)
+        # NaN (a NaN or all -inf view): not certified; nor a candidate outside the vocabulary
+        run_chunk = 1 - ((q_cert > bound) & (tok_c < V)).to(tl.int32)
         if REPORT:
             if sp == 0:
                 tl.store(certified_ptr + b, 1 - run_chunk)

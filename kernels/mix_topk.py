@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BIG_IDX, LOG2E, NEG_BIG, chunking, counters, exp2, n_vsplit, pdl, pdl_wait, sm_count
+from ._common import BIG_IDX, LOG2E, NEG_BIG, argmax_lowest, chunking, counters, exp2, n_vsplit, pdl, pdl_wait, sm_count
 from .ensemble_mix import _row_normalisers, _tile_q
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,8 +71,7 @@ def _top(val, col, q, KK: tl.constexpr, KKP: tl.constexpr):
     top_c = tl.full([KKP], BIG_IDX, tl.int32)
     top_q = tl.zeros([KKP], tl.float32)
     for j in tl.static_range(KK):
-        best = tl.max(val, axis=0)
-        c = tl.min(tl.where(val == best, col, BIG_IDX), axis=0)
+        best, c = argmax_lowest(val, col, 0)
         hit = col == c
         top_v = tl.where(jj == j, best, top_v)
         top_c = tl.where(jj == j, c, top_c)

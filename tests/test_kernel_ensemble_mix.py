@@ -491,6 +491,31 @@ def test_gpu_greedy_views_full_size(B, K, V, dtype):
         torch.testing.assert_close(token_prob, full[1], atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.gpu
+def test_gpu_engine_call_many_draft_rows():
+    """The call the draft loop makes (`ops.ensemble_mix`: one request, two views, the
+    Qwen2.5-VL vocabulary, bf16, the next step's ids written into the view rows, no
+    certificate report) on 1,500 random rows of a draft's spread: every token a real
+    argmax of the mixture. A certificate that compared q at the candidates with their
+    recomputed maximum returned the 2^31 - 1 sentinel for a few rows in a thousand."""
+    V, rows = 152064, 1500
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bad = []
+    for i in range(rows):
+        base = torch.randn(1, V, device="cuda", generator=g) * 0.9
+        noise = (0.9, 0.5, 0.2)[i % 3]
+        logits = (base * (1 - noise) + noise * torch.randn(2, V, device="cuda", generator=g)).to(torch.bfloat16)
+        w = torch.tensor([[0.5, 0.5]], device="cuda") + 0.02 * torch.randn(1, 2, device="cuda", generator=g)
+        w = w / w.sum()
+        ids = torch.full((2,), -1, dtype=torch.long, device="cuda")
+        token, prob, _, _ = ensemble_mix(logits, w, greedy=True, view_tokens_out=ids)
+        q = (w[0, :, None] * torch.softmax(logits.float(), -1)).sum(0)
+        t = token[0]
+        ok = (t >= 0) & (t < V) & (ids[0] == t) & (ids[1] == t) & (q[t.clamp(0, V - 1)] >= q.max() - 1e-6)
+        bad.append(~ok)
+    assert not torch.stack(bad).any(), int(torch.stack(bad).sum())
+
+
 @pytest.mark.parametrize("n_split", [1, 7])
 @pytest.mark.parametrize("B, K, V, dtype", [
     # the large vocabulary at one request (3 requests: 3x the interpreter time, 16 s of CPU)
