@@ -468,7 +468,8 @@ def test_step_loop_abort_and_request_ids():
 @pytest.mark.parametrize("speculative", [False, True])
 def test_an_admission_finishes_the_block_queued_ahead(speculative):
     """A request admitted while the next block is queued already: that block is finished first
-    (its work is not discarded) and nothing is queued after it; tokens stay transformers'."""
+    (its work is not discarded) and nothing is queued after it; an AR batch then runs its next
+    step and the prefill as one mixed forward (`engine/chunked.py`); tokens stay transformers'."""
     eng = engine(max_batch=2)
     names, prompts, imgs, sps = batch_inputs()
     a = eng.add_request(prompts[0], images=imgs[0], sampling=sps[0], speculative=speculative)
@@ -476,8 +477,10 @@ def test_an_admission_finishes_the_block_queued_ahead(speculative):
     assert eng.runner.pending_kind(eng.scheduler.slots) == (eng.gamma if speculative else 0)
     blocks = sum(eng.scheduler.kinds.values())
     b = eng.add_request(prompts[5], images=imgs[5], sampling=sps[5], speculative=speculative)
-    step = eng.step()                                    # the queued block, then b's prefill
-    assert sum(eng.scheduler.kinds.values()) == blocks + 1 and eng.runner.pending is None
+    mixed = eng.scheduler.mixed_steps
+    step = eng.step()                                    # the queued block, then b's prefill (AR: mixed)
+    assert sum(eng.scheduler.kinds.values()) == blocks + 1 + (not speculative) and eng.runner.pending is None
+    assert eng.scheduler.mixed_steps == mixed + (not speculative)
     assert [o.request_id for o in step] == [a, b]
     outs += step
     while eng.has_unfinished():

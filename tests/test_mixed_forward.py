@@ -3,14 +3,17 @@ chunks packed into one pass through the weights give each part the logits and th
 `forward` gives (float32, CPU), with 1-D RoPE and with M-RoPE (Qwen2.5-VL: 3-D ids of a prompt
 whose chunk starts inside an image's tokens, the rows' position offsets)."""
 import copy
+import math
 
 import pytest
 import torch
 
+from tabed_engine import SamplingParams
 from tabed_engine.models.config import LMConfig
 from tabed_engine.models.decoder import KVCache, LlamaLM, cache_rows
 
 V = 97
+SP = SamplingParams(max_new_tokens=16)
 
 
 def tiny_lm(mrope: bool, seed: int = 0) -> LlamaLM:
@@ -114,3 +117,73 @@ def test_refuses_parts_of_different_caches():
     with pytest.raises(ValueError, match="at least one part"):
         lm.forward_mixed([])
 
+
+# ---------------------------------------------------------------------- engine: mixed steps
+def arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b):
+    """Request a decodes alone for a few steps, then b (images) arrives and is prefilled in chunks
+    of `budget` while a decodes: a's and b's tokens, b's prefill chunks and the mixed steps run
+    meanwhile."""
+    eng.prefill_chunk = budget
+    a = eng.add_request(prompt_a, sampling=sp_a, speculative=False)
+    got = {a: []}
+    while len(got[a]) < 3:
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    b = eng.add_request(prompt_b, images=images_b, sampling=sp_b, speculative=False)
+    got[b] = []
+    mixed0 = eng.scheduler.mixed_steps
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+            if o.request_id == b and o.finished:
+                chunks = o.output.stats.prefill_chunks
+    return got[a], got[b], chunks, eng.scheduler.mixed_steps - mixed0
+
+
+@pytest.mark.parametrize("budget", [7, 16, 37])
+def test_mixed_steps_equal_unchunked_llava(budget):
+    """A LLaVA prompt with two images arriving while a text request decodes autoregressively: its
+    chunks (boundaries inside the image runs) run in the running request's AR steps' forwards, and
+    both requests' greedy tokens are those of unchunked prefill (and transformers')."""
+    from test_chunked_prefill import PROMPTS, cuts_inside_images, engine, images, reference, run
+
+    eng = engine(None, max_batch=2)
+    (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
+    n = len(eng._request(prompt_b, images(n_b), None, None, False).prep.ids)
+    # a decodes past b's last chunk
+    sp_a = SamplingParams(max_new_tokens=math.ceil(n / budget) + 6, stop_at_eos=False)
+    a_alone = run(eng, None, "text", False, sp_a).token_ids
+    b_alone = run(eng, None, "separated", False).token_ids
+    got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, SP)
+    assert cuts_inside_images(eng, "separated", budget) > 0
+    # every chunk of b ran mixed (a decodes until after b's last chunk)
+    assert mixed == chunks == math.ceil(n / budget) > 1
+    assert got_a == a_alone and got_b == b_alone == reference("llama", "separated")
+
+
+def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory):
+    """M-RoPE (Qwen2.5-VL): an image prompt arriving while a text request decodes, its chunks of 9
+    tokens (boundaries inside the image runs: the 3-D ids sliced per chunk, the row's offset)
+    mixed into the AR steps; tokens equal the unchunked prefill's."""
+    from tabed_engine.models.tiny import random_image
+    from test_chunked_prefill import qwen_engine
+
+    eng = qwen_engine(str(tmp_path_factory.getbasetemp() / "qwen_chunked"), None)
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "left"}, {"type": "image"},
+                                          {"type": "text", "text": "Describe the image in detail."}]}]
+    text_b = eng.processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    text_a = eng.processor.apply_chat_template([{"role": "user", "content": "Tell me a long story."}],
+                                               add_generation_prompt=True, tokenize=False)
+    imgs = [random_image(0, 40), random_image(1, 56).resize((24, 56))]
+    n = len(eng._request(text_b, imgs, None, None, False).prep.ids)
+    sp_a = SamplingParams(max_new_tokens=math.ceil(n / 9) + 6, stop_at_eos=False)
+    eng.runner.prefix.entries = [None] * len(eng.runner.prefix.entries)
+    eng.prefill_chunk = None
+    a_alone = eng.generate(text_a, sampling=sp_a, speculative=False).token_ids
+    b_alone = eng.generate(text_b, images=imgs, sampling=SP, speculative=False).token_ids
+    eng.runner.prefix.entries = [None] * len(eng.runner.prefix.entries)
+    got_a, got_b, chunks, mixed = arrivals(eng, 9, text_a, text_b, imgs, sp_a, SP)
+    spans = eng._request(text_b, imgs, None, None, False).prep.image_spans
+    assert any(s < c < s + m for c in range(9, n, 9) for s, m in spans)
+    assert mixed == chunks > 1          # (chunks <= n / 9: b's prompt may hit a's cached chat prefix)
+    assert got_a == a_alone and got_b == b_alone
