@@ -468,8 +468,9 @@ def test_step_loop_abort_and_request_ids():
 @pytest.mark.parametrize("speculative", [False, True])
 def test_an_admission_finishes_the_block_queued_ahead(speculative):
     """A request admitted while the next block is queued already: that block is finished first
-    (its work is not discarded) and nothing is queued after it; an AR batch then runs its next
-    step and the prefill as one mixed forward (`engine/chunked.py`); tokens stay transformers'."""
+    (its work is not discarded) and nothing is queued after it; the batch then runs its next
+    block with the prefill in its target forward (a mixed step, `engine/chunked.py`); tokens stay
+    transformers'."""
     eng = engine(max_batch=2)
     names, prompts, imgs, sps = batch_inputs()
     a = eng.add_request(prompts[0], images=imgs[0], sampling=sps[0], speculative=speculative)
@@ -478,9 +479,9 @@ def test_an_admission_finishes_the_block_queued_ahead(speculative):
     blocks = sum(eng.scheduler.kinds.values())
     b = eng.add_request(prompts[5], images=imgs[5], sampling=sps[5], speculative=speculative)
     mixed = eng.scheduler.mixed_steps
-    step = eng.step()                                    # the queued block, then b's prefill (AR: mixed)
-    assert sum(eng.scheduler.kinds.values()) == blocks + 1 + (not speculative) and eng.runner.pending is None
-    assert eng.scheduler.mixed_steps == mixed + (not speculative)
+    step = eng.step()                                    # the queued block, then a block mixed with b's prefill
+    assert sum(eng.scheduler.kinds.values()) == blocks + 2 and eng.runner.pending is None
+    assert eng.scheduler.mixed_steps == mixed + 1
     assert [o.request_id for o in step] == [a, b]
     outs += step
     while eng.has_unfinished():

@@ -119,17 +119,17 @@ def test_refuses_parts_of_different_caches():
 
 
 # ---------------------------------------------------------------------- engine: mixed steps
-def arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b):
+def arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b, speculative=False):
     """Request a decodes alone for a few steps, then b (images) arrives and is prefilled in chunks
     of `budget` while a decodes: a's and b's tokens, b's prefill chunks and the mixed steps run
     meanwhile."""
     eng.prefill_chunk = budget
-    a = eng.add_request(prompt_a, sampling=sp_a, speculative=False)
+    a = eng.add_request(prompt_a, sampling=sp_a, speculative=speculative)
     got = {a: []}
     while len(got[a]) < 3:
         for o in eng.step():
             got[o.request_id] += o.new_token_ids
-    b = eng.add_request(prompt_b, images=images_b, sampling=sp_b, speculative=False)
+    b = eng.add_request(prompt_b, images=images_b, sampling=sp_b, speculative=speculative)
     got[b] = []
     mixed0 = eng.scheduler.mixed_steps
     while eng.has_unfinished():
@@ -140,31 +140,34 @@ def arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_
     return got[a], got[b], chunks, eng.scheduler.mixed_steps - mixed0
 
 
-@pytest.mark.parametrize("budget", [7, 16, 37])
-def test_mixed_steps_equal_unchunked_llava(budget):
-    """A LLaVA prompt with two images arriving while a text request decodes autoregressively: its
-    chunks (boundaries inside the image runs) run in the running request's AR steps' forwards, and
-    both requests' greedy tokens are those of unchunked prefill (and transformers')."""
+@pytest.mark.parametrize("budget,speculative", [(7, False), (16, False), (37, False), (16, True)],
+                         ids=["ar-7", "ar-16", "ar-37", "chain-16"])
+def test_mixed_steps_equal_unchunked_llava(budget, speculative):
+    """A LLaVA prompt with two images arriving while a text request decodes (autoregressively, or
+    in chains of 3): its chunks (boundaries inside the image runs) run in the running request's AR
+    steps' or verifications' forwards, and both requests' greedy tokens are those of unchunked
+    prefill (and transformers')."""
     from test_chunked_prefill import PROMPTS, cuts_inside_images, engine, images, reference, run
 
     eng = engine(None, max_batch=2)
     (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
     n = len(eng._request(prompt_b, images(n_b), None, None, False).prep.ids)
     # a decodes past b's last chunk
-    sp_a = SamplingParams(max_new_tokens=math.ceil(n / budget) + 6, stop_at_eos=False)
-    a_alone = run(eng, None, "text", False, sp_a).token_ids
-    b_alone = run(eng, None, "separated", False).token_ids
-    got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, SP)
+    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / budget) + 8, stop_at_eos=False)
+    a_alone = run(eng, None, "text", speculative, sp_a).token_ids
+    b_alone = run(eng, None, "separated", speculative).token_ids
+    got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, SP, speculative)
     assert cuts_inside_images(eng, "separated", budget) > 0
     # every chunk of b ran mixed (a decodes until after b's last chunk)
     assert mixed == chunks == math.ceil(n / budget) > 1
     assert got_a == a_alone and got_b == b_alone == reference("llama", "separated")
 
 
-def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory):
+@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "chain"])
+def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory, speculative):
     """M-RoPE (Qwen2.5-VL): an image prompt arriving while a text request decodes, its chunks of 9
     tokens (boundaries inside the image runs: the 3-D ids sliced per chunk, the row's offset)
-    mixed into the AR steps; tokens equal the unchunked prefill's."""
+    mixed into the AR steps or the chains' verifications; tokens equal the unchunked prefill's."""
     from tabed_engine.models.tiny import random_image
     from test_chunked_prefill import qwen_engine
 
@@ -176,13 +179,13 @@ def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory):
                                                add_generation_prompt=True, tokenize=False)
     imgs = [random_image(0, 40), random_image(1, 56).resize((24, 56))]
     n = len(eng._request(text_b, imgs, None, None, False).prep.ids)
-    sp_a = SamplingParams(max_new_tokens=math.ceil(n / 9) + 6, stop_at_eos=False)
+    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / 9) + 8, stop_at_eos=False)
     eng.runner.prefix.entries = [None] * len(eng.runner.prefix.entries)
     eng.prefill_chunk = None
-    a_alone = eng.generate(text_a, sampling=sp_a, speculative=False).token_ids
-    b_alone = eng.generate(text_b, images=imgs, sampling=SP, speculative=False).token_ids
+    a_alone = eng.generate(text_a, sampling=sp_a, speculative=speculative).token_ids
+    b_alone = eng.generate(text_b, images=imgs, sampling=SP, speculative=speculative).token_ids
     eng.runner.prefix.entries = [None] * len(eng.runner.prefix.entries)
-    got_a, got_b, chunks, mixed = arrivals(eng, 9, text_a, text_b, imgs, sp_a, SP)
+    got_a, got_b, chunks, mixed = arrivals(eng, 9, text_a, text_b, imgs, sp_a, SP, speculative)
     spans = eng._request(text_b, imgs, None, None, False).prep.image_spans
     assert any(s < c < s + m for c in range(9, n, 9) for s, m in spans)
     assert mixed == chunks > 1          # (chunks <= n / 9: b's prompt may hit a's cached chat prefix)

@@ -21,14 +21,14 @@ the budget lasts; a prompt that would need splitting starts only at the start of
 budget), then, if requests were decoding at the start of the step and no block ran yet, one
 block.
 
-Mixed steps: when the running batch decodes autoregressively, its AR step and the step's chunks
-(and whole short prompts) run as one target forward (`LlamaLM.forward_mixed`: the weights read
-once, the attention per part), so a step costs about the longer of the two rather than their
-sum. The step's part comes first in the packing (a parked row's garbage lands where its chunk
+Mixed steps: the running batch's AR step, or its chain block's verification, and the step's
+chunks (and whole short prompts) run as one target forward (`LlamaLM.forward_mixed`: the weights
+read once, the attention per part), so a step costs about the longer of the two rather than
+their sum. The step's part comes first in the packing (a parked row's garbage lands where its chunk
 writes over it); requests whose prefill ends in the step decode from the next one (their first
 token comes out of the forward). The forward is eager (the pure steps keep their graphs) and
-queues no block behind it. A speculating batch runs the chunks and its block as separate
-forwards.
+queues no block behind it. Trees and the first block's view tree run the chunks and the block as
+separate forwards.
 """
 from __future__ import annotations
 
@@ -124,8 +124,9 @@ class ChunkedAdmission:
             self._block(outputs, kind)
         left = math.inf if budget is None else budget
         live = [r for r in self.slots if r is not None and not r.finished]
-        if decoding and live and not live[0].speculative:
-            self._mixed_step(outputs, left, live, blocked)
+        g = self._mixed_kind(live) if decoding and live else None
+        if g is not None:
+            self._mixed_step(outputs, left, live, blocked, g)
         else:
             self._prefill_work(outputs, left)
             self._last = None           # the next block's time includes no prefill
@@ -134,10 +135,23 @@ class ChunkedAdmission:
                 self._block(outputs)
         outputs[:] = merged(outputs)
 
-    def _mixed_step(self, outputs: list, left, live: list, blocked: bool):
-        """The step's prefill work packed into the running batch's AR step (see the module
-        docstring); without prefill work to run (no pages yet, failures) the AR step alone,
-        unless a block already ran."""
+    def _mixed_kind(self, live: list) -> Optional[int]:
+        """The block a mixed step runs for the live requests: 0 (an AR step) or a chain of g
+        (the cost model's choice), or None when the step's forwards stay separate (trees, the
+        first block's view tree)."""
+        if not live[0].speculative:
+            return 0
+        b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
+        if self.runner.eng.tree is not None or self.runner.takes_view_tree(live, b):
+            return None
+        g = self._next if self._next is not None else self.cost.choose(b, [(r.accepted, r.rejected) for r in live])
+        self._next = None
+        return g
+
+    def _mixed_step(self, outputs: list, left, live: list, blocked: bool, g: int):
+        """The step's prefill work packed into the running batch's block, an AR step (g = 0) or
+        a chain of g (see the module docstring); without prefill work to run (no pages yet,
+        failures) the block alone, unless a block already ran."""
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
         reqs = self.slots[:b]           # (a copy: the requests joining in the step are not in it)
         plan: list = []
@@ -146,11 +160,15 @@ class ChunkedAdmission:
         self._next = None
         if not plan:
             if not blocked:
-                self._block(outputs)
+                self._block(outputs, choice=g)
             return
         gen = live[0].generator if len(live) == 1 else self._batch_gen
+        parts = [part for _, _, part in plan]
         try:
-            new, logits = self.runner.ar_mixed(reqs, b, gen, [part for _, _, part in plan])
+            if g:
+                new, logits = self.runner.sd_mixed(reqs, b, gen, g, parts)
+            else:
+                new, logits = self.runner.ar_mixed(reqs, b, gen, parts)
         except Exception as e:          # a device failure: the batch and the prefills end
             log_failure(e, f"a mixed step of {len(live)} request(s) and {len(plan)} prefill chunk(s)")
             self.joining = ()
@@ -160,7 +178,7 @@ class ChunkedAdmission:
                 r.finish("error", f"{type(e).__name__}: {e}")
                 outputs.append(self._output(r, []))
             return
-        self.kinds[0] += 1
+        self.kinds[g] += 1
         self.mixed_steps += 1
         for r, toks in zip(reqs, new):
             if r is not None and (toks or r.finished):
