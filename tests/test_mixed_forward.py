@@ -119,10 +119,19 @@ def test_refuses_parts_of_different_caches():
 
 
 # ---------------------------------------------------------------------- engine: mixed steps
-def arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b, speculative=False):
+def arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b, speculative=False,
+             mixed=True):
     """Request a decodes alone for a few steps, then b (images) arrives and is prefilled in chunks
-    of `budget` while a decodes: a's and b's tokens, b's prefill chunks and the mixed steps run
-    meanwhile."""
+    of `budget` while a decodes (`Engine.mixed_steps` = `mixed` meanwhile, then off again, the
+    default): a's and b's tokens, b's prefill chunks and the mixed steps run meanwhile."""
+    eng.mixed_steps = mixed
+    try:
+        return _arrivals(eng, budget, prompt_a, prompt_b, images_b, sp_a, sp_b, speculative)
+    finally:
+        eng.mixed_steps = False
+
+
+def _arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b, speculative):
     eng.prefill_chunk = budget
     a = eng.add_request(prompt_a, sampling=sp_a, speculative=speculative)
     got = {a: []}
@@ -161,6 +170,24 @@ def test_mixed_steps_equal_unchunked_llava(budget, speculative):
     # every chunk of b ran mixed (a decodes until after b's last chunk)
     assert mixed == chunks == math.ceil(n / budget) > 1
     assert got_a == a_alone and got_b == b_alone == reference("llama", "separated")
+
+
+def test_mixed_steps_off_by_default_and_checked():
+    """Without `mixed_steps` the chunks and the block stay two forwards of the step (no mixed
+    step), with the same tokens; a non-bool setting is refused."""
+    from test_chunked_prefill import PROMPTS, engine, images, run
+
+    eng = engine(None, max_batch=2)
+    assert eng.mixed_steps is False
+    (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
+    sp_a = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    a_alone = run(eng, None, "text", False, sp_a).token_ids
+    b_alone = run(eng, None, "separated", False).token_ids
+    got_a, got_b, chunks, mixed = arrivals(eng, 16, prompt_a, prompt_b, images(n_b), sp_a, SP, mixed=False)
+    assert mixed == 0 and chunks > 1
+    assert got_a == a_alone and got_b == b_alone
+    with pytest.raises(TypeError, match="mixed_steps must be a bool"):
+        eng.mixed_steps = 1
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["ar", "chain"])

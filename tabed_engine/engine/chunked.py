@@ -21,14 +21,14 @@ the budget lasts; a prompt that would need splitting starts only at the start of
 budget), then, if requests were decoding at the start of the step and no block ran yet, one
 block.
 
-Mixed steps: the running batch's AR step, or its chain block's verification, and the step's
-chunks (and whole short prompts) run as one target forward (`LlamaLM.forward_mixed`: the weights
-read once, the attention per part), so a step costs about the longer of the two rather than
-their sum. The step's part comes first in the packing (a parked row's garbage lands where its chunk
-writes over it); requests whose prefill ends in the step decode from the next one (their first
-token comes out of the forward). The forward is eager (the pure steps keep their graphs) and
-queues no block behind it. Trees and the first block's view tree run the chunks and the block as
-separate forwards.
+Mixed steps (`Engine(mixed_steps=True)`): the running batch's AR step, or its chain block's
+verification, and the step's chunks (and whole short prompts) run as one target forward
+(`LlamaLM.forward_mixed`: the weights read once, the attention per part), so a step costs about
+the longer of the two rather than their sum. The step's part comes first in the packing (a
+parked row's garbage lands where its chunk writes over it); requests whose prefill ends in the
+step decode from the next one (their first token comes out of the forward). The forward is eager
+(the pure steps keep their graphs) and queues no block behind it. Trees and the first block's
+view tree run the chunks and the block as separate forwards.
 """
 from __future__ import annotations
 
@@ -137,8 +137,10 @@ class ChunkedAdmission:
 
     def _mixed_kind(self, live: list) -> Optional[int]:
         """The block a mixed step runs for the live requests: 0 (an AR step) or a chain of g
-        (the cost model's choice), or None when the step's forwards stay separate (trees, the
-        first block's view tree)."""
+        (the cost model's choice), or None when the step's forwards stay separate (mixed steps
+        off, trees, the first block's view tree)."""
+        if not self.runner.eng.mixed_steps:
+            return None
         if not live[0].speculative:
             return 0
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
