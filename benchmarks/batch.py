@@ -207,11 +207,15 @@ class BatchBench:
         out = {}
         for chunk in self.args.prefill_chunks:
             self.eng.prefill_chunk = chunk or None
-            for rate in self.args.rates:
-                out[f"rate={rate:g},chunk={chunk}"] = self.arrivals(rate, chunk)
-                self.R["mixed"] = out
-                self.save()
+            for mixed in self.args.mixed_steps:
+                self.eng.mixed_steps = bool(mixed)
+                for rate in self.args.rates:
+                    key = f"rate={rate:g},chunk={chunk}" + (",mixed_steps" if mixed else "")
+                    out[key] = self.arrivals(rate, chunk)
+                    self.R["mixed"] = out
+                    self.save()
         self.eng.prefill_chunk = self.default_chunk
+        self.eng.mixed_steps = False
         out["warmup_s"] = warm
         return out
 
@@ -262,6 +266,7 @@ class BatchBench:
             itl = [g * 1e3 for g in gaps]
             step_p50 = pct([s * 1e3 for s in steps], 50)
             out[mode] = {"requests": len(outs), "wall_s": wall, "prefill_chunk": chunk,
+                         "mixed_steps": eng.mixed_steps,
                          "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
                          "requests_per_s": len(outs) / wall,
                          # the share of the run spent in prefills (the batch's decode waits meanwhile)
@@ -342,6 +347,9 @@ def main(argv=None):
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=None,
                     help="mixed runs: prefill budgets (Engine.prefill_chunk; 0 = whole prompts; "
                          "default: the engine's default)")
+    ap.add_argument("--mixed-steps", type=int, nargs="+", default=[0], choices=(0, 1),
+                    help="mixed runs: Engine.mixed_steps off (0) / on (1), each side by side at every "
+                         "budget and rate (e.g. 0 1)")
     ap.add_argument("--kv-cache-tokens", type=int, default=None,
                     help="the KV page pool in target tokens (default: max-batch x max-len, cut to what fits)")
     ap.add_argument("--concurrency", type=int, default=0, help="requests of the concurrency section (0: skip it)")

@@ -465,19 +465,25 @@ def test_step_loop_abort_and_request_ids():
     assert final[other].token_ids == expected("text")
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["separate", "mixed"])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_an_admission_finishes_the_block_queued_ahead(speculative):
+def test_an_admission_finishes_the_block_queued_ahead(speculative, mixed):
     """A request admitted while the next block is queued already: that block is finished first
-    (its work is not discarded) and nothing is queued after it; tokens stay transformers'."""
+    (its work is not discarded) and nothing is queued after it; with mixed steps the batch then
+    runs its next block with the prefill in its target forward (`engine/chunked.py`), else the
+    prefill alone; tokens stay transformers'."""
     eng = engine(max_batch=2)
+    eng.mixed_steps = mixed
     names, prompts, imgs, sps = batch_inputs()
     a = eng.add_request(prompts[0], images=imgs[0], sampling=sps[0], speculative=speculative)
     outs = eng.step() + eng.step() + eng.step()         # admit, then two blocks (the first: a view tree)
     assert eng.runner.pending_kind(eng.scheduler.slots) == (eng.gamma if speculative else 0)
     blocks = sum(eng.scheduler.kinds.values())
     b = eng.add_request(prompts[5], images=imgs[5], sampling=sps[5], speculative=speculative)
-    step = eng.step()                                    # the queued block, then b's prefill
-    assert sum(eng.scheduler.kinds.values()) == blocks + 1 and eng.runner.pending is None
+    mixed0 = eng.scheduler.mixed_steps
+    step = eng.step()                        # the queued block, then b's prefill (mixed: in a block's forward)
+    assert sum(eng.scheduler.kinds.values()) == blocks + 1 + mixed and eng.runner.pending is None
+    assert eng.scheduler.mixed_steps == mixed0 + mixed
     assert [o.request_id for o in step] == [a, b]
     outs += step
     while eng.has_unfinished():

@@ -84,6 +84,32 @@ class SpeculativeSteps:
         and verification) is queued behind it with chains of `gamma_next` (default `gamma`; 0:
         nothing, the batch changes or decodes autoregressively next), so the host's work on
         this block's tokens overlaps the device's on the next. Returns each slot's new tokens."""
+        return self._sd_block(reqs, b, gen, gamma, gamma_next)[0]
+
+    def sd_mixed(self, reqs: list, b: int, gen, gamma: int, parts: list[dict]):
+        """A chain block whose verification forward also runs other target forwards (a step's
+        prompt chunks: `parts`, their `forward` arguments; `LlamaLM.forward_mixed`, eager, the
+        verification first). Nothing is queued after it; a block queued ahead is dropped (the
+        caller finished it). Not for trees nor a block that `takes_view_tree`. Returns each
+        slot's new tokens and each part's logits."""
+        if self.eng.tree is not None:
+            raise ValueError("sd_mixed: chains only")
+        self.pending = None
+        return self._sd_block(reqs, b, gen, gamma, 0, parts)
+
+    def takes_view_tree(self, live: list, b: int, gamma: Optional[int] = None) -> bool:
+        """Whether a block for the live requests in bucket b would be the first block's view tree
+        (`_view_tree`; with gamma None, for some chain length)."""
+        eng = self.eng
+        return (b == 1 and any(r.blocks == 0 for r in live) and eng.view_tree and eng.tree is None
+                and all(r.sp.greedy for r in live) and self.K > 1 and self.bench_accept_schedule is None
+                and eng.ensemble.policy in ("kld", "tvd", "hedge")
+                and (gamma is None or live[0].n_prompt + self.K * gamma + 2 <= self.max_len))
+
+    def _sd_block(self, reqs: list, b: int, gen, gamma: Optional[int], gamma_next: Optional[int],
+                  parts: Optional[list] = None):
+        """`sd_block`, with `parts` packed into the verification (`sd_mixed`): (new tokens, the
+        parts' logits or None)."""
         eng, K, tree = self.eng, self.K, self.eng.tree
         gamma = eng.gamma if gamma is None or tree is not None else gamma
         gamma_next = gamma if gamma_next is None else gamma_next
@@ -100,22 +126,20 @@ class SpeculativeSteps:
         greedy = sp.greedy
         norms = self._normalisers(sp)
         live = [r for r in reqs[:b] if r is not None and not r.finished]
-        schedule = self.bench_accept_schedule
         timer = _Timer(self, live)
 
         p = self._pending_for(("sd", gamma), b, reqs)   # taken now: whatever runs, it is used or stale
-        first = [r for r in live if r.blocks == 0]
-        if (b == 1 and first and eng.view_tree and tree is None and greedy and K > 1 and schedule is None
-                and eng.ensemble.policy in ("kld", "tvd", "hedge")
-                and live[0].n_prompt + K * gamma + 2 <= self.max_len):
-            return self._view_tree(live[0], timer)
+        if self.takes_view_tree(live, b, gamma):
+            if parts:
+                raise ValueError("sd_mixed: this block is the first block's view tree")
+            return self._view_tree(live[0], timer), None
 
         if p is None:
             self.catch_up(reqs, b)
             inp2, dl = self._draft_inputs(reqs, b)
             tl, last, t_max = self._target_inputs(reqs, b)
             blk = self._queue_block(b, gamma, sp, temp, gen, inp2, dl, tl, last, t_max,
-                                    max(len(r.tokens) for r in live), live, timer=timer)
+                                    max(len(r.tokens) for r in live), live, timer=timer, parts=parts)
         else:
             blk = p["blk"]
         res, v = blk["res"], blk["v"]
@@ -172,7 +196,7 @@ class SpeculativeSteps:
             out.append(r.append(d[:n] + [t_next]))
             r.draft_valid = len(r.tokens) - 2
         timer.lap("time_other")
-        return out
+        return out, blk.get("extra")
 
     def _normalisers(self, sp) -> bool:
         """Whether the verification returns the target's log-normalisers for the history (they
@@ -180,14 +204,15 @@ class SpeculativeSteps:
         return self.state.uses_normalisers and self.eng.tree is None and not isinstance(sp, RowSampling)
 
     def _queue_block(self, b: int, gamma: int, sp, temp: float, gen, inp2, dl, tl, last, t_max: int, g_max: int,
-                     live, ahead: int = 0, timer: Optional["_Timer"] = None) -> dict:
+                     live, ahead: int = 0, timer: Optional["_Timer"] = None, parts: Optional[list] = None) -> dict:
         """Queue one block's draft and verification (nothing read back): draft rows at lengths
         `dl` [b*K] fed `inp2` [b*K, 2], target rows at lengths `tl` [b] int32 fed `last` [b];
         `t_max` bounds the target lengths and `g_max` the requests' generated tokens (for the
         eager attention spans). `ahead`: blocks between the host's view of the live requests
         and this one (the benchmark's forced acceptance follows the block index).
         Returns dict(res = the draft's outputs, v = the verification's (tlogits, n_acc, nxt,
-        packed, d_last, t_lse or path), dl, tl, t_max)."""
+        packed, d_last, t_lse or path), dl, tl, t_max, and with `parts` (chains: forwards packed
+        into the verification, run eagerly) extra = their logits)."""
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
         tcache, dcache, _ = self.views(b)
         greedy, V = sp.greedy, self.draft.lm.cfg.vocab_size
@@ -233,8 +258,11 @@ class SpeculativeSteps:
             inputs = dict(vin=vin, tlens=tl)
             if not greedy:
                 inputs.update(mixture=mixture, uniforms=torch.rand(b, gamma + 1, generator=gen, device=dev))
-            tlogits, n_acc, nxt, packed, v["t_lse"] = self.run_graph(
-                verify_key, verify_fn, inputs, kv_len=self.kv_bucket(t_max + 1 + gamma + 1))
+            kv_len = self.kv_bucket(t_max + 1 + gamma + 1)
+            if parts:
+                tlogits, n_acc, nxt, packed, v["t_lse"], extra = verify_fn(**inputs, kv_len=kv_len, parts=parts)
+            else:
+                tlogits, n_acc, nxt, packed, v["t_lse"] = self.run_graph(verify_key, verify_fn, inputs, kv_len=kv_len)
             d_last = vin.gather(1, n_acc[:, None])
         schedule = self.bench_accept_schedule
         if schedule is not None:   # benchmark only: a fixed acceptance pattern (not lossless)
@@ -251,7 +279,7 @@ class SpeculativeSteps:
         v.update(tlogits=tlogits, n_acc=n_acc, nxt=nxt, packed=packed, d_last=d_last)
         if timer is not None:
             timer.lap("time_verify")
-        return dict(res=res, v=v, dl=dl, tl=tl, t_max=t_max)
+        return dict(res=res, v=v, dl=dl, tl=tl, t_max=t_max, extra=extra if parts else None)
 
     def _view_tree(self, r: Request, timer) -> list[list[int]]:
         """The first block of a lone greedy request with several views: every view's own chain

@@ -19,7 +19,16 @@ between a block queued with the slot parked at one length and its successor), th
 work (the request between chunks first, then waiting requests first come, first served, while
 the budget lasts; a prompt that would need splitting starts only at the start of a step's
 budget), then, if requests were decoding at the start of the step and no block ran yet, one
-block. The chunk and the block are separate forwards of one step.
+block.
+
+Mixed steps (`Engine(mixed_steps=True)`): the running batch's AR step, or its chain block's
+verification, and the step's chunks (and whole short prompts) run as one target forward
+(`LlamaLM.forward_mixed`: the weights read once, the attention per part), so a step costs about
+the longer of the two rather than their sum. The step's part comes first in the packing (a
+parked row's garbage lands where its chunk writes over it); requests whose prefill ends in the
+step decode from the next one (their first token comes out of the forward). The forward is eager
+(the pure steps keep their graphs) and queues no block behind it. Trees and the first block's
+view tree run the chunks and the block as separate forwards.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ from typing import Optional
 from tabed_engine.engine.prefill import PREFILL_GRAPH_MAX, PrefillJob
 from tabed_engine.engine.prefix_cache import pick_slot
 from tabed_engine.engine.request import RequestOutput
+from tabed_engine.engine.runner import bucket_of
 
 # the budget by default: the longest prompt the target prefills as one captured graph. Prompts up
 # to it (a LLaVA-1.5 prompt) prefill in one replay as before; a longer one is split, its first
@@ -89,12 +99,16 @@ class ChunkedAdmission:
     lock and block runner). `filling`: the request between prefill chunks, or None."""
 
     filling: Optional[PrefillJob] = None
+    joining: tuple = ()          # jobs whose last chunk a mixed step has planned (their slots are taken)
+    mixed_steps: int = 0         # steps whose chunks ran in the batch's AR step's forward
 
     def taken(self) -> list:
-        """The slots, with the one reserved for the request between chunks taken."""
+        """The slots, with the one reserved for the request between chunks taken (and those of
+        requests a mixed step is prefilling)."""
         slots = list(self.slots)
-        if self.filling is not None:
-            slots[self.filling.slot] = self.filling.req
+        for job in (self.filling, *self.joining):
+            if job is not None:
+                slots[job.slot] = job.req
         return slots
 
     def step_chunked(self, outputs: list, budget: Optional[int]):
@@ -108,18 +122,80 @@ class ChunkedAdmission:
         blocked = kind is not None
         if blocked:                     # the block queued ahead first: a chunk would make it stale
             self._block(outputs, kind)
-        self._prefill_work(outputs, math.inf if budget is None else budget)
-        self._last = None               # the next block's time includes no prefill
-        self._next = None
-        if decoding and not blocked:
-            self._block(outputs)
+        left = math.inf if budget is None else budget
+        live = [r for r in self.slots if r is not None and not r.finished]
+        g = self._mixed_kind(live) if decoding and live else None
+        if g is not None:
+            self._mixed_step(outputs, left, live, blocked, g)
+        else:
+            self._prefill_work(outputs, left)
+            self._last = None           # the next block's time includes no prefill
+            self._next = None
+            if decoding and not blocked:
+                self._block(outputs)
         outputs[:] = merged(outputs)
 
-    def _prefill_work(self, outputs: list, budget):
-        """Chunks and whole prefills of at most `budget` prompt tokens in all."""
+    def _mixed_kind(self, live: list) -> Optional[int]:
+        """The block a mixed step runs for the live requests: 0 (an AR step) or a chain of g
+        (the cost model's choice), or None when the step's forwards stay separate (mixed steps
+        off, trees, the first block's view tree)."""
+        if not self.runner.eng.mixed_steps:
+            return None
+        if not live[0].speculative:
+            return 0
+        b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
+        if self.runner.eng.tree is not None or self.runner.takes_view_tree(live, b):
+            return None
+        g = self._next if self._next is not None else self.cost.choose(b, [(r.accepted, r.rejected) for r in live])
+        self._next = None
+        return g
+
+    def _mixed_step(self, outputs: list, left, live: list, blocked: bool, g: int):
+        """The step's prefill work packed into the running batch's block, an AR step (g = 0) or
+        a chain of g (see the module docstring); without prefill work to run (no pages yet,
+        failures) the block alone, unless a block already ran."""
+        b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
+        reqs = self.slots[:b]           # (a copy: the requests joining in the step are not in it)
+        plan: list = []
+        self._prefill_work(outputs, left, plan)
+        self._last = None               # the next block's time includes no prefill
+        self._next = None
+        if not plan:
+            if not blocked:
+                self._block(outputs, choice=g)
+            return
+        gen = live[0].generator if len(live) == 1 else self._batch_gen
+        parts = [part for _, _, part in plan]
+        try:
+            if g:
+                new, logits = self.runner.sd_mixed(reqs, b, gen, g, parts)
+            else:
+                new, logits = self.runner.ar_mixed(reqs, b, gen, parts)
+        except Exception as e:          # a device failure: the batch and the prefills end
+            log_failure(e, f"a mixed step of {len(live)} request(s) and {len(plan)} prefill chunk(s)")
+            self.joining = ()
+            for job, _, _ in plan:
+                self._fail(job.req, job, e, outputs)
+            for r in live:
+                r.finish("error", f"{type(e).__name__}: {e}")
+                outputs.append(self._output(r, []))
+            return
+        self.kinds[g] += 1
+        self.mixed_steps += 1
+        for r, toks in zip(reqs, new):
+            if r is not None and (toks or r.finished):
+                outputs.append(self._output(r, toks))
+        self.joining = ()
+        for (job, end, _), lg in zip(plan, logits):
+            self.runner.chunk_done(job, end, lg[:, -1])
+            self._after_chunk(job, outputs)
+
+    def _prefill_work(self, outputs: list, budget, plan: Optional[list] = None):
+        """Chunks and whole prefills of at most `budget` prompt tokens in all; with `plan`, their
+        forwards are not run but planned into it (see `_run_chunk`)."""
         left = budget
         if self.filling is not None:
-            left -= self._run_chunk(self.filling, left, outputs)
+            left -= self._run_chunk(self.filling, left, outputs, plan)
         while left > 0 and self.filling is None:
             with self._lock:
                 if not self._head_fits():
@@ -136,28 +212,48 @@ class ChunkedAdmission:
             except Exception as e:       # this request fails alone
                 self._fail(head, None, e, outputs)
                 continue
-            left -= self._run_chunk(job, left, outputs)
+            left -= self._run_chunk(job, left, outputs, plan)
 
-    def _run_chunk(self, job: PrefillJob, left, outputs: list) -> int:
+    def _run_chunk(self, job: PrefillJob, left, outputs: list, plan: Optional[list] = None) -> int:
         """The job's next chunk (at most `left` tokens); after its last, the request joins the
-        batch. Returns the tokens spent."""
+        batch. With `plan`: (job, end, its forward's arguments) is appended there instead, the
+        caller runs it (a job whose last chunk it is: in `joining` until then). Returns the
+        tokens spent."""
         self.filling = job
-        try:
-            ran = self.runner.prefill_chunk(job, None if left == math.inf else int(left))
-            if job.left == 0:
+        tokens = None if left == math.inf else int(left)
+        if plan is not None:
+            start = job.done
+            end = job.n if tokens is None else min(job.n, start + tokens)
+            plan.append((job, end, self.runner.chunk_part(job, end)))
+            if end == job.n:
                 self.filling = None
-                first_in_batch = all(r is None for r in self.slots)
-                self.runner.prefill_finish(job)
-                if first_in_batch:
-                    self._seed_batch(job.req)
+                self.joining += (job,)
+            return end - start
+        try:
+            ran = self.runner.prefill_chunk(job, tokens)
         except Exception as e:           # this request fails alone
             self._fail(job.req, job, e, outputs)
             return 0 if left == math.inf else left
-        if job.left == 0:
-            if not job.req.finished:
-                self.slots[job.slot] = job.req
-            outputs.append(self._output(job.req, list(job.req.tokens)))
-        return ran
+        return ran if self._after_chunk(job, outputs) else 0 if left == math.inf else left
+
+    def _after_chunk(self, job: PrefillJob, outputs: list) -> bool:
+        """After a chunk of the job ran: after its last, its first token and the request joins
+        the batch. False when the request failed there."""
+        if job.left:
+            return True
+        self.filling = None
+        try:
+            first_in_batch = all(r is None for r in self.slots)
+            self.runner.prefill_finish(job)
+            if first_in_batch:
+                self._seed_batch(job.req)
+        except Exception as e:           # this request fails alone
+            self._fail(job.req, job, e, outputs)
+            return False
+        if not job.req.finished:
+            self.slots[job.slot] = job.req
+        outputs.append(self._output(job.req, list(job.req.tokens)))
+        return True
 
     def _fail(self, req, job: Optional[PrefillJob], e: Exception, outputs: list):
         log_failure(e, f"the prefill of request {req.request_id}")

@@ -42,7 +42,8 @@ class Engine(RequestIntake, EngineLimits):
                  view_tree: bool = True, max_batch: int = 16, memory_fraction: float = 0.9,
                  adaptive: Optional[bool] = None, device_images: Optional[bool] = None, draft_processor=None,
                  prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK,
-                 prefix_cache: bool = True, invariant: bool = False, kv_cache_tokens: Optional[int] = None):
+                 prefix_cache: bool = True, invariant: bool = False, kv_cache_tokens: Optional[int] = None,
+                 mixed_steps: bool = False):
         self.gamma, self.views, self.ensemble = check_options(
             gamma, views, policy, window, weight_temperature, grid_step, max_len, pool_size, captioner)
         check_int("max_batch", max_batch, 1)
@@ -73,6 +74,11 @@ class Engine(RequestIntake, EngineLimits):
         # prompt tokens a scheduler step may prefill: a longer prompt is prefilled in chunks, the
         # running requests decoding between them (engine/chunked.py; None: whole prompts)
         self.prefill_chunk = prefill_chunk
+        # a step's prompt chunks inside the running batch's AR step or chain verification: one
+        # target forward (engine/chunked.py, mixed steps); off: the chunks and the block are two
+        # forwards of the step. Greedy tokens are the same either way (float32). Off by default
+        # until its GPU step times are measured against the graphed separate forwards
+        self.mixed_steps = mixed_steps
         self.captioner = captioner
         self.escape_token = self._escape_token(escape_token)
         # (a vision side whose image grids follow the processor's settings takes them: Qwen2.5-VL's
@@ -182,6 +188,8 @@ class Engine(RequestIntake, EngineLimits):
                                            "grid_step", "max_len", "pool_size", "captioner")))
         parse_tree(args["tree"])
         check_prefill_chunk(args["prefill_chunk"])
+        if not isinstance(args["mixed_steps"], bool):
+            raise TypeError(f"mixed_steps must be a bool, got {type(args['mixed_steps']).__name__}")
         if isinstance(tensor_parallel, bool) or tensor_parallel != 1:
             from tabed_engine.parallel.startup import from_pretrained_tp
 
@@ -243,6 +251,19 @@ class Engine(RequestIntake, EngineLimits):
         if self._adaptive is not None:
             return self._adaptive
         return self.runner.graphs is not None
+
+    @property
+    def mixed_steps(self) -> bool:
+        """Whether a step's prompt chunks run in the running batch's block's target forward
+        (`LlamaLM.forward_mixed`) rather than as a forward of their own; may be changed
+        between steps."""
+        return self._mixed_steps
+
+    @mixed_steps.setter
+    def mixed_steps(self, value):
+        if not isinstance(value, bool):
+            raise TypeError(f"mixed_steps must be a bool, got {type(value).__name__} {value!r}")
+        self._mixed_steps = value
 
     @property
     def prefill_chunk(self) -> Optional[int]:

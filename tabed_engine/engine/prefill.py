@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tabed_engine.engine.graphs import private_stream
-from tabed_engine.engine.prefix_cache import capture_suffix_graphs, prefill_suffix
+from tabed_engine.engine.prefix_cache import capture_suffix_graphs, prefill_suffix, rope_offset, suffix_args
 from tabed_engine.engine.prompt import Prepared
 from tabed_engine.engine.request import Request
 from tabed_engine.engine.view_cache import prefill_views
@@ -130,7 +130,6 @@ class PrefillSteps:
         """What every chunk of a target prefill reads: the embeddings of the prompt's tokens from
         `cached` on [n - cached, hidden] (image features in place) and its M-RoPE ids [3, n] (None:
         the slots); sets the row's `pos_offset` and drops its prefix-cache entry."""
-        n = len(prep.ids)
         if self.prefix is not None:
             self.prefix.forget(slot)            # the row is written over from here on
         if cached and feats is None:            # no image after the cached prefix: its tokens alone
@@ -142,7 +141,7 @@ class PrefillSteps:
         pos3 = self.target.vision.positions(prep.ids, prep.image_spans, prep.image_sizes,
                                             videos=[(s, px) for (s, _), px in zip(prep.video_spans or [],
                                                                                   prep.video_pixels or [])])
-        self.tcache.pos_offset[slot] = 0 if pos3 is None else int(pos3.max()) + 1 - n
+        self.tcache.pos_offset[slot] = rope_offset(prep, pos3)
         return x, pos3
 
     def prefill_range(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
@@ -159,10 +158,7 @@ class PrefillSteps:
         n = end
         P = prefill_bucket(n, self.max_len, self.prefill_graph_max) if self.prefill_graphs else None
         if P is None:           # eager at the prompt's own length
-            pos = torch.arange(n, device=self.device)[None] if pos3 is None else pos3[:, None, :n].to(self.device)
-            return self.target.lm(cache_rows(self.tcache, slot, slot + 1), pos, embeds=x[None],
-                                  logits_index=torch.tensor([[n - 1]], device=self.device),
-                                  kv_len=self.kv_bucket(n), fresh=True)[:, -1]
+            return self.target.lm(**self.range_args(prep, x, slot, 0, n, pos3))[:, -1]
         buf, slot_t, last_t = self._prefill_inputs()
         buf[0, :n].copy_(x)
         buf[0, n:P].zero_()
@@ -172,6 +168,17 @@ class PrefillSteps:
             self._prefill_pos[:, 0, :P].copy_(torch.arange(P).expand(3, P) if pos3 is None else
                                               torch.cat([pos3[:, :n], torch.arange(n, P).expand(3, P - n)], 1))
         return self._prefill_padded(P)
+
+    def range_args(self, prep: Prepared, x: torch.Tensor, slot: int, start: int, end: int,
+                   pos3: Optional[torch.Tensor]) -> dict:
+        """The eager `LlamaLM.forward` arguments of `prefill_range` (the same arguments): from 0
+        a fresh prefill (not for an invariant engine), else the rest after the row's committed
+        prefix (`prefix_cache.suffix_args`); the logits of position end - 1 wanted."""
+        if start or self.invariant_prefill:
+            return suffix_args(self, prep, x, slot, start, pos3, end=end)
+        pos = torch.arange(end, device=self.device)[None] if pos3 is None else pos3[:, None, :end].to(self.device)
+        return dict(cache=cache_rows(self.tcache, slot, slot + 1), positions=pos, embeds=x[None],
+                    logits_index=torch.tensor([[end - 1]], device=self.device), kv_len=self.kv_bucket(end), fresh=True)
 
     @property
     def invariant_prefill(self) -> bool:
@@ -300,18 +307,30 @@ class PrefillSteps:
         after those whose KV the row holds. Returns the tokens run. Until the last chunk the row
         is parked at its prefilled length (`parked`: blocks write their garbage for the slot
         there, where the next chunk writes over it)."""
-        n, start = job.n, job.done
-        end = n if tokens is None else min(n, start + tokens)
+        start = job.done
+        end = job.n if tokens is None else min(job.n, start + tokens)
         x = job.x[start - job.cached:end - job.cached]
-        logits = self.prefill_range(job.req.prep, x, job.slot, start, end, job.pos3)
+        self.chunk_done(job, end, self.prefill_range(job.req.prep, x, job.slot, start, end, job.pos3))
+        return end - start
+
+    def chunk_part(self, job: PrefillJob, end: int) -> dict:
+        """The job's chunk [done, end) as the eager `forward` arguments of a part of a mixed
+        forward (`Runner.ar_mixed`; `chunk_done` after it). Parks the row at the chunk's start:
+        the garbage the step's part computes for the slot lands where the chunk, packed after it,
+        writes over it."""
+        self.parked[job.slot] = job.done
+        x = job.x[job.done - job.cached:end - job.cached]
+        return self.range_args(job.req.prep, x, job.slot, job.done, end, job.pos3)
+
+    def chunk_done(self, job: PrefillJob, end: int, logits: torch.Tensor):
+        """The job's chunk [done, end) ran; logits: its last position's [1, V]."""
         job.done, job.chunks = end, job.chunks + 1
-        if end == n:
+        if end == job.n:
             job.logits = logits
             self.parked.pop(job.slot, None)
         else:
             self.parked[job.slot] = end
         self.pending = None               # a queued block saw the row parked where this chunk wrote
-        return end - start
 
     def prefill_abandon(self, job: PrefillJob):
         """A prefill that will not finish (it failed or was aborted): the slot is free again."""

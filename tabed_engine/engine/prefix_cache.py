@@ -327,19 +327,30 @@ def prefill_suffix(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: i
     call (`PrefillSteps.prefill_chunk`). x: those tokens' embeddings [end - cached, hidden];
     pos3: the whole prompt's M-RoPE ids [3, n] or None (the row's `pos_offset` is already the
     prompt's: the forward adds it back). Returns the logits of position end - 1 [1, V]."""
-    tc = runner.tcache
+    n = len(prep.ids) if end is None else end
+    P = suffix_bucket(n - cached, runner.prefill_graph_max) if runner.prefill_graphs else None
+    if runner.graphs is not None and P is not None and cached + P <= runner.tcache.max_len:
+        return suffix_graph(runner, x, slot, cached, P, pos3, rope_offset(prep, pos3))
+    return runner.target.lm(**suffix_args(runner, prep, x, slot, cached, pos3, end))[:, -1]
+
+
+def rope_offset(prep: Prepared, pos3: Optional[torch.Tensor]) -> int:
+    """The row's `pos_offset` for a prompt with M-RoPE ids pos3 [3, n] (0 for None)."""
+    return 0 if pos3 is None else int(pos3.max()) + 1 - len(prep.ids)
+
+
+def suffix_args(runner, prep: Prepared, x: torch.Tensor, slot: int, cached: int, pos3: Optional[torch.Tensor],
+                end: Optional[int] = None) -> dict:
+    """The eager `LlamaLM.forward` arguments of `prefill_suffix` (the same arguments): the
+    prompt's tokens [cached, end) as new tokens of row `slot` after its `cached` committed ones,
+    the logits of the last wanted."""
     n = len(prep.ids) if end is None else end
     dev = runner.device
-    T = n - cached
-    offset = 0 if pos3 is None else int(pos3.max()) + 1 - len(prep.ids)
-    P = suffix_bucket(T, runner.prefill_graph_max) if runner.prefill_graphs else None
-    if runner.graphs is not None and P is not None and cached + P <= tc.max_len:
-        return suffix_graph(runner, x, slot, cached, P, pos3, offset)
     if pos3 is None:
         pos = torch.arange(cached, n, device=dev)[None]
     else:
-        pos = (pos3[:, cached:n] - offset).to(dev)[:, None]
-    lengths = torch.full((1,), cached, dtype=torch.int32, device=dev)
-    last = torch.full((1, 1), n - 1 - cached, dtype=torch.long, device=dev)
-    return runner.target.lm(cache_rows(tc, slot, slot + 1), pos, embeds=x[None], lengths=lengths,
-                            logits_index=last, kv_len=runner.kv_bucket(n))[:, -1]
+        pos = (pos3[:, cached:n] - rope_offset(prep, pos3)).to(dev)[:, None]
+    return dict(cache=cache_rows(runner.tcache, slot, slot + 1), positions=pos, embeds=x[None],
+                lengths=torch.full((1,), cached, dtype=torch.int32, device=dev),
+                logits_index=torch.full((1, 1), n - 1 - cached, dtype=torch.long, device=dev),
+                kv_len=runner.kv_bucket(n))

@@ -36,12 +36,18 @@ def bucket_of(n: int, max_batch: int) -> int:
     return min(next((b for b in BUCKETS if b >= n), n), max_batch)
 
 
+def decode_args(cache: KVCache, tok: torch.Tensor, lens: torch.Tensor, kv_len: Optional[int] = None) -> dict:
+    """The `LlamaLM.forward` arguments of one autoregressive step: tok [R, 1] written at slots
+    lens [R] int32 (a part of a mixed forward, `LlamaLM.forward_mixed`)."""
+    return dict(cache=cache, positions=lens.long()[:, None], input_ids=tok, lengths=lens, kv_len=kv_len)
+
+
 def decode_step(lm, cache: KVCache, tok: torch.Tensor, lens: torch.Tensor,
                 kv_len: Optional[int] = None) -> torch.Tensor:
     """One autoregressive step: tok [R, 1] written at slots lens [R]; returns logits [R, V].
     Idempotent in its inputs (the caller advances the lengths), as a captured graph's
     warm-up run must be."""
-    return lm(cache, lens.long()[:, None], input_ids=tok, lengths=lens, kv_len=kv_len)[:, -1]
+    return lm(**decode_args(cache, tok, lens, kv_len))[:, -1]
 
 
 class Runner(PrefillSteps, SpeculativeSteps):
@@ -218,23 +224,43 @@ class Runner(PrefillSteps, SpeculativeSteps):
         empty or finished slots). `queue_next`: queue the next step before reading this one's
         tokens (False when the next block is not an AR step of this batch)."""
         sp, _ = self.batch_sampling(reqs, b)
-        tcache, _, _ = self.views(b)
-        step_fn = partial(decode_step, self.target.lm, tcache)
         p = self._pending_for("ar", b, reqs)
         if p is None:
             tl, last, longest = self._target_inputs(reqs, b)
-            logits = self.run_graph(("ar", b), step_fn, {"tok": last[:, None], "lens": tl},
+            logits = self.run_graph(("ar", b), self._ar_fn(b), {"tok": last[:, None], "lens": tl},
                                     kv_len=self.kv_bucket(longest + 1))
             tok = pick_tokens(logits, sp, gen, tl.long() + 1)     # the new token's position
         else:
             tok, tl, longest = p["tok"], p["tl"], p["longest"]
+        return self._ar_emit(reqs, b, gen, sp, tok, tl, longest, queue_next)
+
+    def ar_mixed(self, reqs: list, b: int, gen, parts: list[dict]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """`ar_step` with other target forwards packed into its forward (`LlamaLM.forward_mixed`,
+        eager, the step's part first): `parts` are their `forward` arguments (a step's prompt
+        chunks, `PrefillSteps.chunk_part`). Nothing is queued after it; a block queued ahead is
+        dropped (the caller finished it). Returns each slot's new tokens and each part's logits."""
+        self.pending = None
+        sp, _ = self.batch_sampling(reqs, b)
+        tl, last, longest = self._target_inputs(reqs, b)
+        tcache, _, _ = self.views(b)
+        logits = self.target.lm.forward_mixed([decode_args(tcache, last[:, None], tl, self.kv_bucket(longest + 1)),
+                                               *parts])
+        tok = pick_tokens(logits[0][:, -1], sp, gen, tl.long() + 1)
+        return self._ar_emit(reqs, b, gen, sp, tok, tl, longest, queue_next=False), logits[1:]
+
+    def _ar_fn(self, b: int):
+        return partial(decode_step, self.target.lm, self.views(b)[0])
+
+    def _ar_emit(self, reqs: list, b: int, gen, sp, tok, tl, longest: int, queue_next: bool) -> list[list[int]]:
+        """An AR step's tokens tok [b] (at lengths tl [b]) to the host and into the requests,
+        the next step queued first when `queue_next` (see `ar_step`)."""
         host = self._host("ar", (b,))
         host.copy_(tok, non_blocking=True)
         ready = self._record()
         # queue the next step before waiting for this one (its input never leaves the device)
         if queue_next and not all(r is None or r.finished or len(r.tokens) + 1 >= r.max_new for r in reqs[:b]):
             tl2 = torch.clamp(tl + self.active[:b].int(), max=self.max_len - 1)
-            logits = self.run_graph(("ar", b), step_fn, {"tok": tok[:, None], "lens": tl2},
+            logits = self.run_graph(("ar", b), self._ar_fn(b), {"tok": tok[:, None], "lens": tl2},
                                     kv_len=self.kv_bucket(longest + 2))
             self.pending = dict(mode="ar", b=b, slots=self._slots_key(reqs), tok=pick_tokens(logits, sp, gen, tl2.long() + 1),
                                 tl=tl2, longest=longest + 1)

@@ -243,12 +243,12 @@ class Scheduler(ChunkedAdmission):
         live = next((r for r in slots if r is not None), None)
         return live is None or self.waiting[0].batch_key == live.batch_key
 
-    def _block(self, outputs, kind: Optional[int] = None):
+    def _block(self, outputs, kind: Optional[int] = None, choice: Optional[int] = None):
         """One block for the batch: the one queued ahead if the batch still has it, else of the
         cost model's choice; the block queued behind it (while its tokens are read) is of that
         choice, of the same mode (an AR step queues AR steps, a speculative block speculative
         ones). `kind`: the block queued ahead, finished before an admission: nothing is queued
-        after it."""
+        after it. `choice`: the kind the cost model chose for this block already."""
         live = [r for r in self.slots if r is not None and not r.finished]
         if not live:
             return
@@ -263,7 +263,9 @@ class Scheduler(ChunkedAdmission):
             counts = [(r.accepted, r.rejected) for r in live]
             g = self.runner.pending_kind(self.slots)
             if g is None:
-                g = self._next if self._next is not None else self.cost.choose(b, counts)
+                g = choice if choice is not None else self._next
+            if g is None:
+                g = self.cost.choose(b, counts)
             g_next = self.cost.choose(b, counts)
         else:
             g = g_next = 0

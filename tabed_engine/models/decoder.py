@@ -196,6 +196,40 @@ class ForwardContext:
         return self.tree_bits is not None or self.causal
 
 
+class Part:
+    """One call's share of a forward (`LlamaLM.part`): embeddings x [R, T, hidden], context,
+    cos / sin [R, T, 1, head_dim], the cache view it writes and its logits_index [R, n] or None."""
+
+    def __init__(self, x, ctx: ForwardContext, cos, sin, cache: KVCache, logits_index):
+        self.x, self.ctx, self.cos, self.sin, self.cache, self.logits_index = x, ctx, cos, sin, cache, logits_index
+        self.rows, self.T = x.shape[0], x.shape[1]
+
+
+class MixedContext:
+    """The context of `LlamaLM.forward_mixed`: its parts in packing order (`Attention` runs each
+    part's attention on its slice of the packed stream). `invariant`: the linear layers' mode,
+    row-count-invariant when any part's own call would be (its rows keep their bits)."""
+
+    def __init__(self, parts: list[Part], invariant: bool):
+        self.parts = parts
+        self.invariant = invariant and any(p.ctx.invariant for p in parts)
+        self.sizes = [p.rows * p.T for p in parts]
+
+    def logit_rows(self, device) -> list[torch.Tensor]:
+        """Per part, the packed positions [R * n] of the logits its call returns (row-major)."""
+        out, start = [], 0
+        for p, size in zip(self.parts, self.sizes):
+            base = start + torch.arange(p.rows, device=device)[:, None] * p.T     # [R, 1]
+            idx = torch.arange(p.T, device=device)[None] if p.logits_index is None else p.logits_index
+            out.append((base + idx).reshape(-1))
+            start += size
+        return out
+
+    @property
+    def n_logits(self) -> list[int]:
+        return [p.rows * (p.T if p.logits_index is None else p.logits_index.shape[1]) for p in self.parts]
+
+
 class LlamaLM(nn.Module):
     """Decoder + embeddings + head. Weights are mapped from a HF checkpoint by the loader."""
 
@@ -267,6 +301,21 @@ class LlamaLM(nn.Module):
         lengths + tree_offset stay visible to the tokens whose bits name them (a tree drafted
         depth by depth feeds only its new nodes).
         """
+        part = self.part(cache, positions, input_ids=input_ids, embeds=embeds, tree_mask=tree_mask,
+                         logits_index=logits_index, kv_len=kv_len, lengths=lengths, fresh=fresh, slot=slot,
+                         tree_bits=tree_bits, tree_offset=tree_offset)
+        ctx = part.ctx
+        x = self.trunk(part.x, cache, part.cos, part.sin, cache.block_table, ctx)
+        if logits_index is not None:
+            x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        logits = self.lm_head(x, invariant=ctx.invariant)
+        return logits.float() if float_logits else logits
+
+    def part(self, cache: KVCache, positions: torch.Tensor, *, input_ids=None, embeds=None, tree_mask=None,
+             logits_index=None, kv_len=None, lengths=None, fresh: bool = False, slot=None, tree_bits=None,
+             tree_offset: int = 0) -> "Part":
+        """What one call's layers read (see `forward` for the arguments): its token embeddings
+        [R, T, hidden], its `ForwardContext` and its RoPE cos / sin rows [R, T, 1, head_dim]."""
         x = self.embed_tokens(input_ids) if embeds is None else embeds
         R, T = positions.shape[-2:]
         if not fresh and self.cfg.mrope_section is not None:
@@ -282,12 +331,38 @@ class LlamaLM(nn.Module):
         # request's end in the block it finishes (tokens that are dropped) may go beyond it
         cs = self.rope_rows(positions, max(self.cfg.max_position_embeddings, cache.max_len), x.device)  # [R, T, 2D]
         D = self.cfg.head_dim
-        cos, sin = cs[:, :, None, :D], cs[:, :, None, D:]
+        return Part(x, ctx, cs[:, :, None, :D], cs[:, :, None, D:], cache, logits_index)
+
+    def trunk(self, x, cache: KVCache, cos, sin, table, ctx):
+        """The decoder layers and the final norm over x [R, T, hidden] (one call's, or the packed
+        stream [1, N, hidden] of a mixed call with its `MixedContext`)."""
         delta = None
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], cache.block_table, ctx)
+            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], table, ctx)
         _, x = self.norm.add_forward(x, delta)  # the last residual add and the final norm: one kernel on CUDA
-        if logits_index is not None:
-            x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(x, invariant=ctx.invariant)
-        return logits.float() if float_logits else logits
+        return x
+
+    def forward_mixed(self, parts: list[dict], float_logits: bool = True) -> list[torch.Tensor]:
+        """Several forward calls over views of one cache as one pass through the weights.
+
+        Each part is the keyword arguments of one `forward` call (`cache` among them: views of
+        the same page pools, e.g. `cache_rows`), say a decode step of R rows and a prompt chunk.
+        The parts' tokens are packed into one stream [1, sum R * T, hidden] for the per-token
+        layers (embeddings, norms, projections, MLP, head: each weight read once); each part's
+        attention (RoPE, KV write, attention) runs on its slice with its own `ForwardContext`, as
+        its own `forward` would, in the order of `parts` (a later part's KV writes land after an
+        earlier one's). Returns each part's logits as its `forward` would, [R, n, V].
+        """
+        if not parts:
+            raise ValueError("forward_mixed needs at least one part")
+        cache = parts[0]["cache"]
+        if any(p["cache"].k is not cache.k for p in parts):
+            raise ValueError("forward_mixed: every part's cache must be a view of the same page pools")
+        prepared = [self.part(**p) for p in parts]
+        ctx = MixedContext(prepared, self.invariant)
+        x = self.trunk(torch.cat([p.x.reshape(1, -1, p.x.shape[-1]) for p in prepared], 1), cache, None, None,
+                       None, ctx)
+        rows = torch.cat(ctx.logit_rows(x.device))          # packed positions whose logits are wanted
+        logits = self.lm_head(x[:, rows], invariant=ctx.invariant)[0]
+        logits = logits.float() if float_logits else logits
+        return [lg.view(p.rows, -1, lg.shape[-1]) for p, lg in zip(prepared, logits.split(ctx.n_logits))]

@@ -118,19 +118,32 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, table, ctx):
         # x: [R, T, hidden]; k_cache/v_cache: [pages, kv, page, hd] (this layer's pools);
-        # table: [R, S / page] int32, the rows' pages
-        R, T, _ = x.shape
+        # table: [R, S / page] int32, the rows' pages. A mixed call (`decoder.MixedContext`): x is
+        # the packed stream [1, N, hidden] and each part attends on its slice with its own
+        # context, cos / sin and table (the projections stay one product over all tokens)
+        qkv = self.qkv_proj(x, invariant=ctx.invariant)                   # [R, T, (h + 2 kv) * hd]
+        parts = getattr(ctx, "parts", None)
+        if parts is None:
+            out = self.attend(qkv, cos, sin, k_cache, v_cache, table, ctx)
+        else:
+            out = torch.cat([self.attend(q.view(p.rows, p.T, -1), p.cos, p.sin, k_cache, v_cache, p.cache.block_table,
+                                         p.ctx).reshape(1, p.rows * p.T, -1)
+                             for q, p in zip(qkv.split(ctx.sizes, dim=1), parts)], 1)
+        return self.o_proj(out, invariant=ctx.invariant)
+
+    def attend(self, qkv, cos, sin, k_cache, v_cache, table, ctx):
+        """One call's attention: rotate q and k, write k and v at the rows' cache slots, attend.
+        qkv: [R, T, (h + 2 kv) * hd]; returns the heads' outputs [R, T, h * hd] (o_proj's input)."""
+        R, T, _ = qkv.shape
         cfg = self.cfg
-        inv = ctx.invariant
-        qkv = self.qkv_proj(x, invariant=inv)                   # [R, T, (h + 2 kv) * hd]
         if ctx.kernels:      # decode / verify / tree nodes / prompt chunks on CUDA: Triton kernels
             # one launch rotates q and k and writes k, v at cache slots lengths[r] + t
             q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, table, ctx.write32,
                               cfg.num_heads, cfg.num_kv_heads)  # [R, T, h, hd]
             out = tree_attention(q, k_cache, v_cache, table, ctx.lengths32, ctx.tree_bits,
-                                 tree_slots=None if ctx.causal else ctx.tree_slots, invariant=inv, causal=ctx.causal,
-                                 paths=ctx.paths)
-            return self.o_proj(out.reshape(R, T, -1), invariant=inv)
+                                 tree_slots=None if ctx.causal else ctx.tree_slots, invariant=ctx.invariant,
+                                 causal=ctx.causal, paths=ctx.paths)
+            return out.reshape(R, T, -1)
         if ctx.fresh and use_kernel(qkv, cfg.head_dim):  # CUDA prefill: one launch
             q, new_k, new_v = fused_prefill_sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg)
         else:
@@ -145,7 +158,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=ctx.mask,
             is_causal=ctx.mask is None, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+        return out.transpose(1, 2).reshape(R, T, -1)
 
 
 def sdpa_qkv(qkv, cos, sin, k_cache, v_cache, table, ctx, cfg: LMConfig):

@@ -285,6 +285,13 @@ class TensorParallelEngine(_SpmdEngine):
             self._spmd.compare(block=True)
             return self._spmd.steps
 
+    @Engine.mixed_steps.setter
+    def mixed_steps(self, value):
+        if getattr(self, "_mixed_steps", value) != value:
+            raise NotImplementedError("a tensor-parallel engine's mixed_steps is set when it is built "
+                                      "(from_pretrained(..., mixed_steps=)): every rank runs the same steps")
+        Engine.mixed_steps.fset(self, value)
+
     @Engine.bench_accept_schedule.setter
     def bench_accept_schedule(self, fn):
         if fn is not None:

@@ -52,6 +52,9 @@ def add_engine_options(p: argparse.ArgumentParser):
     p.add_argument("--invariant", action="store_true",
                    help="row-count-invariant decoding on the GPU: a request's tokens have the same bits with "
                         "or without speculation and alone or in any batch (chains and trees; docs/api.md for its cost)")
+    p.add_argument("--mixed-steps", action="store_true",
+                   help="run each step's prompt chunks in the running batch's block's target forward (one pass "
+                        "through the weights instead of two; docs/serving.md)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the target over N processes, one GPU each from --device's index on (on the "
                         "CPU: N processes); this process starts and stops the workers (docs/parallel.md)")
@@ -65,7 +68,8 @@ def engine_kwargs(args) -> dict:
                 **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else {}),
                 **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}),
                 **({"prefix_cache": False} if args.no_prefix_cache else {}),
-                **({"invariant": True} if args.invariant else {}))
+                **({"invariant": True} if args.invariant else {}),
+                **({"mixed_steps": True} if args.mixed_steps else {}))
 
 
 def build_parser() -> argparse.ArgumentParser:

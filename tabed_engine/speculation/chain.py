@@ -125,14 +125,20 @@ def draft_block(draft_lm, cache, inp2, lens, w, seed, offset, row_seed=None, cou
             torch.stack(mixtures) if not greedy else torch.empty(0, device=dev), torch.stack(q_lse))
 
 
+def verify_args(cache, vin, tlens, kv_len=None) -> dict:
+    """The target `forward` arguments of a verification: vin [B, γ+1] written at slots tlens.."""
+    pos = tlens[:, None] + torch.arange(vin.shape[1], device=vin.device)   # int64 by promotion: one kernel
+    return dict(cache=cache, positions=pos, input_ids=vin, lengths=tlens, kv_len=kv_len)
+
+
 def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
     """Target logits [B, γ+1, V] for vin [B, γ+1] written at slots tlens.."""
-    pos = tlens[:, None] + torch.arange(vin.shape[1], device=vin.device)   # int64 by promotion: one kernel
-    return target_lm(cache, pos, input_ids=vin, lengths=tlens, kv_len=kv_len)
+    args = verify_args(cache, vin, tlens, kv_len)
+    return target_lm(args.pop("cache"), args.pop("positions"), **args)
 
 
 def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, sp, normalisers=False,
-                 kv_len=None):
+                 kv_len=None, parts=None):
     """Target forward on vin = [last token, d_1..d_γ] and the lossless acceptance, one graph:
     returns (target logits [B, γ+1, V], accepted drafts n_acc [B], next token [B],
     [n_acc, next token, d_1..d_γ] packed as [B, 2+γ] for the block's one host read, and with
@@ -142,8 +148,13 @@ def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, s
     draft distribution each d_i was drawn from, uniforms [B, γ+1] the acceptance draws; rows
     coupled by `sp` (a RowSampling with seeded rows) accept d_i iff it equals the target's
     Gumbel-argmax at its position and continue with the target's own token (the argmax chain
-    of the perturbed scores)."""
-    tlogits = verify_forward(target_lm, cache, vin, tlens, kv_len=kv_len)
+    of the perturbed scores). `parts` (eager only): other target forwards' arguments packed into
+    the verification's forward (`LlamaLM.forward_mixed`, the verification first); their logits
+    are then returned as a sixth item, a list."""
+    if parts:
+        tlogits, *extra = target_lm.forward_mixed([verify_args(cache, vin, tlens, kv_len), *parts])
+    else:
+        tlogits = verify_forward(target_lm, cache, vin, tlens, kv_len=kv_len)
     drafted = vin[:, 1:]
     t_lse = torch.empty(tlogits.shape[:2] if normalisers else 0, device=tlogits.device)
     lse_out = t_lse if normalisers else None
@@ -157,7 +168,8 @@ def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, s
             scores = coupled_scores(tlogits, probs, sp.temperature, sp.seed, pos)
             c_acc, c_nxt = chain_verify(drafted, None, scores, greedy=True)
             n_acc, nxt = torch.where(sp.coupled, c_acc, n_acc), torch.where(sp.coupled, c_nxt, nxt)
-    return tlogits, n_acc, nxt, pack_head(n_acc, nxt, drafted), t_lse
+    out = (tlogits, n_acc, nxt, pack_head(n_acc, nxt, drafted), t_lse)
+    return (*out, extra) if parts else out
 
 
 def pack_head(n_acc, nxt, drafted):

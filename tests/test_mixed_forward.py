@@ -1,0 +1,219 @@
+"""Mixed forwards (`LlamaLM.forward_mixed`): a decode step, a verification-like block and prompt
+chunks packed into one pass through the weights give each part the logits and the KV its own
+`forward` gives (float32, CPU), with 1-D RoPE and with M-RoPE (Qwen2.5-VL: 3-D ids of a prompt
+whose chunk starts inside an image's tokens, the rows' position offsets)."""
+import copy
+import math
+
+import pytest
+import torch
+
+from tabed_engine import SamplingParams
+from tabed_engine.models.config import LMConfig
+from tabed_engine.models.decoder import KVCache, LlamaLM, cache_rows
+
+V = 97
+SP = SamplingParams(max_new_tokens=16)
+
+
+def tiny_lm(mrope: bool, seed: int = 0) -> LlamaLM:
+    cfg = LMConfig(vocab_size=V, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=12, qkv_bias=True, mrope_section=(2, 2, 2) if mrope else None)
+    torch.manual_seed(seed)
+    lm = LlamaLM(cfg)
+    for p in lm.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return lm.eval()
+
+
+def image_positions(n_text: int, grid: tuple[int, int], n_after: int) -> torch.Tensor:
+    """M-RoPE ids [3, n] of `n_text` text tokens, an image of grid (h, w) tokens, `n_after` text
+    tokens (Qwen2.5-VL's layout: the image's ids are t = start, (start + row, start + col))."""
+    h, w = grid
+    text = torch.arange(n_text).repeat(3, 1)
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    img = torch.stack([torch.zeros(h * w, dtype=torch.long), rows.reshape(-1), cols.reshape(-1)]) + n_text
+    after = torch.arange(n_after).repeat(3, 1) + int(img.max()) + 1
+    return torch.cat([text, img, after], 1)
+
+
+def random_cache(lm: LlamaLM, rows: int, lengths: list[int], offsets: list[int], seed: int = 1) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(lm.cfg, rows, 128, "cpu", torch.float32)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache.lengths.copy_(torch.tensor(lengths))
+    cache.pos_offset.copy_(torch.tensor(offsets))
+    return cache
+
+
+def parts_for(lm: LlamaLM, cache: KVCache, mrope: bool, seed: int = 2) -> list[dict]:
+    """A decode step of rows 0-2, a causal block of γ + 1 = 4 tokens on rows 3-4 (a chain's
+    verification), the chunk [17, 29) of row 5's prompt after its first 17 tokens (embeds; with
+    M-RoPE it starts inside the image, which spans [8, 26)) and a fresh prefill of row 6's first
+    13 tokens. Each part's cache is a view of `cache`."""
+    g = torch.Generator().manual_seed(seed)
+    H = lm.cfg.hidden_size
+    lens = cache.lengths.long()
+    dec = dict(cache=cache_rows(cache, 0, 3), positions=lens[0:3, None],
+               input_ids=torch.randint(0, V, (3, 1), generator=g), kv_len=128)
+    ver = dict(cache=cache_rows(cache, 3, 5), positions=lens[3:5, None] + torch.arange(4),
+               input_ids=torch.randint(0, V, (2, 4), generator=g), kv_len=64)
+    pos3 = image_positions(8, (3, 6), 20)                                      # a prompt of 46 tokens
+    offset = int(pos3.max()) + 1 - pos3.shape[1]
+    start, end = 17, 29
+    pos = (pos3[:, start:end] - offset)[:, None] if mrope else torch.arange(start, end)[None]
+    chunk = dict(cache=cache_rows(cache, 5, 6), positions=pos, embeds=torch.randn(1, end - start, H, generator=g),
+                 lengths=torch.tensor([start], dtype=torch.int32), logits_index=torch.tensor([[end - start - 1]]),
+                 kv_len=128)
+    n = 13
+    fresh = dict(cache=cache_rows(cache, 6, 7), positions=pos3[:, None, :n] if mrope else torch.arange(n)[None],
+                 embeds=torch.randn(1, n, H, generator=g), logits_index=torch.tensor([[n - 1]]), fresh=True,
+                 kv_len=n)
+    return [dec, ver, chunk, fresh]
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["rope", "m-rope"])
+def test_mixed_equals_separate_forwards(mrope):
+    """Logits and the KV cache after one mixed forward equal those after the parts' own forwards
+    (the parts in the same order)."""
+    lm = tiny_lm(mrope)
+    offsets = [3, 0, 5, 2, 0, 9, 0] if mrope else [0] * 7
+    base = random_cache(lm, 7, [21, 9, 30, 12, 25, 17, 0], offsets)
+    alone, mixed = copy.deepcopy(base), copy.deepcopy(base)
+    with torch.inference_mode():
+        want = [lm(**p) for p in parts_for(lm, alone, mrope)]
+        got = lm.forward_mixed(parts_for(lm, mixed, mrope))
+    assert [tuple(g.shape) for g in got] == [tuple(w.shape) for w in want] == [(3, 1, V), (2, 4, V), (1, 1, V),
+                                                                                (1, 1, V)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed.k, alone.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed.v, alone.v, atol=1e-5, rtol=1e-5)
+    assert torch.equal(mixed.lengths, base.lengths)                  # a forward does not advance lengths
+    # the parts did write: the chunk's slots of row 5 differ from the random fill
+    W = base.block_table.shape[1]
+    assert not torch.allclose(mixed.k[:, 1 + 5 * W], base.k[:, 1 + 5 * W])
+
+
+def test_one_part_is_forward():
+    """A mixed call of one part is that part's forward, bit for bit on the CPU."""
+    lm = tiny_lm(False)
+    base = random_cache(lm, 7, [21, 9, 30, 12, 25, 17, 0], [0] * 7)
+    with torch.inference_mode():
+        for i in range(4):
+            a, b = copy.deepcopy(base), copy.deepcopy(base)
+            pa, pb = parts_for(lm, a, False)[i], parts_for(lm, b, False)[i]
+            assert torch.equal(lm.forward_mixed([pa])[0], lm(**pb))
+            assert torch.equal(a.k, b.k)
+
+
+def test_refuses_parts_of_different_caches():
+    lm = tiny_lm(False)
+    a, b = random_cache(lm, 7, [1] * 7, [0] * 7), random_cache(lm, 7, [1] * 7, [0] * 7)
+    pa, pb = parts_for(lm, a, False)[0], parts_for(lm, b, False)[0]
+    with pytest.raises(ValueError, match="same page pools"):
+        lm.forward_mixed([pa, pb])
+    with pytest.raises(ValueError, match="at least one part"):
+        lm.forward_mixed([])
+
+
+# ---------------------------------------------------------------------- engine: mixed steps
+def arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b, speculative=False,
+             mixed=True):
+    """Request a decodes alone for a few steps, then b (images) arrives and is prefilled in chunks
+    of `budget` while a decodes (`Engine.mixed_steps` = `mixed` meanwhile, then off again, the
+    default): a's and b's tokens, b's prefill chunks and the mixed steps run meanwhile."""
+    eng.mixed_steps = mixed
+    try:
+        return _arrivals(eng, budget, prompt_a, prompt_b, images_b, sp_a, sp_b, speculative)
+    finally:
+        eng.mixed_steps = False
+
+
+def _arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp_a, sp_b, speculative):
+    eng.prefill_chunk = budget
+    a = eng.add_request(prompt_a, sampling=sp_a, speculative=speculative)
+    got = {a: []}
+    while len(got[a]) < 3:
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    b = eng.add_request(prompt_b, images=images_b, sampling=sp_b, speculative=speculative)
+    got[b] = []
+    mixed0 = eng.scheduler.mixed_steps
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+            if o.request_id == b and o.finished:
+                chunks = o.output.stats.prefill_chunks
+    return got[a], got[b], chunks, eng.scheduler.mixed_steps - mixed0
+
+
+@pytest.mark.parametrize("budget,speculative", [(7, False), (16, False), (37, False), (16, True)],
+                         ids=["ar-7", "ar-16", "ar-37", "chain-16"])
+def test_mixed_steps_equal_unchunked_llava(budget, speculative):
+    """A LLaVA prompt with two images arriving while a text request decodes (autoregressively, or
+    in chains of 3): its chunks (boundaries inside the image runs) run in the running request's AR
+    steps' or verifications' forwards, and both requests' greedy tokens are those of unchunked
+    prefill (and transformers')."""
+    from test_chunked_prefill import PROMPTS, cuts_inside_images, engine, images, reference, run
+
+    eng = engine(None, max_batch=2)
+    (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
+    n = len(eng._request(prompt_b, images(n_b), None, None, False).prep.ids)
+    # a decodes past b's last chunk
+    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / budget) + 8, stop_at_eos=False)
+    a_alone = run(eng, None, "text", speculative, sp_a).token_ids
+    b_alone = run(eng, None, "separated", speculative).token_ids
+    got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, SP, speculative)
+    assert cuts_inside_images(eng, "separated", budget) > 0
+    # every chunk of b ran mixed (a decodes until after b's last chunk)
+    assert mixed == chunks == math.ceil(n / budget) > 1
+    assert got_a == a_alone and got_b == b_alone == reference("llama", "separated")
+
+
+def test_mixed_steps_off_by_default_and_checked():
+    """Without `mixed_steps` the chunks and the block stay two forwards of the step (no mixed
+    step), with the same tokens; a non-bool setting is refused."""
+    from test_chunked_prefill import PROMPTS, engine, images, run
+
+    eng = engine(None, max_batch=2)
+    assert eng.mixed_steps is False
+    (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
+    sp_a = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    a_alone = run(eng, None, "text", False, sp_a).token_ids
+    b_alone = run(eng, None, "separated", False).token_ids
+    got_a, got_b, chunks, mixed = arrivals(eng, 16, prompt_a, prompt_b, images(n_b), sp_a, SP, mixed=False)
+    assert mixed == 0 and chunks > 1
+    assert got_a == a_alone and got_b == b_alone
+    with pytest.raises(TypeError, match="mixed_steps must be a bool"):
+        eng.mixed_steps = 1
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "chain"])
+def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory, speculative):
+    """M-RoPE (Qwen2.5-VL): an image prompt arriving while a text request decodes, its chunks of 9
+    tokens (boundaries inside the image runs: the 3-D ids sliced per chunk, the row's offset)
+    mixed into the AR steps or the chains' verifications; tokens equal the unchunked prefill's."""
+    from tabed_engine.models.tiny import random_image
+    from test_chunked_prefill import qwen_engine
+
+    eng = qwen_engine(str(tmp_path_factory.getbasetemp() / "qwen_chunked"), None)
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "left"}, {"type": "image"},
+                                          {"type": "text", "text": "Describe the image in detail."}]}]
+    text_b = eng.processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    text_a = eng.processor.apply_chat_template([{"role": "user", "content": "Tell me a long story."}],
+                                               add_generation_prompt=True, tokenize=False)
+    imgs = [random_image(0, 40), random_image(1, 56).resize((24, 56))]
+    n = len(eng._request(text_b, imgs, None, None, False).prep.ids)
+    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / 9) + 8, stop_at_eos=False)
+    eng.runner.prefix.entries = [None] * len(eng.runner.prefix.entries)
+    eng.prefill_chunk = None
+    a_alone = eng.generate(text_a, sampling=sp_a, speculative=speculative).token_ids
+    b_alone = eng.generate(text_b, images=imgs, sampling=SP, speculative=speculative).token_ids
+    eng.runner.prefix.entries = [None] * len(eng.runner.prefix.entries)
+    got_a, got_b, chunks, mixed = arrivals(eng, 9, text_a, text_b, imgs, sp_a, SP, speculative)
+    spans = eng._request(text_b, imgs, None, None, False).prep.image_spans
+    assert any(s < c < s + m for c in range(9, n, 9) for s, m in spans)
+    assert mixed == chunks > 1          # (chunks <= n / 9: b's prompt may hit a's cached chat prefix)
+    assert got_a == a_alone and got_b == b_alone
