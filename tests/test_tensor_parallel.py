@@ -213,8 +213,7 @@ eng = Engine.from_pretrained(sys.argv[1], device="cpu", dtype=torch.float32, ten
 # interrupt inside a class body being created comes out as a RuntimeError, not KeyboardInterrupt)
 eng.generate("w1", sampling=SamplingParams(max_new_tokens=1))
 print(eng.worker_pids[0], flush=True)
-while True:   # generations until the signal (one, cut at the cache's end, can end within 0.5 s)
-    eng.generate("w1 w2 w3", sampling=SamplingParams(max_new_tokens=1000, stop_at_eos=False))
+eng.generate("w1 w2 w3", sampling=SamplingParams(max_new_tokens=1000, stop_at_eos=False))
 """
 
 
