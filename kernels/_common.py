@@ -22,6 +22,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 # (-inf) - (-inf) = NaN when x is -inf (masked or a -inf logit): exp2 of it is just 0.
 NEG_BIG = tl.constexpr(-3.4028234663852886e38)
 BIG_IDX = tl.constexpr(2147483647)
+# the kernels run under the CPU interpreter (TRITON_INTERPRET=1): numpy arrays, each value
+# evaluated once
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # V split: each request's vocabulary is cut into chunks, one program per (request, chunk),
 # so that a launch fills the device whatever B is (B = 1, V = 32064: 32 chunks of 1008). A
@@ -266,7 +269,14 @@ def argmax_lowest(values, indices, axis: tl.constexpr):
     Not a max and then an equality test against it: the compiler may evaluate a computed
     tensor more than once (a rematerialisation in another layout), and a value that rounds
     differently there equals no element of the max it was compared with (the H200 returned
-    the no-match sentinel that way). NaNs lose to numbers; all NaN gives NaN."""
+    the no-match sentinel that way). NaNs lose to numbers; all NaN gives NaN (-inf under the
+    interpreter). Under the interpreter the max and the lowest index where it is, the same
+    result from numpy arrays evaluated once, at a 35th of the time of a reduction with a Python
+    combine."""
+    if INTERPRETED:
+        v = tl.where(values == values, values, float("-inf"))
+        top = tl.max(v, axis=axis)
+        return top, tl.min(tl.where(v == tl.expand_dims(top, axis), indices, BIG_IDX), axis=axis)
     return tl.reduce((values, indices), axis, _max_lowest)
 
 
