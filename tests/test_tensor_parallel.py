@@ -205,7 +205,11 @@ def test_killed_worker_fails_the_next_call(tp):
 
 
 CTRL_C = """
-import sys, torch
+import signal, sys, torch
+# a terminal's Ctrl-C: Python raises KeyboardInterrupt only where SIGINT was not ignored at its
+# start, and an ignored SIGINT is inherited (a test run started in the background of a
+# non-interactive shell ignores it)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 torch.set_num_threads(1)
 from tabed_engine import Engine, SamplingParams
 eng = Engine.from_pretrained(sys.argv[1], device="cpu", dtype=torch.float32, tensor_parallel=2)
