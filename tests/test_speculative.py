@@ -215,11 +215,17 @@ def exact_first_tokens(eng, text, imgs, sp, n_tok):
 
 def _match_statistics(counts, probs, n: int):
     """`assert_matches`' statistics of counts [..., O] (numpy) against probabilities [O]: the
-    largest |z| over the outcomes, the chi-square over the outcomes expected >= 5 times and its
-    degrees of freedom."""
-    se = np.sqrt(np.maximum(probs * (1 - probs), 1e-4) / n)
-    worst = (np.abs(counts / n - probs) / se).max(-1)
+    largest |z| over the outcomes (an outcome expected fewer than 5 times: the z of the same
+    upper-tail probability as its count's under the binomial, where the normal approximation
+    would flag a count of 6 at an expectation of 1, 1 in 800 such outcomes), the chi-square over
+    the outcomes expected >= 5 times and its degrees of freedom."""
+    from scipy import stats
+
     big = n * probs >= 5
+    se = np.sqrt(np.maximum(probs * (1 - probs), 1e-4) / n)
+    z = np.abs(counts / n - probs) / se
+    tail = stats.norm.isf(stats.binom.sf(counts - 1, n, probs))       # P[X >= count] as a z
+    worst = np.where(big, z, np.where(counts > n * probs, tail, 0.0)).max(-1)
     chi2 = ((counts[..., big] - n * probs[big]) ** 2 / (n * probs[big])).sum(-1)
     return worst, chi2, int(big.sum()) - 1
 
@@ -230,8 +236,8 @@ def _chi2_limit(dof: int) -> float:
 
 
 def assert_matches(counts: Counter, dist: dict, n: int):
-    """Every outcome's frequency within 4 standard errors of its probability (Bonferroni over
-    ~27 outcomes), and a chi-square test. `check_lossless` checks on the actual distribution
+    """Every outcome's frequency within 4 standard errors of its probability (a rare outcome's
+    count: its binomial tail as likely; Bonferroni over ~27 outcomes), and a chi-square test. `check_lossless` checks on the actual distribution
     that a sampler broken by a small shift of mass is caught."""
     assert set(counts) <= set(dist)
     keys = list(dist)
