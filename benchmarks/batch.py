@@ -237,6 +237,7 @@ class BatchBench:
         for mode, tau in (("ar", None), ("sd", 2.31)):
             eng.bench_accept_schedule = geometric_schedule(tau, self.p.gamma) if tau else None
             pending, done, last, gaps, steps = list(reqs), {}, {}, [], []
+            mixed0 = eng.scheduler.mixed_steps
             t0 = time.perf_counter()
             while pending or eng.has_unfinished():
                 now = time.perf_counter() - t0
@@ -266,7 +267,7 @@ class BatchBench:
             itl = [g * 1e3 for g in gaps]
             step_p50 = pct([s * 1e3 for s in steps], 50)
             out[mode] = {"requests": len(outs), "wall_s": wall, "prefill_chunk": chunk,
-                         "mixed_steps": eng.mixed_steps,
+                         "mixed_steps": eng.mixed_steps, "mixed_steps_run": eng.scheduler.mixed_steps - mixed0,
                          "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
                          "requests_per_s": len(outs) / wall,
                          # the share of the run spent in prefills (the batch's decode waits meanwhile)

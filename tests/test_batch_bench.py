@@ -31,7 +31,7 @@ def test_geometric_schedule(tau, gamma):
 def test_batch_benchmark_tiny(tmp_path):
     load_benchmark("batch").main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--max-batch", "4",
                          "--batches", "1", "4", "--taus", "1", "2.31", "--mixed-requests", "4",
-                         "--rates", "40", "--prefill-chunks", "0", "9"])
+                         "--rates", "40", "--prefill-chunks", "0", "9", "--mixed-steps", "0", "1"])
     rep = json.load(open(tmp_path / "batch_tiny.json"))
     assert rep["warmup_s"] > 0 and rep["provenance"]["command"]
     for B in (1, 4):
@@ -42,10 +42,13 @@ def test_batch_benchmark_tiny(tmp_path):
         assert set(row["sd_tau2.31_always"]["blocks_by_kind"]) == {"chain5"}     # cost model off: gamma-chains
         assert row["ar"]["blocks_by_kind"] == {"ar": row["ar"]["blocks_by_kind"]["ar"]}
     for mode in ("ar", "sd"):
-        for chunk in (0, 9):
-            r = rep["mixed"][f"rate=40,chunk={chunk}"][mode]
-            assert r["requests"] == 4 and r["prefill_chunk"] == chunk
+        for chunk, mixed in ((0, ""), (9, ""), (0, ",mixed_steps"), (9, ",mixed_steps")):
+            r = rep["mixed"][f"rate=40,chunk={chunk}{mixed}"][mode]
+            assert r["requests"] == 4 and r["prefill_chunk"] == chunk and r["mixed_steps"] == bool(mixed)
+            assert r["mixed_steps_run"] == 0 or mixed
             assert 0 < r["prefill_share"] < 1
             assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] and 0 < r["step_ms_p50"] <= r["step_ms_p99"]
             assert r["steps"] > 0 and r["ttft_ms_p99"] >= r["ttft_ms_p50"] > 0
         assert rep["sampling"]["B=4"][f"{mode}_mixed_vs_one"] > 0
+    # with mixed steps on, chunks of arriving prompts ran inside the running requests' blocks
+    assert sum(rep["mixed"]["rate=40,chunk=9,mixed_steps"][m]["mixed_steps_run"] for m in ("ar", "sd")) > 0
