@@ -133,7 +133,8 @@ def verify_args(cache, vin, tlens, kv_len=None) -> dict:
 
 def verify_forward(target_lm, cache, vin, tlens, kv_len=None):
     """Target logits [B, γ+1, V] for vin [B, γ+1] written at slots tlens.."""
-    return target_lm(**verify_args(cache, vin, tlens, kv_len))
+    args = verify_args(cache, vin, tlens, kv_len)
+    return target_lm(args.pop("cache"), args.pop("positions"), **args)
 
 
 def verify_block(target_lm, cache, vin, tlens, mixture=None, uniforms=None, *, sp, normalisers=False,
