@@ -1,8 +1,5 @@
 """Build script for tabed_engine.
 
-`kernels/` is installed as the subpackage `tabed_engine.kernels` (never as a bare
-`kernels`, a name that belongs to another PyPI package).
-
 The optional extension `tabed_engine._C` (csrc/) registers the `torch.ops.tabed_engine`
 custom ops. It is a CUDAExtension where torch is a CUDA build and nvcc is found, else a
 CPU-only CppExtension; `TABED_NO_EXT=1` skips it, and a failed build only warns, so the
@@ -85,7 +82,6 @@ setup(
     version="0.1.0",
     description="Speculative decoding engine for vision-language models (TABED ensembles, draft trees)",
     packages=["tabed_engine", "tabed_engine.ops", "tabed_engine.kernels"],
-    package_dir={"tabed_engine.kernels": "kernels"},
     # the bundled demo pair (synthetic world) and its sample image
     package_data={"tabed_engine": ["assets/demo/*", "assets/demo/*/*"]},
     python_requires=">=3.10",

@@ -33,7 +33,7 @@ the weight copies (3 replays; a config whose first replay takes over twice the b
 dropped); the 3 fastest are re-timed as the table times, next to `_dot_config`'s default, the
 16-row kernel (at 16 rows, and over the rows in 16-row calls) and cuBLAS (F.linear; the
 model's SiLU*up kernel after it for gate/up). Prints the winners as the `_DOT_CONFIGS` dict literal
-of kernels/gemv.py.
+of tabed_engine/kernels/gemv.py.
 """
 from __future__ import annotations
 

@@ -18,10 +18,9 @@ for stage in "$@"; do
       $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
       ;;
     build)
-      # the image's pip/setuptools cannot do an offline editable install: build in place and
-      # expose kernels/ as tabed_engine.kernels (what setup.py's package_dir does when installed)
+      # the image's pip/setuptools cannot do an offline editable install: build in place
       $PY setup.py -q build_ext --inplace 2>&1 | grep -v -i "warn\|deprecat\|^ *\*\|^$\|!!" | tail -15
-      ln -sfn ../kernels tabed_engine/kernels
+      [ -L tabed_engine/kernels ] && rm tabed_engine/kernels   # a link left by an older tree
       $PY -c "import tabed_engine.ops._ext as e; print('extension:', e.HAS_EXT, 'cuda kernels:', e.HAS_CUDA_KERNELS)"
       ;;
     test)

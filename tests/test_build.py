@@ -59,3 +59,16 @@ def test_cuda_sources_compile(tmp_path):
     for name, proc in procs:
         out, _ = proc.communicate(timeout=110)
         assert proc.returncode == 0, f"{name}:\n{out}"
+
+
+def test_no_top_level_package_shadows_an_installed_one():
+    """Nothing at the repository root (on sys.path under pytest, and for `python -m` run from a
+    checkout) is importable under a name another distribution owns: transformers >= 5.25 depends on
+    the PyPI package `kernels` and imports it at start-up, so a root `kernels/` broke every import."""
+    import importlib.metadata
+
+    owned = set(importlib.metadata.packages_distributions())
+    ours = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    ours |= {p.stem for p in ROOT.glob("*.py")}
+    assert ours & owned <= {"tabed_engine", "setup"}, sorted(ours & owned)
+    assert "kernels" not in ours

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/_common.py): when it is on, and that it changes no
+"""Programmatic dependent launch (tabed_engine/kernels/_common.py): when it is on, and that it changes no
 result: a decoder forward (one-row and six-row decode paths, all Triton launchers) gives
 bit-identical logits with PDL on and off."""
 import pytest

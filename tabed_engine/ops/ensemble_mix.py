@@ -3,7 +3,7 @@
 `ensemble_mix` runs the fused Triton kernel for CUDA tensors and the PyTorch reference
 otherwise.  Both draw v with probability q_v without a host sync: the kernel by inverse
 CDF (one Philox uniform per request, seed and offset read from device tensors, so the call
-can live inside a CUDA graph; columns in a fixed order, see `kernels/ensemble_mix.py`),
+can live inside a CUDA graph; columns in a fixed order, see `tabed_engine/kernels/ensemble_mix.py`),
 the reference by the exponential race argmax_v q_v / E_v (E_v ~ Exp(1)).
 """
 import torch
