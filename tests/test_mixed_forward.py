@@ -172,6 +172,52 @@ def test_mixed_steps_equal_unchunked_llava(budget, speculative):
     assert got_a == a_alone and got_b == b_alone == reference("llama", "separated")
 
 
+@pytest.mark.parametrize("below", [False, True], ids=["slot-above", "slot-below"])
+def test_mixed_steps_with_trees_equal_unchunked(below):
+    """Trees: an image prompt's chunks (budget 16, boundaries inside the image runs) run in the
+    running request's tree verifications, and both requests' greedy tokens are those of unchunked
+    prefill. `below`: a short request admitted first ends before the image prompt arrives, which
+    takes its slot 0 under the running request's slot 1, so the chunks write a row of the tree's
+    verification: its accepted-path compaction must leave that row to them."""
+    from tabed_engine.speculation.tree import TreeConfig
+    from test_chunked_prefill import PROMPTS, engine, images, run
+
+    budget = 16
+    eng = engine(TreeConfig(3, 2, 2), max_batch=2)
+    (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
+    n = len(eng._request(prompt_b, images(n_b), None, None, False).prep.ids)
+    sp_a = SamplingParams(max_new_tokens=4 * math.ceil(n / budget) + 8, stop_at_eos=False)
+    a_alone = run(eng, None, "text", True, sp_a).token_ids
+    b_alone = run(eng, None, "separated", True).token_ids
+    eng.prefill_chunk, eng.mixed_steps = budget, True
+    try:
+        if below:
+            x = eng.add_request(prompt_a, sampling=SamplingParams(max_new_tokens=2, stop_at_eos=False))
+        a = eng.add_request(prompt_a, sampling=sp_a, speculative=True)
+        got = {a: []}
+        while len(got[a]) < 3 or (below and eng.scheduler.slots[0] is not None):
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert eng.scheduler.slots[int(below)].request_id == a
+        b = eng.add_request(prompt_b, images=images(n_b), sampling=SP, speculative=True)
+        got[b], mixed0, slot_b = [], eng.scheduler.mixed_steps, set()
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.request_id == b and o.finished:
+                    chunks = o.output.stats.prefill_chunks
+            if eng.scheduler.filling is not None:
+                slot_b.add(eng.scheduler.filling.slot)
+        mixed = eng.scheduler.mixed_steps - mixed0
+    finally:
+        eng.prefill_chunk, eng.mixed_steps = None, False
+    assert slot_b == {1 - below}
+    assert mixed == chunks == math.ceil(n / budget) > 1
+    assert got[a] == a_alone and got[b] == b_alone
+    if below:
+        assert got[x] == a_alone[:2]
+
+
 def test_mixed_steps_off_by_default_and_checked():
     """Without `mixed_steps` the chunks and the block stay two forwards of the step (no mixed
     step), with the same tokens; a non-bool setting is refused."""

@@ -87,13 +87,11 @@ class SpeculativeSteps:
         return self._sd_block(reqs, b, gen, gamma, gamma_next)[0]
 
     def sd_mixed(self, reqs: list, b: int, gen, gamma: int, parts: list[dict]):
-        """A chain block whose verification forward also runs other target forwards (a step's
-        prompt chunks: `parts`, their `forward` arguments; `LlamaLM.forward_mixed`, eager, the
-        verification first). Nothing is queued after it; a block queued ahead is dropped (the
-        caller finished it). Not for trees nor a block that `takes_view_tree`. Returns each
-        slot's new tokens and each part's logits."""
-        if self.eng.tree is not None:
-            raise ValueError("sd_mixed: chains only")
+        """A speculative block (a chain of `gamma`, or the engine's tree) whose verification
+        forward also runs other target forwards (a step's prompt chunks: `parts`, their `forward`
+        arguments; `LlamaLM.forward_mixed`, eager, the verification first). Nothing is queued
+        after it; a block queued ahead is dropped (the caller finished it). Not for a block that
+        `takes_view_tree`. Returns each slot's new tokens and each part's logits."""
         self.pending = None
         return self._sd_block(reqs, b, gen, gamma, 0, parts)
 
@@ -211,8 +209,8 @@ class SpeculativeSteps:
         eager attention spans). `ahead`: blocks between the host's view of the live requests
         and this one (the benchmark's forced acceptance follows the block index).
         Returns dict(res = the draft's outputs, v = the verification's (tlogits, n_acc, nxt,
-        packed, d_last, t_lse or path), dl, tl, t_max, and with `parts` (chains: forwards packed
-        into the verification, run eagerly) extra = their logits)."""
+        packed, d_last, t_lse or path), dl, tl, t_max, and with `parts` (forwards packed into
+        the verification, run eagerly) extra = their logits)."""
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
         tcache, dcache, _ = self.views(b)
         greedy, V = sp.greedy, self.draft.lm.cfg.vocab_size
@@ -249,8 +247,12 @@ class SpeculativeSteps:
             inputs = dict(tokens=tokens, parents=parents, tlens=tl, dlens=dl, fedpos=fedpos)
             if not greedy:
                 inputs.update(node_q=node_q, uniforms=torch.rand(b, tree.nodes + 1, generator=gen, device=dev))
-            tlogits, path, n_acc, nxt, packed = self.run_graph(verify_key, verify_fn, inputs,
-                                                               kv_len=self.kv_bucket(t_max + 1 + tree.nodes))
+            kv_len = self.kv_bucket(t_max + 1 + tree.nodes)
+            if parts:     # rows without a live request are the parts' slots: their KV is not compacted
+                tlogits, path, n_acc, nxt, packed, extra = verify_fn(**inputs, kv_len=kv_len, parts=parts,
+                                                                     live=self.active[:b])
+            else:
+                tlogits, path, n_acc, nxt, packed = self.run_graph(verify_key, verify_fn, inputs, kv_len=kv_len)
             d_last = tokens.gather(1, path.gather(1, n_acc[:, None]))   # [b, 1]: d_n, or the root
         else:
             drafted, q_logits, mixture, q_lse = res

@@ -27,8 +27,9 @@ verification, and the step's chunks (and whole short prompts) run as one target 
 the longer of the two rather than their sum. The step's part comes first in the packing (a
 parked row's garbage lands where its chunk writes over it); requests whose prefill ends in the
 step decode from the next one (their first token comes out of the forward). The forward is eager
-(the pure steps keep their graphs) and queues no block behind it. Trees and the first block's
-view tree run the chunks and the block as separate forwards.
+(the pure steps keep their graphs) and queues no block behind it. A tree's verification
+compacts only the live requests' accepted paths (a chunk's slot keeps what its part wrote). The
+first block's view tree runs the chunks and the block as separate forwards.
 """
 from __future__ import annotations
 
@@ -137,14 +138,14 @@ class ChunkedAdmission:
 
     def _mixed_kind(self, live: list) -> Optional[int]:
         """The block a mixed step runs for the live requests: 0 (an AR step) or a chain of g
-        (the cost model's choice), or None when the step's forwards stay separate (mixed steps
-        off, trees, the first block's view tree)."""
+        (the cost model's choice; a tree: the engine's γ), or None when the step's forwards stay
+        separate (mixed steps off, the first block's view tree)."""
         if not self.runner.eng.mixed_steps:
             return None
         if not live[0].speculative:
             return 0
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
-        if self.runner.eng.tree is not None or self.runner.takes_view_tree(live, b):
+        if self.runner.takes_view_tree(live, b):
             return None
         g = self._next if self._next is not None else self.cost.choose(b, [(r.accepted, r.rejected) for r in live])
         self._next = None

@@ -221,7 +221,7 @@ def tree_bits_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
 
 
 def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos, node_q=None, uniforms=None, *,
-                sp, K: int, node_depth, depth: int, kv_len=None, probs_fn=None):
+                sp, K: int, node_depth, depth: int, kv_len=None, probs_fn=None, parts=None, live=None):
     """Verify one tree (fixed shapes, one CUDA graph on the GPU): the target forward over the N
     nodes tokens [B, N] (parents [B, N]; node_depth [N] their depths) at positions tlens +
     depth under the ancestor mask, written at slots tlens..; the
@@ -230,10 +230,17 @@ def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos
     [B, N, V], path [B, N], accepted [B], next token [B], packed [B, 2 + depth] for the
     block's one host read: accepted count, next token, the path's tokens).
     Rows coupled by `sp` (a RowSampling with seeded rows) walk greedily over the target's
-    Gumbel-perturbed scores: the child equal to the target's coupled token, else that token."""
+    Gumbel-perturbed scores: the child equal to the target's coupled token, else that token.
+    `parts` (eager only): other target forwards' arguments packed into the verification's forward
+    (`LlamaLM.forward_mixed`, the tree first), their logits returned as a sixth item, a list;
+    `live` [B] (0 / 1) then marks the rows whose accepted path is compacted: a row without a
+    live request (a slot a packed prompt chunk fills) keeps the KV that part wrote."""
     pos = tlens.long()[:, None] + node_depth[None]
-    tlogits = target_lm(tcache, pos, input_ids=tokens, lengths=tlens, tree_bits=tree_bits_of(parents, depth),
-                        kv_len=kv_len)
+    fwd = dict(input_ids=tokens, lengths=tlens, tree_bits=tree_bits_of(parents, depth), kv_len=kv_len)
+    if parts:
+        tlogits, *extra = target_lm.forward_mixed([dict(cache=tcache, positions=pos, **fwd), *parts])
+    else:
+        tlogits = target_lm(tcache, pos, **fwd)
     if sp.greedy:
         path, n_acc, nxt = verify_tree(tokens, parents, tlogits, greedy=True)
     else:
@@ -245,17 +252,19 @@ def tree_verify(target_lm, tcache, dcache, tokens, parents, tlens, dlens, fedpos
             c = sp.coupled
             path, n_acc, nxt = torch.where(c[:, None], c_path, path), torch.where(c, c_acc, n_acc), \
                 torch.where(c, c_nxt, nxt)
-    compact_kv(tcache.k, tcache.v, tcache.block_table, tlens, path, n_acc)
+    moved = n_acc if live is None else n_acc * live     # accepted nodes whose KV moves, per row
+    compact_kv(tcache.k, tcache.v, tcache.block_table, tlens, path, moved)
     # the draft rows keep the path's fed nodes (all of it but possibly its last node, a leaf
     # the next block re-feeds); their root sits at slot dlens + 1, fed node f >= 1 at
     # dlens + depth + f (see tree_draft)
     f = fedpos.gather(1, path.clamp_min(0))
     dpath = torch.where((path >= 0) & (f >= 0), torch.where(f > 0, f + depth - 1, f), -1).repeat_interleave(K, 0)
     compact_kv(dcache.k, dcache.v, dcache.block_table, (dlens + 1).int(), dpath,
-               (n_acc - 1).clamp_min(0).repeat_interleave(K, 0))
+               (moved - 1).clamp_min(0).repeat_interleave(K, 0))
     path_tok = tokens.gather(1, path[:, 1:depth + 1].clamp_min(0))
     packed = torch.cat([n_acc[:, None], nxt[:, None], path_tok], dim=1)
-    return tlogits, path, n_acc, nxt, packed
+    out = (tlogits, path, n_acc, nxt, packed)
+    return (*out, extra) if parts else out
 
 
 def tree_history(state, tlogits, fed_logits, path, n_acc, fedpos, cursor, *, depth: int, temperature: float,
