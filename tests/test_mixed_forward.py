@@ -149,26 +149,29 @@ def _arrivals(eng, budget: int, prompt_a: str, prompt_b: str, images_b: list, sp
     return got[a], got[b], chunks, eng.scheduler.mixed_steps - mixed0
 
 
-@pytest.mark.parametrize("budget,speculative", [(7, False), (16, False), (37, False), (16, True)],
-                         ids=["ar-7", "ar-16", "ar-37", "chain-16"])
+@pytest.mark.parametrize("budget,speculative", [(7, False), (16, False), (37, False), (24, True)],
+                         ids=["ar-7", "ar-16", "ar-37", "chain-24"])
 def test_mixed_steps_equal_unchunked_llava(budget, speculative):
     """A LLaVA prompt with two images arriving while a text request decodes (autoregressively, or
     in chains of 3): its chunks (boundaries inside the image runs) run in the running request's AR
     steps' or verifications' forwards, and both requests' greedy tokens are those of unchunked
-    prefill (and transformers')."""
+    prefill (and transformers'). The block's rows count in the budget: a chain of 3 leaves a
+    budget of 24 20 prompt tokens a step (an AR step 36 of 37; at least 16, or the budget)."""
     from test_chunked_prefill import PROMPTS, cuts_inside_images, engine, images, reference, run
 
     eng = engine(None, max_batch=2)
     (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
     n = len(eng._request(prompt_b, images(n_b), None, None, False).prep.ids)
     # a decodes past b's last chunk
-    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / budget) + 8, stop_at_eos=False)
+    per_step = max(budget - (1 + 3 * speculative), min(budget, 16))
+    assert per_step == {7: 7, 16: 16, 37: 36, 24: 20}[budget]
+    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / per_step) + 8, stop_at_eos=False)
     a_alone = run(eng, None, "text", speculative, sp_a).token_ids
     b_alone = run(eng, None, "separated", speculative).token_ids
     got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, SP, speculative)
-    assert cuts_inside_images(eng, "separated", budget) > 0
+    assert cuts_inside_images(eng, "separated", per_step) > 0
     # every chunk of b ran mixed (a decodes until after b's last chunk)
-    assert mixed == chunks == math.ceil(n / budget) > 1
+    assert mixed == chunks == math.ceil(n / per_step) > 1
     assert got_a == a_alone and got_b == b_alone == reference("llama", "separated")
 
 
@@ -218,6 +221,33 @@ def test_mixed_steps_with_trees_equal_unchunked(below):
         assert got[x] == a_alone[:2]
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_captured_mixed_steps_equal_unchunked(mode):
+    """What the GPU runs, on the CPU: mixed steps through captured graphs (emulated: static
+    buffers, outputs overwritten by the next call, the KV poisoned before use), one chunk a step
+    padded to its bucket over the staged row of its slot. The image prompt's chunks of 16 run in
+    the running request's AR steps, chain or tree verifications, every one through a mixed
+    graph, and both requests' greedy tokens equal the unchunked prefill's (also emulated)."""
+    from tabed_engine.speculation.tree import TreeConfig
+    from test_batch import emulated_graphs
+    from test_chunked_prefill import PROMPTS, engine, images, run
+
+    budget, speculative = 16, mode != "ar"
+    eng = emulated_graphs(engine(TreeConfig(3, 2, 2) if mode == "tree" else None, max_batch=2))
+    (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
+    n = len(eng._request(prompt_b, images(n_b), None, None, False).prep.ids)
+    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / budget) + 8, stop_at_eos=False)
+    a_alone = run(eng, None, "text", speculative, sp_a).token_ids
+    b_alone = run(eng, None, "separated", speculative).token_ids
+    assert not any(k[0] == "mixed" for k in eng.runner.graphs.graphs)
+    got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, SP, speculative)
+    keys = [k for k in eng.runner.graphs.graphs if k[0] == "mixed"]
+    assert mixed == chunks == math.ceil(n / budget) > 1
+    assert {k[1] for k in keys} == {"verify" if speculative else "ar"}
+    assert {k[-1] for k in keys} == {budget}        # (the last chunk, shorter, padded to it)
+    assert got_a == a_alone and got_b == b_alone
+
+
 def test_mixed_steps_off_by_default_and_checked():
     """Without `mixed_steps` the chunks and the block stay two forwards of the step (no mixed
     step), with the same tokens; a non-bool setting is refused."""
@@ -236,15 +266,21 @@ def test_mixed_steps_off_by_default_and_checked():
         eng.mixed_steps = 1
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "chain"])
-def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory, speculative):
+@pytest.mark.parametrize("speculative,captured", [(False, False), (True, False), (True, True)],
+                         ids=["ar", "chain", "chain-captured"])
+def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory, speculative, captured):
     """M-RoPE (Qwen2.5-VL): an image prompt arriving while a text request decodes, its chunks of 9
     tokens (boundaries inside the image runs: the 3-D ids sliced per chunk, the row's offset)
-    mixed into the AR steps or the chains' verifications; tokens equal the unchunked prefill's."""
+    mixed into the AR steps or the chains' verifications; tokens equal the unchunked prefill's.
+    `captured`: through the mixed graphs (emulated, `test_captured_mixed_steps_equal_unchunked`:
+    the chunk's 3-D ids padded in the shared buffer)."""
     from tabed_engine.models.tiny import random_image
+    from test_batch import emulated_graphs
     from test_chunked_prefill import qwen_engine
 
     eng = qwen_engine(str(tmp_path_factory.getbasetemp() / "qwen_chunked"), None)
+    if captured:
+        emulated_graphs(eng)
     turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "left"}, {"type": "image"},
                                           {"type": "text", "text": "Describe the image in detail."}]}]
     text_b = eng.processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
@@ -263,3 +299,4 @@ def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory, speculative):
     assert any(s < c < s + m for c in range(9, n, 9) for s, m in spans)
     assert mixed == chunks > 1          # (chunks <= n / 9: b's prompt may hit a's cached chat prefix)
     assert got_a == a_alone and got_b == b_alone
+    assert any(k[0] == "mixed" for k in eng.runner.graphs.graphs) if captured else eng.runner.graphs is None

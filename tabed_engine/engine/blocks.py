@@ -88,8 +88,9 @@ class SpeculativeSteps:
 
     def sd_mixed(self, reqs: list, b: int, gen, gamma: int, parts: list[dict]):
         """A speculative block (a chain of `gamma`, or the engine's tree) whose verification
-        forward also runs other target forwards (a step's prompt chunks: `parts`, their `forward`
-        arguments; `LlamaLM.forward_mixed`, eager, the verification first). Nothing is queued
+        forward also runs other target forwards (a step's prompt chunks, `parts`: their `forward`
+        arguments, run eagerly, or one `GraphChunk`, captured: `Runner.run_mixed`;
+        `LlamaLM.forward_mixed`, the verification first). Nothing is queued
         after it; a block queued ahead is dropped (the caller finished it). Not for a block that
         `takes_view_tree`. Returns each slot's new tokens and each part's logits."""
         self.pending = None
@@ -210,7 +211,7 @@ class SpeculativeSteps:
         and this one (the benchmark's forced acceptance follows the block index).
         Returns dict(res = the draft's outputs, v = the verification's (tlogits, n_acc, nxt,
         packed, d_last, t_lse or path), dl, tl, t_max, and with `parts` (forwards packed into
-        the verification, run eagerly) extra = their logits)."""
+        the verification: `Runner.run_mixed`) extra = their logits)."""
         eng, K, dev, tree = self.eng, self.K, self.device, self.eng.tree
         tcache, dcache, _ = self.views(b)
         greedy, V = sp.greedy, self.draft.lm.cfg.vocab_size
@@ -249,8 +250,8 @@ class SpeculativeSteps:
                 inputs.update(node_q=node_q, uniforms=torch.rand(b, tree.nodes + 1, generator=gen, device=dev))
             kv_len = self.kv_bucket(t_max + 1 + tree.nodes)
             if parts:     # rows without a live request are the parts' slots: their KV is not compacted
-                tlogits, path, n_acc, nxt, packed, extra = verify_fn(**inputs, kv_len=kv_len, parts=parts,
-                                                                     live=self.active[:b])
+                tlogits, path, n_acc, nxt, packed, extra = self.run_mixed(
+                    verify_key, verify_fn, {**inputs, "live": self.active[:b]}, kv_len, parts)
             else:
                 tlogits, path, n_acc, nxt, packed = self.run_graph(verify_key, verify_fn, inputs, kv_len=kv_len)
             d_last = tokens.gather(1, path.gather(1, n_acc[:, None]))   # [b, 1]: d_n, or the root
@@ -262,7 +263,8 @@ class SpeculativeSteps:
                 inputs.update(mixture=mixture, uniforms=torch.rand(b, gamma + 1, generator=gen, device=dev))
             kv_len = self.kv_bucket(t_max + 1 + gamma + 1)
             if parts:
-                tlogits, n_acc, nxt, packed, v["t_lse"], extra = verify_fn(**inputs, kv_len=kv_len, parts=parts)
+                tlogits, n_acc, nxt, packed, v["t_lse"], extra = self.run_mixed(verify_key, verify_fn, inputs,
+                                                                                kv_len, parts)
             else:
                 tlogits, n_acc, nxt, packed, v["t_lse"] = self.run_graph(verify_key, verify_fn, inputs, kv_len=kv_len)
             d_last = vin.gather(1, n_acc[:, None])

@@ -21,15 +21,20 @@ the budget lasts; a prompt that would need splitting starts only at the start of
 budget), then, if requests were decoding at the start of the step and no block ran yet, one
 block.
 
-Mixed steps (`Engine(mixed_steps=True)`): the running batch's AR step, or its chain block's
-verification, and the step's chunks (and whole short prompts) run as one target forward
-(`LlamaLM.forward_mixed`: the weights read once, the attention per part), so a step costs about
-the longer of the two rather than their sum. The step's part comes first in the packing (a
-parked row's garbage lands where its chunk writes over it); requests whose prefill ends in the
-step decode from the next one (their first token comes out of the forward). The forward is eager
-(the pure steps keep their graphs) and queues no block behind it. A tree's verification
-compacts only the live requests' accepted paths (a chunk's slot keeps what its part wrote). The
-first block's view tree runs the chunks and the block as separate forwards.
+Mixed steps (`Engine(mixed_steps=True)`): the running batch's AR step, or its speculative
+block's verification (chain or tree), and the step's chunks (and whole short prompts) run as one
+target forward (`LlamaLM.forward_mixed`: the weights read once, the attention per part), so a
+step costs about the longer of the two rather than their sum. The block's rows count in the
+budget (bucket × rows per request), so the forward's tokens stay within it, but a step always
+gives a prompt at least MIN_CHUNK tokens (or the whole budget, if smaller). The step's part comes first in the packing (a parked
+row's garbage lands where its chunk writes over it); requests whose prefill ends in the step
+decode from the next one (their first token comes out of the forward). With graphs (CUDA) a
+step packs one chunk, padded to a bucket (`prefill.mixed_bucket`) and written through a staged
+one-row view of its slot, and replays the captured graph of (block kind, batch bucket, chunk
+bucket) (`Runner.run_mixed`); elsewhere the forward is eager, with every chunk the budget
+allows. A mixed step queues no block behind it. A tree's verification compacts only the live
+requests' accepted paths (a chunk's slot keeps what its part wrote). The first block's view
+tree runs the chunks and the block as separate forwards.
 """
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ from tabed_engine.engine.runner import bucket_of
 # (`prefix_cache.suffix_graph`); smaller chunks are a choice for a server whose decode latency
 # matters more than its prompts' TTFT (docs/serving.md)
 DEFAULT_PREFILL_CHUNK = PREFILL_GRAPH_MAX
+# the fewest prompt tokens a mixed step runs when the block's rows take its whole budget
+MIN_CHUNK = 16
 
 
 log = logging.getLogger("tabed_engine.engine")
@@ -158,7 +165,11 @@ class ChunkedAdmission:
         b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
         reqs = self.slots[:b]           # (a copy: the requests joining in the step are not in it)
         plan: list = []
-        self._prefill_work(outputs, left, plan)
+        # the block's rows count in the budget (the forward's tokens stay within it), yet a
+        # prompt keeps moving when they take all of it
+        left = max(left - b * self.block_rows(g), min(left, MIN_CHUNK))
+        # with graphs, one chunk a step: a captured mixed step packs one
+        self._prefill_work(outputs, left, plan, 1 if self.runner.graphs is not None else math.inf)
         self._last = None               # the next block's time includes no prefill
         self._next = None
         if not plan:
@@ -166,8 +177,9 @@ class ChunkedAdmission:
                 self._block(outputs, choice=g)
             return
         gen = live[0].generator if len(live) == 1 else self._batch_gen
-        parts = [part for _, _, part in plan]
         try:
+            parts = self.runner.mixed_chunk(*plan[0]) if len(plan) == 1 else None
+            parts = parts or [self.runner.chunk_part(job, end) for job, end in plan]
             if g:
                 new, logits = self.runner.sd_mixed(reqs, b, gen, g, parts)
             else:
@@ -175,7 +187,7 @@ class ChunkedAdmission:
         except Exception as e:          # a device failure: the batch and the prefills end
             log_failure(e, f"a mixed step of {len(live)} request(s) and {len(plan)} prefill chunk(s)")
             self.joining = ()
-            for job, _, _ in plan:
+            for job, _ in plan:
                 self._fail(job.req, job, e, outputs)
             for r in live:
                 r.finish("error", f"{type(e).__name__}: {e}")
@@ -187,17 +199,23 @@ class ChunkedAdmission:
             if r is not None and (toks or r.finished):
                 outputs.append(self._output(r, toks))
         self.joining = ()
-        for (job, end, _), lg in zip(plan, logits):
+        for (job, end), lg in zip(plan, logits):
             self.runner.chunk_done(job, end, lg[:, -1])
             self._after_chunk(job, outputs)
 
-    def _prefill_work(self, outputs: list, budget, plan: Optional[list] = None):
+    def block_rows(self, g: int) -> int:
+        """The target rows a request takes in a block of kind g: 1 in an AR step (g = 0), the
+        chain's g + 1, or the tree's nodes."""
+        tree = self.runner.eng.tree
+        return 1 if g == 0 else tree.nodes if tree is not None else g + 1
+
+    def _prefill_work(self, outputs: list, budget, plan: Optional[list] = None, max_parts=math.inf):
         """Chunks and whole prefills of at most `budget` prompt tokens in all; with `plan`, their
-        forwards are not run but planned into it (see `_run_chunk`)."""
+        forwards are not run but planned into it, at most `max_parts` (see `_run_chunk`)."""
         left = budget
         if self.filling is not None:
             left -= self._run_chunk(self.filling, left, outputs, plan)
-        while left > 0 and self.filling is None:
+        while left > 0 and self.filling is None and (plan is None or len(plan) < max_parts):
             with self._lock:
                 if not self._head_fits():
                     break
@@ -217,15 +235,14 @@ class ChunkedAdmission:
 
     def _run_chunk(self, job: PrefillJob, left, outputs: list, plan: Optional[list] = None) -> int:
         """The job's next chunk (at most `left` tokens); after its last, the request joins the
-        batch. With `plan`: (job, end, its forward's arguments) is appended there instead, the
-        caller runs it (a job whose last chunk it is: in `joining` until then). Returns the
-        tokens spent."""
+        batch. With `plan`: (job, end) is appended there instead, the caller runs the chunk
+        (a job whose last chunk it is: in `joining` until then). Returns the tokens spent."""
         self.filling = job
         tokens = None if left == math.inf else int(left)
         if plan is not None:
             start = job.done
             end = job.n if tokens is None else min(job.n, start + tokens)
-            plan.append((job, end, self.runner.chunk_part(job, end)))
+            plan.append((job, end))
             if end == job.n:
                 self.filling = None
                 self.joining += (job,)

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from tabed_engine.engine.graphs import private_stream
-from tabed_engine.engine.prefix_cache import capture_suffix_graphs, prefill_suffix, rope_offset, suffix_args
+from tabed_engine.engine.prefix_cache import (capture_suffix_graphs, prefill_suffix, rest_positions, rope_offset,
+                                              staged_row, suffix_args)
 from tabed_engine.engine.prompt import Prepared
 from tabed_engine.engine.request import Request
 from tabed_engine.engine.view_cache import prefill_views
@@ -42,6 +43,30 @@ def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Opti
     if n < 1 or n > min(limit, max_len):
         return None
     return min(-(-n // PREFILL_STEP) * PREFILL_STEP, max_len)
+
+
+def mixed_bucket(T: int, limit: int) -> Optional[int]:
+    """The padded length of a prompt chunk of T tokens in a captured mixed step (None: above
+    `limit`): 16 or 24 times a power of two (at most half of it padding, so a handful of graphs
+    per block shape), or `limit` itself where that is smaller."""
+    if T < 1 or T > limit:
+        return None
+    P = 16
+    while P < T:
+        P = P * 3 // 2 if P & (P - 1) == 0 else P * 4 // 3
+    return min(P, limit)
+
+
+@dataclass
+class GraphChunk:
+    """One prompt chunk as the inputs of a captured mixed step (`PrefillSteps.mixed_chunk`):
+    padded to P tokens over `stage`, the staged one-row view of its slot; `inputs` its tensors
+    (`runner.with_chunk`'s cx, cpos, clens, clast), of which `shared` are buffers every mixed
+    graph shares."""
+    P: int
+    stage: KVCache
+    inputs: dict
+    shared: tuple
 
 
 def prefill_buckets(max_len: int, limit: int = PREFILL_GRAPH_MAX) -> list[int]:
@@ -321,6 +346,41 @@ class PrefillSteps:
         self.parked[job.slot] = job.done
         x = job.x[job.done - job.cached:end - job.cached]
         return self.range_args(job.req.prep, x, job.slot, job.done, end, job.pos3)
+
+    def mixed_chunk(self, job: PrefillJob, end: int) -> Optional[GraphChunk]:
+        """The job's chunk [done, end) as the inputs of a captured mixed step, or None where no
+        graph serves it (no graphs; the chunk padded past the cache's end). Its embeddings are
+        padded to `mixed_bucket` in a buffer every mixed graph shares, its positions likewise
+        (M-RoPE: the prompt's ids less the row's offset, `prefix_cache.rest_positions`), and
+        its slot's block-table row, length and offset are loaded into the staged one-row view
+        (`prefix_cache.staged_row`): one graph per block shape and bucket serves every slot.
+        Parks the row at the chunk's start (see `chunk_part`)."""
+        start, T = job.done, end - job.done
+        budget = self.eng.prefill_chunk or self.max_len      # a chunk of the whole budget: no padding
+        P = mixed_bucket(T, min(budget, self.max_len)) if self.graphs is not None else None
+        if P is None or start + P > self.tcache.max_len:
+            return None
+        self.parked[job.slot] = start
+        cx, cpos = self._mixed_buffers()
+        cx[0, :T].copy_(job.x[start - job.cached:end - job.cached])
+        cx[0, T:P].zero_()
+        pos = rest_positions(self, start, P, job.pos3, rope_offset(job.req.prep, job.pos3))
+        cpos[..., :P].copy_(pos.pin_memory() if self.device.type == "cuda" else pos, non_blocking=True)
+        inputs = dict(cx=cx[:, :P], cpos=cpos[..., :P], clens=self.to_device([start], torch.int32),
+                      clast=self.to_device([[T - 1]]))
+        return GraphChunk(P, staged_row(self, job.slot), inputs, (cx, cpos))
+
+    def _mixed_buffers(self) -> tuple:
+        """The chunk inputs every captured mixed step shares: embeddings [1, max_len, hidden]
+        and positions [1, max_len] (M-RoPE: [3, 1, max_len])."""
+        bufs = getattr(self, "_mixed_bufs", None)
+        if bufs is None or bufs[0].device != self.device:
+            cfg, n = self.target.lm.cfg, self.tcache.max_len
+            with torch.inference_mode(False):
+                cx = torch.zeros(1, n, cfg.hidden_size, device=self.device, dtype=self.dtype)
+                shape = (1, n) if cfg.mrope_section is None else (3, 1, n)
+                bufs = self._mixed_bufs = (cx, torch.zeros(shape, dtype=torch.long, device=self.device))
+        return bufs
 
     def chunk_done(self, job: PrefillJob, end: int, logits: torch.Tensor):
         """The job's chunk [done, end) ran; logits: its last position's [1, V]."""

@@ -22,7 +22,7 @@ import torch
 from tabed_engine.engine.blocks import SpeculativeSteps
 from tabed_engine.engine.graphs import GraphCache
 from tabed_engine.engine.pages import SlotPages
-from tabed_engine.engine.prefill import PREFILL_GRAPH_MAX, PrefillSteps
+from tabed_engine.engine.prefill import PREFILL_GRAPH_MAX, GraphChunk, PrefillSteps
 from tabed_engine.engine.prefix_cache import new_index
 from tabed_engine.engine.view_cache import new_view_index
 from tabed_engine.models.decoder import PAGE_SIZE, KVCache, cache_rows
@@ -43,11 +43,27 @@ def decode_args(cache: KVCache, tok: torch.Tensor, lens: torch.Tensor, kv_len: O
 
 
 def decode_step(lm, cache: KVCache, tok: torch.Tensor, lens: torch.Tensor,
-                kv_len: Optional[int] = None) -> torch.Tensor:
+                kv_len: Optional[int] = None, parts: Optional[list] = None):
     """One autoregressive step: tok [R, 1] written at slots lens [R]; returns logits [R, V].
     Idempotent in its inputs (the caller advances the lengths), as a captured graph's
-    warm-up run must be."""
+    warm-up run must be. `parts`: other forwards' arguments packed into the step's forward
+    (`LlamaLM.forward_mixed`, the step first); their logits are then returned second, a list."""
+    if parts:
+        logits, *extra = lm.forward_mixed([decode_args(cache, tok, lens, kv_len), *parts])
+        return logits[:, -1], extra
     return lm(**decode_args(cache, tok, lens, kv_len))[:, -1]
+
+
+def with_chunk(fn, stage: KVCache, cx: torch.Tensor, cpos: torch.Tensor, clens: torch.Tensor, clast: torch.Tensor,
+               kv_len: Optional[int] = None, **inputs):
+    """fn (`decode_step`, `verify_block`, `tree_verify`: a step taking `parts`) with one padded
+    prompt chunk packed into its target forward, the graph of a captured mixed step: the chunk's
+    embeddings cx [1, P, hidden] at positions cpos as new tokens of the one-row cache view
+    `stage` after its clens [1] committed ones. Returns fn's outputs, then the chunk's logits at
+    position clast [1, 1] of the P [1, V]."""
+    part = dict(cache=stage, positions=cpos, embeds=cx, lengths=clens, logits_index=clast, kv_len=kv_len)
+    *out, extra = fn(**inputs, kv_len=kv_len, parts=[part])
+    return (*out, extra[0][:, -1])
 
 
 class Runner(PrefillSteps, SpeculativeSteps):
@@ -234,19 +250,31 @@ class Runner(PrefillSteps, SpeculativeSteps):
             tok, tl, longest = p["tok"], p["tl"], p["longest"]
         return self._ar_emit(reqs, b, gen, sp, tok, tl, longest, queue_next)
 
-    def ar_mixed(self, reqs: list, b: int, gen, parts: list[dict]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    def ar_mixed(self, reqs: list, b: int, gen, parts) -> tuple[list[list[int]], list[torch.Tensor]]:
         """`ar_step` with other target forwards packed into its forward (`LlamaLM.forward_mixed`,
-        eager, the step's part first): `parts` are their `forward` arguments (a step's prompt
-        chunks, `PrefillSteps.chunk_part`). Nothing is queued after it; a block queued ahead is
-        dropped (the caller finished it). Returns each slot's new tokens and each part's logits."""
+        the step's part first): `parts` are a step's prompt chunks, their `forward` arguments
+        (`PrefillSteps.chunk_part`, run eagerly) or one `GraphChunk` (`mixed_chunk`: a captured
+        graph per batch bucket and chunk bucket). Nothing is queued after it; a block queued
+        ahead is dropped (the caller finished it). Returns each slot's new tokens and each
+        part's logits [1, n, V]."""
         self.pending = None
         sp, _ = self.batch_sampling(reqs, b)
         tl, last, longest = self._target_inputs(reqs, b)
-        tcache, _, _ = self.views(b)
-        logits = self.target.lm.forward_mixed([decode_args(tcache, last[:, None], tl, self.kv_bucket(longest + 1)),
-                                               *parts])
-        tok = pick_tokens(logits[0][:, -1], sp, gen, tl.long() + 1)
-        return self._ar_emit(reqs, b, gen, sp, tok, tl, longest, queue_next=False), logits[1:]
+        logits, extra = self.run_mixed(("ar", b), self._ar_fn(b), {"tok": last[:, None], "lens": tl},
+                                       self.kv_bucket(longest + 1), parts)
+        tok = pick_tokens(logits, sp, gen, tl.long() + 1)
+        return self._ar_emit(reqs, b, gen, sp, tok, tl, longest, queue_next=False), extra
+
+    def run_mixed(self, key, fn, inputs: dict, kv_len: int, parts):
+        """fn(**inputs) (a step that takes `parts`) with a step's prompt chunks packed into its
+        target forward: one `GraphChunk` through the captured graph of (key, its bucket), a
+        list of `forward` arguments eagerly. Returns fn's outputs, its last item the parts'
+        logits, a list of [1, n, V] (a graph's copied out of its output buffer)."""
+        if isinstance(parts, GraphChunk):
+            *out, lg = self.graphs.run(("mixed", *key, parts.P), partial(with_chunk, fn, parts.stage),
+                                       {**inputs, **parts.inputs}, shared=parts.shared)
+            return (*out, [lg[:, None].clone()])
+        return fn(**inputs, kv_len=kv_len, parts=parts)
 
     def _ar_fn(self, b: int):
         return partial(decode_step, self.target.lm, self.views(b)[0])
