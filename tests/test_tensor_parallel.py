@@ -17,6 +17,7 @@ import torch
 
 from models import model_dir
 from tabed_engine import Engine, SamplingParams
+from tabed_engine.engine.chunked import DEFAULT_PREFILL_CHUNK
 from tabed_engine.models.loader import load_lvlm
 from tabed_engine.models.tiny import random_image, words
 from tabed_engine.parallel.comm import TPGroup
@@ -129,6 +130,37 @@ def test_adaptive_and_sampled_ranks_agree(tp):
     assert tp.verify_ranks() > 0
 
 
+def test_chunked_mixed_arrivals_match_transformers(tp):
+    """A prompt with two images arriving while another request decodes, prefilled in chunks of
+    8 inside the running chain's verifications (mixed steps), both set between steps on rank 0
+    and followed by the worker: transformers' tokens, the ranks in step."""
+    a_text, a_imgs = prompt(6, 0)
+    b_text, b_imgs = prompt(7, 2)
+    tp.prefill_chunk, tp.mixed_steps = 8, True
+    try:
+        a = tp.add_request(a_text, sampling=sp(3 * N))
+        got = {a: []}
+        while len(got[a]) < 2:
+            for o in tp.step():
+                got[o.request_id] += o.new_token_ids
+        b, mixed0 = tp.add_request(b_text, images=b_imgs, sampling=sp()), tp.scheduler.mixed_steps
+        got[b] = []
+        while tp.has_unfinished():
+            for o in tp.step():
+                got[o.request_id] += o.new_token_ids
+                if o.request_id == b and o.finished:
+                    chunks = o.output.stats.prefill_chunks
+        mixed = tp.scheduler.mixed_steps - mixed0
+    finally:
+        tp.prefill_chunk, tp.mixed_steps = DEFAULT_PREFILL_CHUNK, False
+    assert chunks > 2 and mixed == chunks
+    assert got[a] == hf_greedy(target_dir(), a_text, a_imgs, 3 * N)
+    assert got[b] == hf_greedy(target_dir(), b_text, b_imgs)
+    assert tp.verify_ranks() > 0
+    with pytest.raises(TypeError, match="mixed_steps must be a bool"):
+        tp.mixed_steps = 1
+
+
 def test_divergence_is_detected():
     """Rank 0 compares each worker's step digests with its own: a mismatch fails loudly."""
     out = lambda tokens: SimpleNamespace(request_id="r", new_token_ids=tokens, finished=False)  # noqa: E731
@@ -212,6 +244,7 @@ import signal, sys, torch
 signal.signal(signal.SIGINT, signal.default_int_handler)
 torch.set_num_threads(1)
 from tabed_engine import Engine, SamplingParams
+from tabed_engine.engine.chunked import DEFAULT_PREFILL_CHUNK
 eng = Engine.from_pretrained(sys.argv[1], device="cpu", dtype=torch.float32, tensor_parallel=2)
 # one short generation first: the lazy imports of a first request are done before the signal (an
 # interrupt inside a class body being created comes out as a RuntimeError, not KeyboardInterrupt)

@@ -9,8 +9,9 @@ over its shard (`startup.run_worker`) and follows rank 0's messages, in order:
   until a step ships them, so every rank's scheduler sees them at the same step.
 * ("choose", g) inside a step: the cost model's block kind, decided on rank 0 (it measures
   wall times, which differ per rank: `SharedCostModel`).
-* ("drop", ids), ("configure", kwargs), ("runner", method, args) (prefill-graph capture and
-  the draft's prefill warm-up of `warmup`, `prefill_target`), ("sync",), ("close",).
+* ("drop", ids), ("configure", kwargs), ("set", name, value) (the settings that may change
+  between steps: `prefill_chunk`, `mixed_steps`), ("runner", method, args) (prefill-graph
+  capture and the draft's prefill warm-up of `warmup`, `prefill_target`), ("sync",), ("close",).
 
 Anything else a step does depends only on what every rank holds alike: the request (its seed
 drawn once, on rank 0), the replicated draft and vision tower, and the target's gathered logits
@@ -257,6 +258,7 @@ class TensorParallelEngine(_SpmdEngine):
     def __init__(self, *args, spmd: Spmd, **kwargs):
         super().__init__(*args, spmd=spmd, **kwargs)
         self._finalizer = weakref.finalize(self, _shutdown, spmd)
+        self._mirrored = True       # the workers were built with the same settings; later changes are sent
 
     @property
     def tensor_parallel(self) -> int:
@@ -285,12 +287,20 @@ class TensorParallelEngine(_SpmdEngine):
             self._spmd.compare(block=True)
             return self._spmd.steps
 
+    def _set(self, name: str, prop: property, value):
+        """A step-time setting (checked here), then on every worker before its next step."""
+        prop.fset(self, value)
+        if getattr(self, "_mirrored", False):
+            self._spmd.check()
+            self._spmd.send(("set", name, getattr(self, name)))
+
     @Engine.mixed_steps.setter
     def mixed_steps(self, value):
-        if getattr(self, "_mixed_steps", value) != value:
-            raise NotImplementedError("a tensor-parallel engine's mixed_steps is set when it is built "
-                                      "(from_pretrained(..., mixed_steps=)): every rank runs the same steps")
-        Engine.mixed_steps.fset(self, value)
+        self._set("mixed_steps", Engine.mixed_steps, value)
+
+    @Engine.prefill_chunk.setter
+    def prefill_chunk(self, value):
+        self._set("prefill_chunk", Engine.prefill_chunk, value)
 
     @Engine.bench_accept_schedule.setter
     def bench_accept_schedule(self, fn):

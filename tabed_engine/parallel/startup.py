@@ -122,6 +122,8 @@ def follow(engine: WorkerEngine, link: ParentLink):
             engine.scheduler.drop([reqs.pop(i) for i in msg[1] if i in reqs])
         elif kind == "configure":
             engine.configure(**msg[1])
+        elif kind == "set" and msg[1] in ("prefill_chunk", "mixed_steps"):
+            setattr(engine, msg[1], msg[2])
         elif kind == "runner":
             engine.runner.allocate()
             engine.runner.pending = None
