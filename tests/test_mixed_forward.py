@@ -300,3 +300,35 @@ def test_mixed_steps_equal_unchunked_qwen2_5_vl(tmp_path_factory, speculative, c
     assert mixed == chunks > 1          # (chunks <= n / 9: b's prompt may hit a's cached chat prefix)
     assert got_a == a_alone and got_b == b_alone
     assert any(k[0] == "mixed" for k in eng.runner.graphs.graphs) if captured else eng.runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tree", [None, "4x2x2"], ids=["chain", "tree"])
+def test_gpu_invariant_mixed_steps_equal_alone_bitwise(tree):
+    """bf16 on the GPU with `invariant=True`, mixed steps through their captured graphs: requests
+    arriving one a step while others decode, prefilled in chunks of at most 40 tokens inside the
+    running batch's AR steps and chain (or tree) verifications, give bit for bit the tokens each
+    gives alone autoregressively."""
+    from models import model_dir
+    from tabed_engine import Engine
+    from test_prefill_graphs import _prompt
+
+    eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
+                                 dtype=torch.bfloat16, invariant=True, max_batch=8, max_len=512, adaptive=False,
+                                 tree=tree)
+    cases = [_prompt(i % 3, 3 + (7 * i) % 61) for i in range(12)]
+    sp = SamplingParams(max_new_tokens=32, stop_at_eos=False)
+    alone = [eng.generate(t, images=im, sampling=sp, speculative=False).token_ids for t, im in cases]
+    eng.prefill_chunk, eng.mixed_steps = 40, True
+    for speculative in (False, True):
+        got, ids = {}, []
+        for t, im in cases:
+            ids.append(eng.add_request(t, images=im, sampling=sp, speculative=speculative))
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert [got[i] for i in ids] == alone, speculative
+    kinds = {k[1] for k in eng.runner.graphs.graphs if k[0] == "mixed"}
+    assert kinds == {"ar", "verify"}, kinds
