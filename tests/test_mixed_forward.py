@@ -248,6 +248,30 @@ def test_captured_mixed_steps_equal_unchunked(mode):
     assert got_a == a_alone and got_b == b_alone
 
 
+def test_warmup_captures_the_mixed_steps_of_full_chunks():
+    """With mixed steps on (emulated graphs), `warmup` captures the mixed step of a full chunk
+    for each block kind at the buckets below the largest, and leaves the engine idle and clean:
+    an image prompt then arriving beside a decoding request (chunks of 16, its last one padded
+    to 16) captures no mixed graph, with the unchunked prefill's tokens."""
+    from test_batch import emulated_graphs
+    from test_chunked_prefill import PROMPTS, engine, images, run
+
+    eng = emulated_graphs(engine(None, max_batch=2))
+    (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
+    sp_a = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    want = {s: (run(eng, None, "text", s, sp_a).token_ids, run(eng, None, "separated", s).token_ids)
+            for s in (False, True)}
+    eng.mixed_steps, eng.prefill_chunk = True, 16
+    assert eng.warmup(images=False) > 0
+    assert not eng.has_unfinished() and all(r is None for r in eng.scheduler.slots)
+    keys = set(eng.runner.graphs.graphs)
+    assert {(k[1], k[2], k[-1]) for k in keys if k[0] == "mixed"} == {("ar", 1, 16), ("verify", 1, 16)}
+    for speculative in (False, True):
+        got_a, got_b, _, mixed = arrivals(eng, 16, prompt_a, prompt_b, images(n_b), sp_a, SP, speculative)
+        assert mixed > 1 and (got_a, got_b) == want[speculative]
+    assert not {k for k in set(eng.runner.graphs.graphs) - keys if k[0] == "mixed"}
+
+
 def test_mixed_steps_off_by_default_and_checked():
     """Without `mixed_steps` the chunks and the block stay two forwards of the step (no mixed
     step), with the same tokens; a non-bool setting is refused."""

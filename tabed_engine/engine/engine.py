@@ -446,7 +446,10 @@ class Engine(RequestIntake, EngineLimits):
         kernels compiled before the first real request (a server would otherwise stall its
         first requests at each new batch size). The target's prefill graphs of every
         prompt-length bucket and of prompt rests are captured too (`Runner.capture_prefill`),
-        and the draft views' prefill runs once per bucket (`Runner.warm_draft_prefill`). The cost model keeps the
+        and the draft views' prefill runs once per bucket (`Runner.warm_draft_prefill`); with
+        `mixed_steps`, the mixed steps of a long prompt's full chunks at the current
+        `prefill_chunk`, per block kind and bucket (`warmup.warm_mixed`; a chunk of another
+        length captures its graph on first use). The cost model keeps the
         block times it measured. `sampling`: the settings (one or several) the block graphs
         are captured for (greedy and sampled requests run graphs of their own, sampled ones per
         draft temperature and top-k / top-p use; default greedy); their token counts and stop

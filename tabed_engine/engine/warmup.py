@@ -50,6 +50,8 @@ def run_warmup(engine, max_batch, images: bool, sampling) -> float:
                 for _ in engine._drive(reqs):
                     if len(reqs[0].tokens) >= 3:     # the first token and two AR steps'
                         cost.forced = kinds[-1]
+        if engine.mixed_steps and engine.runner.graphs is not None and engine.prefill_chunk:
+            warm_mixed(engine, [b for b in buckets if b < engine.runner.max_batch], kinds, sps[0])
     finally:
         cost.forced, cost.prior = None, prior
     with engine._lock:              # idle (generate has returned): row 0 is free to scribble on
@@ -57,3 +59,34 @@ def run_warmup(engine, max_batch, images: bool, sampling) -> float:
             engine.runner.capture_prefill()
             engine.runner.warm_draft_prefill()
     return time.perf_counter() - t0
+
+
+def warm_mixed(engine, buckets: list, kinds: list, sp: SamplingParams):
+    """The captured mixed steps a long prompt's full chunks meet (`Engine(mixed_steps=True)`):
+    for each batch bucket b (below the engine's largest: the prompt needs a free slot) and each
+    block kind g, b requests decode with blocks of kind g while a text prompt of two full chunks
+    (the budget less the block's rows) arrives; both of its chunks run inside those blocks. The
+    chunks of other lengths (a prompt's last, whole short prompts) capture theirs on first use."""
+    from tabed_engine.engine.chunked import MIN_CHUNK
+
+    sched, budget = engine.scheduler, engine.prefill_chunk
+    ids = engine._request("Describe it.", None, None, None, False).prep.ids
+    decode = dataclasses.replace(sp, max_new_tokens=min(64, engine.max_len // 2))  # outlasting the prompt's chunks
+    first = dataclasses.replace(sp, max_new_tokens=1)
+    for b, g in itertools.product(buckets, kinds):
+        chunk = max(budget - b * sched.block_rows(g), min(budget, MIN_CHUNK))
+        n = min(2 * chunk, engine.max_len - 2)
+        if n <= chunk:
+            continue                         # no room for two chunks
+        sched.cost.forced = g
+        running = [engine.add_request("Describe it.", sampling=decode, speculative=g > 0) for _ in range(b)]
+        # decode until each has run a block (a lone request's first block may be the views' tree)
+        while any(len(r.tokens) < 3 for r in sched.slots if r is not None) or sched.waiting:
+            engine.step()
+        long = engine.add_request(ids[:1] + ids[-1:] * (n - 1), sampling=first, speculative=g > 0)
+        while sched.filling is not None or sched.waiting:
+            engine.step()
+        for rid in running + [long]:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
