@@ -26,9 +26,10 @@ block's verification (chain or tree), and the step's chunks (and whole short pro
 target forward (`LlamaLM.forward_mixed`: the weights read once, the attention per part), so a
 step costs about the longer of the two rather than their sum. The block's rows count in the
 budget (bucket × rows per request), so the forward's tokens stay within it, but a step always
-gives a prompt at least MIN_CHUNK tokens (or the whole budget, if smaller). The step's part comes first in the packing (a parked
-row's garbage lands where its chunk writes over it); requests whose prefill ends in the step
-decode from the next one (their first token comes out of the forward). With graphs (CUDA) a
+gives a prompt at least MIN_CHUNK tokens (or the whole budget, if smaller). The step's part
+comes first in the packing (a parked row's garbage lands where its chunk writes over it);
+requests whose prefill ends in the step decode from the next one (their first token comes out
+of the forward). With graphs (CUDA) a
 step packs one chunk, padded to a bucket (`prefill.mixed_bucket`) and written through a staged
 one-row view of its slot, and replays the captured graph of (block kind, batch bucket, chunk
 bucket) (`Runner.run_mixed`); elsewhere the forward is eager, with every chunk the budget
