@@ -81,11 +81,16 @@ def warm_mixed(engine, buckets: list, kinds: list, sp: SamplingParams):
         sched.cost.forced = g
         running = [engine.add_request("Describe it.", sampling=decode, speculative=g > 0) for _ in range(b)]
         # decode until each has run a block (a lone request's first block may be the views' tree)
-        while any(len(r.tokens) < 3 for r in sched.slots if r is not None) or sched.waiting:
-            engine.step()
+        tokens = dict.fromkeys(running, 0)
+        for _ in range(8 * decode.max_new_tokens):
+            if min(tokens.values()) >= 3:
+                break
+            for o in engine.step():
+                tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
         long = engine.add_request(ids[:1] + ids[-1:] * (n - 1), sampling=first, speculative=g > 0)
-        while sched.filling is not None or sched.waiting:
-            engine.step()
+        for _ in range(8 * decode.max_new_tokens):         # until its chunks ran: its first token
+            if any(o.request_id == long and (o.new_token_ids or o.finished) for o in engine.step()):
+                break
         for rid in running + [long]:
             engine.abort(rid)
         while engine.has_unfinished():
