@@ -147,6 +147,9 @@ METHOD = {
           "a 1-chain gives at most 2 tokens a block). geometric: e2e.geometric_schedule(2.31, 5), each draft "
           "accepted with the same probability alpha (5-chains average 2.31 tokens a block), so a shorter "
           "chain gets what it would really give at that acceptance; best_gamma_* = the fastest g of each",
+    "sd_default": "the same engine with the defaults a user gets: configure(adaptive=True, gamma=5) (the "
+                  "cost model picks an AR step or a chain of 1..5 each block from the block times it measures), "
+                  "the geometric schedule's acceptance; blocks_by_kind counts the measured generations' blocks",
     "draft_step_ms": "engine timing=True (syncs around each phase), geometric schedule: time_draft / (blocks x g); "
                      "verify_ms = time_verify / blocks; on CUDA also the captured graphs replayed back to back "
                      "(draft block graph / g, verify graph)",
@@ -395,6 +398,28 @@ class FamilyBench(e2e.Bench):
         eng.configure(gamma=max(p.gammas))
         return out
 
+    def sd_default(self) -> dict:
+        """The engine as a user gets it: adaptive (the cost model picks an AR step or a chain of
+        1..γ each block, γ = 5), the geometric schedule's acceptance per draft; ms/token, the
+        blocks by kind, speed against engine AR (a draft that cannot pay should leave AR's)."""
+        eng, p = self.engine, self.p
+        eng.configure(adaptive=True, gamma=GEO_GAMMA)
+        eng.bench_accept_schedule = geometric_schedule(TAU_MAIN, GEO_GAMMA)
+        try:
+            kinds0 = dict(eng.scheduler.kinds)
+            d = decode_ms(lambda n: self.gen_engine(eng, n, True), p.new_tokens, p.repeats, self.device,
+                          stats=lambda: self.last_stats)
+            kinds = {("ar" if g == 0 else f"chain{g}"): n - kinds0.get(g, 0)
+                     for g, n in sorted(eng.scheduler.kinds.items()) if n > kinds0.get(g, 0)}
+        finally:
+            eng.bench_accept_schedule = None
+            eng.configure(adaptive=False)
+        d.update(adaptive=True, gamma=GEO_GAMMA, blocks_by_kind=kinds, tau_realized=self.last_stats.block_efficiency,
+                 speedup_vs_engine_ar=self.ar_ms / d["ms_per_token"] if self.ar_ms else None)
+        log(f"  default engine (adaptive): {d['ms_per_token']:.3f} ms/token, "
+            f"{fmt(d['speedup_vs_engine_ar'], '.2f')}x AR, blocks {kinds}")
+        return d
+
     def block_times(self, eng, g: int) -> dict:
         """One timed generation (timing=True, geometric schedule) and, on CUDA, graph replays."""
         eng.bench_accept_schedule, eng.timing = geometric_schedule(TAU_MAIN, GEO_GAMMA), True
@@ -428,7 +453,7 @@ class FamilyBench(e2e.Bench):
 
     def stages(self):
         yield from (("bandwidth", self.bandwidth), ("engine_ar", self.engine_ar), ("ttft", self.ttft),
-                    ("sd_gamma", self.sd_gamma))
+                    ("sd_gamma", self.sd_gamma), ("sd_default", self.sd_default))
         if self.hf_target is not None:
             yield "hf", self.hf
 
@@ -507,6 +532,11 @@ class FamilyBench(e2e.Bench):
                 if b:
                     lines.append(f"\nbest γ ({key}): {b['gamma']}, {b['ms_per_token']:.3f} ms/token, "
                                  f"{f(b['speedup_vs_engine_ar'], '.2f')}× engine AR")
+        sdd = sec("sd_default")
+        if sdd:
+            lines.append(f"\ndefault engine (adaptive, γ = {sdd['gamma']}, geometric acceptance): "
+                         f"{sdd['ms_per_token']:.3f} ms/token, {f(sdd.get('speedup_vs_engine_ar'), '.2f')}× engine "
+                         f"AR, τ {f(sdd.get('tau_realized'), '.2f')}, blocks {sdd['blocks_by_kind']}")
         tt = sec("ttft")
         if tt:
             lines += ["", "| TTFT, generate(max_new_tokens=1) | wall ms | engine time_first_token ms |",

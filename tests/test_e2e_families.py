@@ -9,7 +9,7 @@ import pytest
 
 from bench_scripts import load_benchmark
 
-SECTIONS = ("setup", "bandwidth", "engine_ar", "ttft", "sd_gamma", "hf")
+SECTIONS = ("setup", "bandwidth", "engine_ar", "ttft", "sd_gamma", "sd_default", "hf")
 PRESETS = ("tiny-onevision", "tiny-qwen2.5-vl")
 
 
@@ -55,6 +55,11 @@ def test_every_section_and_its_fields(report, name):
         assert r["geometric"]["blocks"] >= (n - 1) / (g + 1)
     assert sg["best_gamma_tau=2.31"]["gamma"] in su["gammas"][1:]
     assert sg["best_gamma_geometric"]["gamma"] in su["gammas"]
+
+    sd = R["sd_default"]         # the adaptive engine: its blocks as the cost model picked them
+    assert sd["adaptive"] and sd["ms_per_token"] > 0 and sum(sd["blocks_by_kind"].values()) > 0
+    assert set(sd["blocks_by_kind"]) <= {"ar"} | {f"chain{g}" for g in range(1, sd["gamma"] + 1)}
+    assert "default engine (adaptive" in md
 
     hf = R["hf"]                 # same weights, float32: transformers' greedy tokens are the engine's
     assert hf["greedy_prefix_agreeing_with_engine_ar"] == n and hf["ttft_ms"] > 0
