@@ -221,26 +221,30 @@ def test_mixed_steps_with_trees_equal_unchunked(below):
         assert got[x] == a_alone[:2]
 
 
-@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ar-seeded", "chain-seeded", "tree-seeded"])
 def test_captured_mixed_steps_equal_unchunked(mode):
     """What the GPU runs, on the CPU: mixed steps through captured graphs (emulated: static
     buffers, outputs overwritten by the next call, the KV poisoned before use), one chunk a step
     padded to its bucket over the staged row of its slot. The image prompt's chunks of 16 run in
     the running request's AR steps, chain or tree verifications, every one through a mixed
-    graph, and both requests' greedy tokens equal the unchunked prefill's (also emulated)."""
+    graph, and both requests' tokens equal the unchunked prefill's (also emulated): greedy, or
+    seeded sampling (top-k 20, T 0.8; the coupling makes a seeded request's tokens its own)."""
     from tabed_engine.speculation.tree import TreeConfig
     from test_batch import emulated_graphs
     from test_chunked_prefill import PROMPTS, engine, images, run
 
-    budget, speculative = 16, mode != "ar"
-    eng = emulated_graphs(engine(TreeConfig(3, 2, 2) if mode == "tree" else None, max_batch=2))
+    budget, speculative, seeded = 16, not mode.startswith("ar"), mode.endswith("seeded")
+    eng = emulated_graphs(engine(TreeConfig(3, 2, 2) if mode.startswith("tree") else None, max_batch=2))
     (prompt_a, _), (prompt_b, n_b) = PROMPTS["text"], PROMPTS["separated"]
     n = len(eng._request(prompt_b, images(n_b), None, None, False).prep.ids)
-    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / budget) + 8, stop_at_eos=False)
+    sample = dict(temperature=0.8, top_k=20) if seeded else {}
+    sp_a = SamplingParams(max_new_tokens=(1 + 3 * speculative) * math.ceil(n / budget) + 8, stop_at_eos=False,
+                          **sample, **({"seed": 5} if seeded else {}))
+    sp_b = SamplingParams(max_new_tokens=16, **sample, **({"seed": 6} if seeded else {}))
     a_alone = run(eng, None, "text", speculative, sp_a).token_ids
-    b_alone = run(eng, None, "separated", speculative).token_ids
+    b_alone = run(eng, None, "separated", speculative, sp_b).token_ids
     assert not any(k[0] == "mixed" for k in eng.runner.graphs.graphs)
-    got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, SP, speculative)
+    got_a, got_b, chunks, mixed = arrivals(eng, budget, prompt_a, prompt_b, images(n_b), sp_a, sp_b, speculative)
     keys = [k for k in eng.runner.graphs.graphs if k[0] == "mixed"]
     assert mixed == chunks == math.ceil(n / budget) > 1
     assert {k[1] for k in keys} == {"verify" if speculative else "ar"}
