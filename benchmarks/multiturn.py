@@ -117,6 +117,9 @@ class Bench(E2EBench):
             res["cache" if cache else "no cache"] = {
                 name: {"ttft_ms": statistics.median(run[i].stats.time_first_token * 1e3 for run in runs),
                        "ttft_runs_ms": [run[i].stats.time_first_token * 1e3 for run in runs],
+                       # from the prefill's start (the scheduler's admission) to the first token;
+                       # ttft_ms less this is the host's work before it (request, hashing, queue)
+                       "prefill_ms": statistics.median(run[i].stats.time_prefill * 1e3 for run in runs),
                        "prompt_tokens": runs[0][i].stats.prompt_tokens,
                        "cached_tokens": runs[0][i].stats.cached_tokens,
                        "draft_cached_tokens": runs[0][i].stats.draft_cached_tokens}

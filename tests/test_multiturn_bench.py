@@ -21,7 +21,7 @@ def test_multiturn_tiny(tmp_path):
         for t in (2, 3, 4):
             prev, cur = on[f"turn {t - 1}"], on[f"turn {t}"]
             assert cur["cached_tokens"] == prev["prompt_tokens"] + rep["setup"]["answer"] - 1
-            assert off[f"turn {t}"]["cached_tokens"] == 0 and cur["ttft_ms"] > 0
+            assert off[f"turn {t}"]["cached_tokens"] == 0 and 0 < cur["prefill_ms"] <= cur["ttft_ms"]
             # the draft's view rows are reused too (speculative turns only)
             assert (cur["draft_cached_tokens"] > 0) == (mode == "SD K=2")
         assert on["same image, new chat"]["cached_tokens"] >= 1 + img_tokens     # BOS + the image
