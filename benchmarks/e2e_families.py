@@ -130,6 +130,9 @@ PRESETS = {
 ALIASES = {"tiny": ("tiny-onevision", "tiny-qwen2.5-vl")}
 DEFAULT_PRESETS = ("onevision-7b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")
 GEO_GAMMA = 5          # the geometric schedule's acceptance rate: 5-draft chains average tau tokens a block
+# the acceptance the bundled world gives: its pair's tau with the default views and policy (hedge
+# over M + T, 5-chains, bf16 on the H200: benchmarks/results/demo_tau_bf16.json, "all")
+WORLD_TAU = 4.06
 TEXT = ("Describe the image in detail. What is shown in this picture? A red square, two blue circles and "
         "a green triangle sit on the table; how many cats and dogs are there?")
 METHOD = {
@@ -146,7 +149,9 @@ METHOD = {
           "only). tau=2.31: e2e.accept_schedule, floor/ceil accepted counts with mean 1.31 a block (g >= 2; "
           "a 1-chain gives at most 2 tokens a block). geometric: e2e.geometric_schedule(2.31, 5), each draft "
           "accepted with the same probability alpha (5-chains average 2.31 tokens a block), so a shorter "
-          "chain gets what it would really give at that acceptance; best_gamma_* = the fastest g of each",
+          "chain gets what it would really give at that acceptance; world: the same with the acceptance the "
+          "bundled world gives (WORLD_TAU = 4.06 tokens a 5-chain block: the demo pair's tau with the default "
+          "views and policy in bf16, benchmarks/results/demo_tau_bf16.json); best_gamma_* = the fastest g of each",
     "sd_default": "the same engine with the defaults a user gets: configure(adaptive=True, gamma=5) (the "
                   "cost model picks an AR step or a chain of 1..5 each block from the block times it measures), "
                   "the geometric schedule's acceptance; blocks_by_kind counts the measured generations' blocks",
@@ -369,7 +374,8 @@ class FamilyBench(e2e.Bench):
         for g in p.gammas:
             eng.configure(gamma=g)
             r = {}
-            runs = [("geometric", geometric_schedule(TAU_MAIN, GEO_GAMMA))]
+            runs = [("geometric", geometric_schedule(TAU_MAIN, GEO_GAMMA)),
+                    ("world", geometric_schedule(WORLD_TAU, GEO_GAMMA))]
             if g + 1 >= TAU_MAIN:
                 runs.insert(0, (f"tau={TAU_MAIN}", accept_schedule(TAU_MAIN, g)))
             for i, (key, schedule) in enumerate(runs):
@@ -389,7 +395,8 @@ class FamilyBench(e2e.Bench):
             log(f"  g={g}: " + ", ".join(f"{k} {v['ms_per_token']:.3f} ms/token (tau {v['tau_realized']:.2f})"
                                          for k, v in r.items() if isinstance(v, dict))
                 + f"; draft step {r['draft_step_ms']:.3f} ms, verify {r['verify_ms']:.3f} ms")
-        for key in (f"tau={TAU_MAIN}", "geometric"):
+        out["world_alpha"] = geometric_schedule(WORLD_TAU, GEO_GAMMA).alpha
+        for key in (f"tau={TAU_MAIN}", "geometric", "world"):
             cand = {g: out[f"gamma={g}"][key]["ms_per_token"] for g in p.gammas if key in out[f"gamma={g}"]}
             if cand:
                 best = min(cand, key=cand.get)
@@ -479,6 +486,9 @@ class FamilyBench(e2e.Bench):
             "ttft_engine_sd_speedup_vs_hf_ge_2x": check_limit(ratio(hf_ttft, tt_sd), 2.0, le=False),
             f"sd_tau{TAU_MAIN}_speedup_vs_hf_decode_ge_10x": check_limit(ratio(hf, sd), 10.0, le=False),
             "engine_ar_speedup_vs_hf_decode": {"value": ratio(hf, ar), "limit": None, "pass": None},
+            "sd_world_acceptance_best_gamma_speedup_vs_engine_ar": {
+                "value": ratio(ar, self.result.get("sd_gamma", {}).get("best_gamma_world", {}).get("ms_per_token")),
+                "limit": None, "pass": None},
         }
 
     def markdown_lines(self) -> list[str]:
@@ -516,18 +526,21 @@ class FamilyBench(e2e.Bench):
                       f"{f(100 * bw['draft_over_target_bytes'] if 'draft_over_target_bytes' in bw else None, '.1f')}% "
                       f"of the target's bytes; draft floor {f(bw.get('draft_floor_ms_per_step'))} ms/step); "
                       f"geometric: α = {f(sg.get('alpha'))} per draft (γ=5 chains average τ {TAU_MAIN})", "",
-                      f"| γ | τ={TAU_MAIN} ms/token (× AR) | geometric τ | geometric ms/token (× AR) | draft step ms "
-                      f"(graph) | verify ms (graph) |", "|---|---|---|---|---|---|"]
+                      f"| γ | τ={TAU_MAIN} ms/token (× AR) | geometric τ | geometric ms/token (× AR) | world τ | "
+                      f"world ms/token (× AR) | draft step ms (graph) | verify ms (graph) |",
+                      "|---|---|---|---|---|---|---|---|"]
             for key, r in sg.items():
                 if not key.startswith("gamma="):
                     continue
-                fx, geo = r.get(f"tau={TAU_MAIN}"), r.get("geometric", {})
+                fx, geo, world = r.get(f"tau={TAU_MAIN}"), r.get("geometric", {}), r.get("world", {})
                 cell = f"{fx['ms_per_token']:.3f} ({f(fx.get('speedup_vs_engine_ar'), '.2f')}×)" if fx else "—"
                 lines.append(f"| {key[6:]} | {cell} | {f(geo.get('tau_realized'), '.2f')} | "
                              f"{f(geo.get('ms_per_token'))} ({f(geo.get('speedup_vs_engine_ar'), '.2f')}×) | "
+                             f"{f(world.get('tau_realized'), '.2f')} | "
+                             f"{f(world.get('ms_per_token'))} ({f(world.get('speedup_vs_engine_ar'), '.2f')}×) | "
                              f"{f(r['draft_step_ms'])} ({f(r.get('draft_graph_step_ms'))}) | "
                              f"{f(r['verify_ms'])} ({f(r.get('verify_graph_ms'))}) |")
-            for key in (f"tau={TAU_MAIN}", "geometric"):
+            for key in (f"tau={TAU_MAIN}", "geometric", "world"):
                 b = sg.get(f"best_gamma_{key}")
                 if b:
                     lines.append(f"\nbest γ ({key}): {b['gamma']}, {b['ms_per_token']:.3f} ms/token, "

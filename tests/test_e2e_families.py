@@ -53,8 +53,11 @@ def test_every_section_and_its_fields(report, name):
         # a fixed per-draft acceptance: never above the chain's g + 1 tokens a block
         assert 1.0 < r["geometric"]["tau_realized"] <= g + 1
         assert r["geometric"]["blocks"] >= (n - 1) / (g + 1)
+        # the bundled world's acceptance (4.06 tokens a 5-chain block): more per block than 2.31's
+        assert r["world"]["tau_realized"] <= g + 1 and r["world"]["blocks"] <= r["geometric"]["blocks"]
     assert sg["best_gamma_tau=2.31"]["gamma"] in su["gammas"][1:]
     assert sg["best_gamma_geometric"]["gamma"] in su["gammas"]
+    assert sg["best_gamma_world"]["gamma"] in su["gammas"] and sg["world_alpha"] > sg["alpha"]
 
     sd = R["sd_default"]         # the adaptive engine: its blocks as the cost model picked them
     assert sd["adaptive"] and sd["ms_per_token"] > 0 and sum(sd["blocks_by_kind"].values()) > 0
