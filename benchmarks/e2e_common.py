@@ -37,13 +37,12 @@ def default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: int, image_token_id: int,
-                   pinpoints=None):
-    """A random `LlavaForConditionalGeneration` (or, with `pinpoints`, the
+def llava_config(vision: dict, text: dict, image_token_id: int, pinpoints=None):
+    """(config, model class) of a `LlavaForConditionalGeneration` (or, with `pinpoints`, the
     `image_grid_pinpoints` of an any-resolution model, a `LlavaNextForConditionalGeneration`
-    with its `image_newline`) built directly on `device` in `dtype`: matrices ~ N(0, std),
-    norm weights 1, other vectors ~ N(0, std) (never zeros). Vision feature layer -2,
-    strategy "default", as LLaVA-1.5 and LLaVA-NeXT publish them."""
+    with its `image_newline`) with a Llama text config `text`: vision feature layer -2, strategy
+    "default", as LLaVA-1.5 and LLaVA-NeXT publish them; `architectures` set (what
+    `lvlm_from_config` reads)."""
     from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
                               LlavaNextConfig, LlavaNextForConditionalGeneration)
 
@@ -57,6 +56,15 @@ def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: in
     else:
         cfg = LlavaNextConfig(image_grid_pinpoints=[list(p) for p in pinpoints], **common)
         cls = LlavaNextForConditionalGeneration
+    cfg.architectures = [cls.__name__]
+    return cfg, cls
+
+
+def build_hf_llava(vision: dict, text: dict, device, dtype, std: float, seed: int, image_token_id: int,
+                   pinpoints=None):
+    """A random `llava_config` model built directly on `device` in `dtype`: matrices ~ N(0, std),
+    norm weights 1, other vectors ~ N(0, std) (never zeros)."""
+    cfg, cls = llava_config(vision, text, image_token_id, pinpoints)
     with default_dtype(dtype), torch.device(device):
         model = cls(cfg)
     g = torch.Generator(device=device).manual_seed(seed)

@@ -1,8 +1,10 @@
 """End-to-end LLaVA-NeXT benchmark at the llava-v1.6-vicuna-7b shape, all in one run.
 
     python benchmarks/e2e_next.py --preset llava-v1.6-vicuna-7b --out DIR   # H100/H200, a few minutes
+    python benchmarks/e2e_next.py --preset llava-v1.6-34b --skip-hf --out DIR   # Yi-34B on one GPU
     python benchmarks/e2e_next.py --preset tiny --device cpu --out DIR      # CPU smoke, < 1 min
-    (--skip-hf omits transformers; --repeats N timed runs per measurement, default 3)
+    (--skip-hf omits transformers and builds our modules straight from the configs, one copy of the
+    target's weights; --repeats N timed runs per measurement, default 3)
 
 Random bf16 weights built on the device (no checkpoints). Target: a
 `LlavaNextForConditionalGeneration` at the llava-v1.6-vicuna-7b shape: CLIP ViT-L/14-336 tower
@@ -44,7 +46,7 @@ import e2e  # noqa: E402
 from _common import copy_bandwidth_gbs, wall_ms  # noqa: E402
 from e2e import CAPTION, CLIP_L336, TAU_MAIN, Preset  # noqa: E402
 from e2e_common import (add_common_args, build_hf_llava, check_limit, default_dtype, fmt,  # noqa: E402
-                        header_lines, lm_weight_bytes, log, resolve_device, ttft_runs)
+                        header_lines, llava_config, lm_weight_bytes, log, random_fill, resolve_device, ttft_runs)
 
 # llava-hf/llava-v1.6-vicuna-7b-hf's image_grid_pinpoints, (height, width)
 PINPOINTS_V16 = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
@@ -64,6 +66,18 @@ PRESETS = {
     "llava-v1.6-vicuna-7b": NextPreset(
         vision=dict(CLIP_L336), target=dict(_7B.target),
         draft=dict(_7B.draft),
+        max_len=4096, taus=(TAU_MAIN,), pinpoints=PINPOINTS_V16, image_px=672, image_tokens=2928),
+    # llava-v1.6-34b's shape: a Yi-34B language model (a Llama decoder, 56 query to 8 KV heads, a
+    # 64,064-row vocabulary, rope theta 5e6), the same CLIP tower and pinpoints; 69 GB of bf16
+    # weights: one GPU holds one copy, so it runs with --skip-hf (no transformers baseline). The
+    # draft: the 68M LLaVA shape with the target's vocabulary (no smaller checkpoint with Yi's
+    # tokenizer is published)
+    "llava-v1.6-34b": NextPreset(
+        vision=dict(CLIP_L336),
+        target=dict(hidden_size=7168, intermediate_size=20480, num_hidden_layers=60, num_attention_heads=56,
+                    num_key_value_heads=8, vocab_size=64064, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                    rope_theta=5000000.0),
+        draft={**_7B.draft, "vocab_size": 64064},
         max_len=4096, taus=(TAU_MAIN,), pinpoints=PINPOINTS_V16, image_px=672, image_tokens=2928),
     # CPU smoke: the same code path on small shapes (timings mean nothing); 4x4 grids, the
     # published pinpoints scaled to 28-px tiles, a 56x56 image: 2x2 tiles + base, 88 tokens
@@ -138,18 +152,22 @@ class NextBench(e2e.Bench):
         self.processor = build_next_processor(tok, tile, patch, p.pinpoints)
         self.draft_processor = build_processor(tok, tile, patch, "default")
         image_token = tok.convert_tokens_to_ids("<image>")
-        self.hf_target = build_hf_llava(p.vision, p.target, dev, dt, p.init_std, 0, image_token,
-                                        pinpoints=p.pinpoints)
-        hf_draft = build_hf_llava(p.vision, p.draft, dev, dt, p.init_std, 1, image_token)
-        with torch.no_grad():  # as e2e.py: the target's CLIP tower in the draft
-            hf_draft.model.vision_tower.load_state_dict(self.hf_target.model.vision_tower.state_dict())
-        with default_dtype(dt):   # lvlm_from_hf builds on meta, then to_empty: allocate in dt
-            target, draft = lvlm_from_hf(self.hf_target, dev, dt), lvlm_from_hf(hf_draft, dev, dt)
-        self.target_lvlm = target
-        hf_attn = getattr(self.hf_target.config, "_attn_implementation", None)
-        del hf_draft
         if self.args.skip_hf:
-            del self.hf_target
+            # no transformers model: our modules from the configs, one copy of the target's weights
+            # (a 34B target fits one GPU once, not twice)
+            target, draft = self.build_from_configs(image_token)
+            hf_attn = None
+        else:
+            self.hf_target = build_hf_llava(p.vision, p.target, dev, dt, p.init_std, 0, image_token,
+                                            pinpoints=p.pinpoints)
+            hf_draft = build_hf_llava(p.vision, p.draft, dev, dt, p.init_std, 1, image_token)
+            with torch.no_grad():  # as e2e.py: the target's CLIP tower in the draft
+                hf_draft.model.vision_tower.load_state_dict(self.hf_target.model.vision_tower.state_dict())
+            with default_dtype(dt):   # lvlm_from_hf builds on meta, then to_empty: allocate in dt
+                target, draft = lvlm_from_hf(self.hf_target, dev, dt), lvlm_from_hf(hf_draft, dev, dt)
+            hf_attn = getattr(self.hf_target.config, "_attn_implementation", None)
+            del hf_draft
+        self.target_lvlm = target
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
@@ -188,12 +206,35 @@ class NextBench(e2e.Bench):
                            "image_grid_pinpoints": [list(x) for x in p.pinpoints],
                            "vision_feature_layer": -2, "vision_feature_select_strategy": "default"},
                 "draft": {"class": "LlavaForConditionalGeneration", "vision": p.vision, "text": p.draft},
-                "draft_shares_target_vision_weights": True, "init": f"N(0, {p.init_std}), norms 1",
+                "draft_shares_target_vision_weights": draft.vision_sd_hash == target.vision_sd_hash,
+                "built_from": "configs (lvlm_from_config)" if self.args.skip_hf else "transformers models (lvlm_from_hf)",
+                "init": f"N(0, {p.init_std}), norms 1",
                 "image_processor": type(self.processor.image_processor).__name__,
                 "device_images": eng.device_images,
                 "draft_image_processor": type(self.draft_processor.image_processor).__name__,
                 "gpu_mem_allocated_GiB_after_build": mem, "gpu_mem_peak_GiB_during_build": peak,
                 "hf_attn_implementation": None if self.args.skip_hf else hf_attn}
+
+    def build_from_configs(self, image_token: int):
+        """Target and draft as our modules straight from their configs (`lvlm_from_config`),
+        random weights as `build_hf_llava` draws them; the draft's CLIP tower takes the
+        target's weights (one image encoding serves both, as on the transformers path)."""
+        from tabed_engine.models.loader import lvlm_from_config
+
+        p, dev, dt = self.p, self.device, self.dtype
+        with default_dtype(dt):
+            target = lvlm_from_config(llava_config(p.vision, p.target, image_token, p.pinpoints)[0], dev, dt,
+                                      random_fill(p.init_std, 0, dev))
+            rnd = random_fill(p.init_std, 1, dev)
+
+            @torch.no_grad()
+            def draft_fill(module):
+                rnd(module)
+                if module is not None and hasattr(module, "tower"):      # the vision side
+                    module.tower.load_state_dict(target.vision.tower.state_dict())
+
+            draft = lvlm_from_config(llava_config(p.vision, p.draft, image_token)[0], dev, dt, draft_fill)
+        return target, draft
 
     # ------------------------------------------------------------------ sections
     def bandwidth(self) -> dict:

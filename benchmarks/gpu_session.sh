@@ -83,7 +83,9 @@ for stage in "$@"; do
     e2e-next)
       # LLaVA-NeXT target at the llava-v1.6-vicuna-7b shape (672x672 image: 2,928 image tokens)
       # with a LLaVA-1.5-style draft: prefill split, TTFT, AR vs floor and transformers, SD
-      timeout 540 $PY benchmarks/e2e_next.py --preset llava-v1.6-vicuna-7b --out "$OUT" 2>&1 | tail -45
+      # (NEXT_ARGS="--preset llava-v1.6-34b --skip-hf": the Yi-34B target on one GPU, no transformers copy)
+      timeout ${NEXT_TIMEOUT:-540} $PY benchmarks/e2e_next.py --out "$OUT" \
+        ${NEXT_ARGS:---preset llava-v1.6-vicuna-7b} 2>&1 | tail -45
       ;;
     batch)
       # many requests at once: B in 1/4/16/64, AR vs SD at fixed tau, mixed arrivals

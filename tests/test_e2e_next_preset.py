@@ -56,3 +56,19 @@ def test_every_section_and_its_fields(report):
     hf = rep["hf_eager"]
     assert hf["greedy_prefix_agreeing_with_engine_ar"] == su["new_tokens"] and hf["ttft_ms"] > 0
     assert "| engine AR |" in md and "transformers LlavaNext AR" in md and "| K=2 |" in md and "TTFT" in md
+
+
+def test_skip_hf_builds_from_configs(tmp_path):
+    """--skip-hf (what the 34B preset needs: one copy of the target's weights) builds target and
+    draft from their configs, no transformers model: every engine section runs, the draft takes
+    the target's CLIP tower (one image encoding), no transformers section."""
+    load_benchmark("e2e_next").main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--repeats", "1",
+                                     "--skip-hf"])
+    with open(tmp_path / "e2e_tiny.json") as f:
+        rep = json.load(f)
+    for name in SECTIONS[:-1]:
+        assert name in rep and "error" not in rep[name], (name, rep.get(name))
+    assert "hf_eager" not in rep or not rep["hf_eager"]
+    su = rep["setup"]
+    assert su["built_from"].startswith("configs") and su["draft_shares_target_vision_weights"] is True
+    assert su["image_tokens"] == su["image_tokens_engine_count"] == 88
