@@ -109,7 +109,7 @@ for stage in "$@"; do
     mixed)
       # arrivals at 40/s (benchmarks/batch.py's mixed section alone) at several prefill budgets
       timeout ${MIXED_TIMEOUT:-560} $PY benchmarks/batch.py --out "$OUT" --fixed 0 --sampling 0 \
-        ${MIXED_ARGS:---rates 40 --prefill-chunks 0 512 256 128 --mixed-steps 0 1} 2>&1 | grep -v Warn | tail -20
+        ${MIXED_ARGS:---rates 40 --prefill-chunks 1664 512 256 --mixed-steps 0 1} 2>&1 | grep -v Warn | tail -20
       ;;
     multiturn)
       timeout ${MULTITURN_TIMEOUT:-300} $PY benchmarks/multiturn.py --out "$OUT" ${MULTITURN_ARGS:-} 2>&1 | grep -v Warn | tail -25
