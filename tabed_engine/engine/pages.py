@@ -141,6 +141,9 @@ class SlotPages:
         self.K = runner.K
         self.target = PagePool(runner.tcache, runner.to_device)
         self.draft = PagePool(runner.dcache, runner.to_device) if runner.dcache is not None else None
+        # draft pages promised to admitted requests whose views are not prefilled yet (slot ->
+        # pages, `Runner.views_deferred`): later admissions count them as taken
+        self.draft_reserved: dict[int, int] = {}
 
     def draft_rows(self, slot: int) -> range:
         return range(slot * self.K, slot * self.K + self.K)
@@ -176,7 +179,8 @@ class SlotPages:
         def short() -> bool:
             if need_t > len(self.target.free) + self.target.exclusive([slot]):
                 return True
-            return spec and need_d > len(self.draft.free) + self.draft.exclusive(self.draft_rows(slot))
+            promised = sum(n for s, n in self.draft_reserved.items() if s != slot)
+            return spec and need_d > len(self.draft.free) - promised + self.draft.exclusive(self.draft_rows(slot))
 
         if not short():
             return True
@@ -189,6 +193,10 @@ class SlotPages:
             if not short():
                 return True
         return False
+
+    def reserve_views(self, req):
+        """Promise the draft pages of `req`'s views (prefilled later) to its slot."""
+        self.draft_reserved[req.slot] = self._draft_hint(req)
 
     def holds(self, slot: int) -> bool:
         return bool(self.target.rows[slot]) or (self.draft is not None and

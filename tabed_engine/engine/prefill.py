@@ -45,6 +45,16 @@ def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Opti
     return min(-(-n // PREFILL_STEP) * PREFILL_STEP, max_len)
 
 
+# The draft's views prefill beside the target's prompt (on a second stream on the GPU) while their
+# host work, eager draft forwards, fits under the target's prefill on the device. A draft whose K
+# view rows weigh at least this share of the target's decoder outlasted it on the H200 (first
+# token with / without the draft: LLaVA-OneVision-7B + 0.5B, 13% with two views, 50.1 / 44.6 ms;
+# Qwen2.5-VL-7B + 3B, 78%, 88.0 / 40.6 ms; benchmarks/results/e2e_families_onevision-7b_qwen2.5-
+# vl-7b.json; LLaVA-1.5-7B + 68M, 2%, none): its views wait for the request's first block, after
+# the first token is out
+DEFER_VIEWS_SHARE = 0.05
+
+
 def mixed_bucket(T: int, limit: int) -> Optional[int]:
     """The padded length of a prompt chunk of T tokens in a captured mixed step (None: above
     `limit`): 16 or 24 times a power of two (at most half of it padding, so a handful of graphs
@@ -400,10 +410,10 @@ class PrefillSteps:
 
     def prefill_finish(self, job: PrefillJob):
         """After the last chunk: pick the first token from the last prompt position's logits,
-        prefill the draft's views (speculating) and set the slot's weights and history; the
-        request then decodes with the batch."""
+        prefill the draft's views (speculating; `views_deferred`: left to the request's first
+        block) and set the slot's weights and history; the request then decodes with the batch."""
         req, slot, cached, logits = job.req, job.slot, job.cached, job.logits
-        sp, K = req.sp, self.K
+        sp = req.sp
         req.stats.cached_tokens = cached
         req.stats.prefill_chunks = job.chunks
         # (the coupling's position of the first token: the prompt's length)
@@ -411,33 +421,64 @@ class PrefillSteps:
         host = self._host("first", (1,))
         host.copy_(first, non_blocking=True)
         ready = self._record()
-        if req.speculative:
-            first_q = self._prefill_views(req, job.sel, slot, job.vision_done)
-            # the slot's views, weights and history queued behind the target's prefill before the
-            # first token is read: their host work overlaps the device's, not the token's delivery
-            if self._side is not None:
-                torch.cuda.current_stream().wait_stream(self._side)   # later work reads the draft rows
-            self.state.reset_rows(slice(slot, slot + 1))
-            self.view_mask[slot].copy_(self.to_device(req.view_mask or (True,) * K, torch.float32))
-            self.w[slot] = 1.0 / K
-            if self.state.adaptive:
-                # the prefill already verified one position: the target's distribution of the
-                # first token. Each view's divergence there gives the first block adapted weights.
-                st = state_rows(self.state, slot, slot + 1)
-                w, cursor = st.step(logits[:, None], first_q.view(1, K, 1, -1), torch.zeros_like(first),
-                                    st.cursor, temperature=1.0 if sp.greedy else sp.temperature)
-                st.cursor.copy_(cursor)
-                self.w[slot] = w[0]
-            if req.view_mask is not None:
-                self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
+        defer = req.speculative and self.views_deferred()
+        if req.speculative and not defer:
+            # queued behind the target's prefill before the first token is read: their host
+            # work overlaps the device's, not the token's delivery
+            self._views_ready(req, job.sel, job.vision_done, logits, first)
         self._wait(ready)                    # the first token: not behind the draft's views
         if self.prefix is not None:
             self.prefix.hold(slot, req.prep)
             self.prefix.account(cached, req.n_prompt)
         req.append([int(host[0])])
         req.stats.time_first_token = time.perf_counter() - req.arrival
+        if defer and not req.finished:    # (a request ending at its first token needs none)
+            # (the logits may be a graph's output buffer: a copy)
+            req.views_pending = (job.sel, job.vision_done, logits.clone(), first)
+            self.pages.reserve_views(req)     # the draft pages its views will take
         self.pending = None               # the batch changed: the queued block is stale
         req.stats.time_prefill = time.perf_counter() - job.t0
+
+    def views_deferred(self) -> bool:
+        """Whether a request's draft views are prefilled at its first block rather than with
+        its prompt (`defer_views`; None: when the draft's K rows weigh at least
+        DEFER_VIEWS_SHARE of the target's decoder, see there)."""
+        if self.defer_views is not None:
+            return self.defer_views
+        if self._views_share is None:
+            size = lambda lm: sum(p.numel() * p.element_size() for p in lm.parameters())  # noqa: E731
+            self._views_share = self.K * size(self.draft.lm) / size(self.target.lm)
+        return self._views_share >= DEFER_VIEWS_SHARE
+
+    def prefill_pending_views(self, req: Request):
+        """The draft's views of a request whose prefill left them (`views_deferred`): prefilled
+        now, before its first block, with its weights and history."""
+        sel, after, logits, first = req.views_pending
+        req.views_pending = None
+        self.pages.draft_reserved.pop(req.slot, None)
+        self._views_ready(req, sel, after, logits, first)
+
+    def _views_ready(self, req: Request, sel, after, logits: torch.Tensor, first: torch.Tensor):
+        """Prefill `req`'s draft views (`_prefill_views`) and set its slot's view mask, weights
+        and history: the first token's target logits [1, V] and the token first [1] give each
+        view's divergence there, the first block's weights."""
+        slot, K, sp = req.slot, self.K, req.sp
+        first_q = self._prefill_views(req, sel, slot, after)
+        if self._side is not None:
+            torch.cuda.current_stream().wait_stream(self._side)   # later work reads the draft rows
+        self.state.reset_rows(slice(slot, slot + 1))
+        self.view_mask[slot].copy_(self.to_device(req.view_mask or (True,) * K, torch.float32))
+        self.w[slot] = 1.0 / K
+        if self.state.adaptive:
+            # the prefill already verified one position: the target's distribution of the
+            # first token. Each view's divergence there gives the first block adapted weights.
+            st = state_rows(self.state, slot, slot + 1)
+            w, cursor = st.step(logits[:, None], first_q.view(1, K, 1, -1), torch.zeros_like(first),
+                                st.cursor, temperature=1.0 if sp.greedy else sp.temperature)
+            st.cursor.copy_(cursor)
+            self.w[slot] = w[0]
+        if req.view_mask is not None:
+            self.w[slot : slot + 1] = self._masked(self.w[slot : slot + 1], slot, slot + 1)
 
     def _prefill_views(self, req: Request, sel, slot: int, after) -> torch.Tensor:
         """Build `req`'s draft views and prefill them into the slot's K draft rows; returns each

@@ -300,6 +300,7 @@ def retire(runner, req):
     requests (a failed request's rows, and every row without the cache, return theirs)."""
     if req.slot is None or runner.pages is None:
         return
+    runner.pages.draft_reserved.pop(req.slot, None)        # (views it never prefilled)
     views = getattr(runner, "view_prefix", None)
     if runner.prefix is None or req.finish_reason == "error":
         if runner.prefix is not None:

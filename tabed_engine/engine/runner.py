@@ -88,6 +88,10 @@ class Runner(PrefillSteps, SpeculativeSteps):
         self.prefill_graph_max = PREFILL_GRAPH_MAX
         # CUDA: the draft's view prefill on a second stream, overlapping the target's prefill
         self.overlap_draft = self.device.type == "cuda"
+        # a request's draft views at its first block, after its first token (None: by the
+        # draft's weight, `PrefillSteps.views_deferred`)
+        self.defer_views: Optional[bool] = None
+        self._views_share: Optional[float] = None
         self._prefill_bufs = None
         self._prefill_pos = None          # M-RoPE targets: the padded prefill's ids [3, 1, max_len]
         self._side = None

@@ -222,6 +222,18 @@ class Scheduler(ChunkedAdmission):
         self._retire()
         return outputs
 
+    def _pending_views(self, outputs):
+        """Prefill the draft views the prefills of the batch's requests left to their first
+        block (`Runner.views_deferred`); a request whose views fail ends with the error."""
+        for r in self.slots:
+            if r is not None and not r.finished and r.views_pending is not None:
+                try:
+                    self.runner.prefill_pending_views(r)
+                except Exception as e:               # this request fails alone
+                    log_failure(e, f"the draft views of request {r.request_id}")
+                    r.finish("error", f"{type(e).__name__}: {e}")
+                    outputs.append(self._output(r, []))
+
     def _retire(self):
         for i, r in enumerate(self.slots):
             if r is not None and r.finished:
@@ -249,6 +261,7 @@ class Scheduler(ChunkedAdmission):
         choice, of the same mode (an AR step queues AR steps, a speculative block speculative
         ones). `kind`: the block queued ahead, finished before an admission: nothing is queued
         after it. `choice`: the kind the cost model chose for this block already."""
+        self._pending_views(outputs)
         live = [r for r in self.slots if r is not None and not r.finished]
         if not live:
             return
