@@ -40,7 +40,8 @@ def test_every_section_and_its_fields(report, name):
     assert R["engine_ar"]["ratio_to_floor"] == pytest.approx(R["engine_ar"]["ms_per_token"] / bw["floor_ms_per_token"])
     tt = R["ttft"]
     assert not tt["engine_ar"]["speculative"] and tt["engine_sd"]["speculative"]
-    assert all(r["ttft_ms"] > 0 for r in tt.values())
+    assert all(r["ttft_ms"] > 0 and r["time_first_token_of_8_ms"] > 0 for r in tt.values())
+    assert tt["engine_sd"]["views_deferred"] is True and tt["engine_ar"]["views_deferred"] is False  # (tiny pairs)
 
     sg, n = R["sd_gamma"], su["new_tokens"]
     assert [k for k in sg if k.startswith("gamma=")] == [f"gamma={g}" for g in su["gammas"]]
