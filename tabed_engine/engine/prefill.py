@@ -47,12 +47,20 @@ def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Opti
 
 # The draft's views prefill beside the target's prompt (on a second stream on the GPU) while their
 # host work, eager draft forwards, fits under the target's prefill on the device. A draft whose K
-# view rows weigh at least this share of the target's decoder outlasted it on the H200 (first
-# token with / without the draft: LLaVA-OneVision-7B + 0.5B, 13% with two views, 50.1 / 44.6 ms;
-# Qwen2.5-VL-7B + 3B, 78%, 88.0 / 40.6 ms; benchmarks/results/e2e_families_onevision-7b_qwen2.5-
-# vl-7b.json; LLaVA-1.5-7B + 68M, 2%, none): its views wait for the request's first block, after
+# view rows weigh at least this share of the target's decoder (`decoder_params`) outlasted it on the H200 (first
+# token with / without the draft: LLaVA-OneVision-7B + 0.5B, 14% with two views, 50.1 / 44.6 ms;
+# Qwen2.5-VL-7B + 3B, 87%, 88.0 / 40.6 ms; benchmarks/results/e2e_families_onevision-7b_qwen2.5-
+# vl-7b.json; LLaVA-1.5-7B + 68M, 1.3%, none): its views wait for the request's first block, after
 # the first token is out
 DEFER_VIEWS_SHARE = 0.05
+
+
+def decoder_params(cfg) -> int:
+    """A decoder's weight count from its config (projections, MLP, head), the same on every
+    tensor-parallel rank whatever its shard."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * h
+    return cfg.num_layers * (attention + 3 * h * cfg.intermediate_size) + cfg.vocab_size * h
 
 
 def mixed_bucket(T: int, limit: int) -> Optional[int]:
@@ -446,8 +454,7 @@ class PrefillSteps:
         if self.defer_views is not None:
             return self.defer_views
         if self._views_share is None:
-            size = lambda lm: sum(p.numel() * p.element_size() for p in lm.parameters())  # noqa: E731
-            self._views_share = self.K * size(self.draft.lm) / size(self.target.lm)
+            self._views_share = self.K * decoder_params(self.draft.lm.cfg) / decoder_params(self.target.lm.cfg)
         return self._views_share >= DEFER_VIEWS_SHARE
 
     def prefill_pending_views(self, req: Request):
