@@ -107,18 +107,24 @@ class Bench(E2EBench):
                                  speculative=speculative))
         return outs
 
-    def mode(self, speculative: bool) -> dict:
+    def mode(self, speculative: bool, defer_views: bool = None) -> dict:
+        """Each engine's chats; `defer_views`: `Runner.defer_views` meanwhile (None: the default)."""
         res, tokens = {}, {}
         for cache, eng in self.engines.items():
-            self.chat(eng, -1, speculative)                       # warm-up
-            runs = [self.chat(eng, rep, speculative) for rep in range(self.reps)]
+            eng.runner.defer_views = defer_views
+            try:
+                self.chat(eng, -1, speculative)                   # warm-up
+                runs = [self.chat(eng, rep, speculative) for rep in range(self.reps)]
+            finally:
+                eng.runner.defer_views = None
             tokens[cache] = [[o.token_ids for o in run] for run in runs]
             names = [f"turn {t + 1}" for t in range(TURNS)] + ["same image, new chat"]
             res["cache" if cache else "no cache"] = {
                 name: {"ttft_ms": statistics.median(run[i].stats.time_first_token * 1e3 for run in runs),
                        "ttft_runs_ms": [run[i].stats.time_first_token * 1e3 for run in runs],
-                       # from the prefill's start (the scheduler's admission) to the first token;
-                       # ttft_ms less this is the host's work before it (request, hashing, queue)
+                       # from the prefill's start (the scheduler's admission) to its end, just after
+                       # the first token: ttft_ms less this ~ the host's work before it (request,
+                       # hashing, queue)
                        "prefill_ms": statistics.median(run[i].stats.time_prefill * 1e3 for run in runs),
                        "prompt_tokens": runs[0][i].stats.prompt_tokens,
                        "cached_tokens": runs[0][i].stats.cached_tokens,
@@ -157,13 +163,15 @@ class Bench(E2EBench):
 
     def stages(self):
         runs = [("AR", lambda: self.mode(False)), ("SD K=2", lambda: self.mode(True))]
+        if self.args.defer_views:
+            runs.append(("SD K=2 views deferred", lambda: self.mode(True, defer_views=True)))
         if self.args.profile:
             runs += [("profile AR", lambda: self.profile(False)), ("profile SD", lambda: self.profile(True))]
         return runs
 
     def targets(self) -> dict:
         out = {}
-        for mode in ("AR", "SD K=2"):
+        for mode in ("AR", "SD K=2", "SD K=2 views deferred"):
             r = self.measured(mode).get("cache")
             if not r:
                 continue
@@ -179,7 +187,7 @@ class Bench(E2EBench):
                  f"{self.result['provenance'].get('device')})", "",
                  "| mode | turn | prompt tokens | cached | draft views cached | TTFT cache (ms) | TTFT no cache (ms) |",
                  "|---|---|---|---|---|---|---|"]
-        for mode in ("AR", "SD K=2"):
+        for mode in ("AR", "SD K=2", "SD K=2 views deferred"):
             r = self.measured(mode)
             if not r:
                 continue
@@ -196,6 +204,8 @@ def main(argv=None):
     ap.add_argument("--preset", choices=sorted(SHAPE), default="llava-1.5-7b")
     ap.add_argument("--profile", action="store_true",
                     help="also profile a turn 2 of each mode (DIR/multiturn_profile_{ar,sd}.txt)")
+    ap.add_argument("--defer-views", action="store_true",
+                    help="also SD with the draft's views left to each request's first block (Runner.defer_views)")
     add_common_args(ap)
     args = resolve_device(ap.parse_args(argv))
     Bench(args, PRESETS[args.preset]).run()

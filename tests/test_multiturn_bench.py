@@ -8,11 +8,11 @@ from bench_scripts import load_benchmark
 
 def test_multiturn_tiny(tmp_path):
     load_benchmark("multiturn").main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path),
-                                      "--repeats", "1"])
+                                      "--repeats", "1", "--defer-views"])
     with open(tmp_path / "multiturn_tiny.json") as f:
         rep = json.load(f)
     img_tokens = 4                                            # (28 / 14)^2 patches of the tiny tower
-    for mode in ("AR", "SD K=2"):
+    for mode in ("AR", "SD K=2", "SD K=2 views deferred"):
         r = rep[mode]
         assert "error" not in r, r
         assert r["tokens_equal"] is True
@@ -21,9 +21,9 @@ def test_multiturn_tiny(tmp_path):
         for t in (2, 3, 4):
             prev, cur = on[f"turn {t - 1}"], on[f"turn {t}"]
             assert cur["cached_tokens"] == prev["prompt_tokens"] + rep["setup"]["answer"] - 1
-            assert off[f"turn {t}"]["cached_tokens"] == 0 and 0 < cur["prefill_ms"] <= cur["ttft_ms"]
+            assert off[f"turn {t}"]["cached_tokens"] == 0 and cur["prefill_ms"] > 0
             # the draft's view rows are reused too (speculative turns only)
-            assert (cur["draft_cached_tokens"] > 0) == (mode == "SD K=2")
+            assert (cur["draft_cached_tokens"] > 0) == mode.startswith("SD")
         assert on["same image, new chat"]["cached_tokens"] >= 1 + img_tokens     # BOS + the image
     with open(tmp_path / "multiturn_tiny.md") as f:
         assert "| AR | turn 2 |" in f.read()
