@@ -85,3 +85,26 @@ def test_promised_draft_pages_hold_back_an_admission():
         assert pages.make_room(req, 0, [None] * len(eng.scheduler.slots))
     finally:
         pages.draft.free, pages.draft_reserved = free, {}
+
+
+@pytest.mark.gpu
+def test_gpu_deferred_views_give_the_same_tokens_and_blocks():
+    """On the GPU (the views on the second stream, the blocks through graphs), float32: a batch's
+    tokens and accepted lengths with the views deferred equal those with them beside the prompt."""
+    import torch
+
+    from models import model_dir
+    from tabed_engine import Engine
+    from test_prefill_graphs import _prompt
+
+    cases = [_prompt(i % 3, 3 + 7 * i) for i in range(6)]
+    got = {}
+    for defer in (False, True):
+        eng = Engine.from_pretrained(model_dir("mha"), model_dir("mha", perturb=0.6), device="cuda",
+                                     dtype=torch.float32, max_batch=4, max_len=512, adaptive=False)
+        eng.runner.defer_views = defer
+        outs = eng.generate([c[0] for c in cases], images=[c[1] for c in cases],
+                            sampling=SamplingParams(max_new_tokens=24))
+        got[defer] = [(o.token_ids, o.stats.accepted_lengths) for o in outs]
+        assert not eng.runner.pages.draft_reserved
+    assert got[True] == got[False]
