@@ -498,7 +498,6 @@ class PrefillSteps:
                 self._side = private_stream(self, self.device)
             side = self._side
             side.wait_event(after)
-        K = self.K
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             skip = frozenset(v for v, m in zip(self.eng.views, req.view_mask or ()) if not m)
             rows = build_views(self.eng, req.prep, sel, req.caption, skip)
