@@ -250,6 +250,12 @@ def test_captured_mixed_steps_equal_unchunked(mode):
     assert {k[1] for k in keys} == {"verify" if speculative else "ar"}
     assert {k[-1] for k in keys} == {budget}        # (the last chunk, shorter, padded to it)
     assert got_a == a_alone and got_b == b_alone
+    # the mixed graphs write into the plain step's output buffers (none is live at the other's time)
+    graphs = eng.runner.graphs.graphs
+    for k in keys:
+        plain, mixed_ = graphs[k[1:-1]].outputs, graphs[k].outputs
+        plain = (plain,) if isinstance(plain, torch.Tensor) else plain
+        assert all(m.data_ptr() == p.data_ptr() for p, m in zip(plain, mixed_)), k
 
 
 def test_warmup_captures_the_mixed_steps_of_full_chunks():

@@ -52,7 +52,7 @@ def private_stream(owner, device=None) -> "torch.cuda.Stream":
 
 class CapturedFn:
     def __init__(self, fn: Callable, inputs: dict[str, torch.Tensor], pool, static: frozenset = frozenset(),
-                 capture: bool = True, stream=None):
+                 capture: bool = True, stream=None, reuse: tuple = ()):
         # inputs whose storage is another graph's output (`static` data pointers) are used in
         # place; everything else gets its own buffer, a normal tensor (not an inference one:
         # a graph captured under inference mode is fed outside it too)
@@ -73,9 +73,13 @@ class CapturedFn:
         # that was internal to an earlier one, so an output inside the pool would be
         # overwritten when the earlier graph replays (seen: drafted tokens clobbered by the
         # verification graph). Intermediates are dead between replays and can share.
+        # `reuse`: another graph's outputs, taken in order where shape, dtype and device match
+        # (graphs of which at most one's outputs are live at a time)
         self.single = isinstance(warm, torch.Tensor)
         with torch.inference_mode(False):
-            outputs = [torch.empty_like(t) for t in self._seq(warm)]
+            outputs = [reuse[i] if i < len(reuse) and (reuse[i].shape, reuse[i].dtype, reuse[i].device)
+                       == (t.shape, t.dtype, t.device) else torch.empty_like(t)
+                       for i, t in enumerate(self._seq(warm))]
         if capture:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool, stream=stream):
@@ -110,16 +114,20 @@ class GraphCache:
         self.stream = None if emulate else private_stream(self)   # warm-ups and captures
         self.graphs: dict = {}
 
-    def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor], shared: tuple = ()):
+    def run(self, key, fn: Callable, inputs: dict[str, torch.Tensor], shared: tuple = (), outputs_of=()):
         """Replay the graph of `key` on `inputs` (captured on first use). `shared`: tensors the
         caller keeps as static buffers of its own (one buffer serving several graphs), used in
-        place instead of copied into the graph's own."""
+        place instead of copied into the graph's own. `outputs_of`: keys of graphs whose outputs
+        are never live while this one's are; the first captured lends its output buffers to a
+        new graph, in order where their shapes match."""
         g = self.graphs.get(key)
         if g is None:
             static = frozenset(t.data_ptr() for c in self.graphs.values() for t in c._seq(c.outputs))
             static |= {t.data_ptr() for t in shared}
+            donor = next((self.graphs[k] for k in outputs_of if k in self.graphs), None)
+            reuse = () if donor is None else donor._seq(donor.outputs)
             g = self.graphs[key] = CapturedFn(fn, inputs, self.pool, static, capture=not self.emulate,
-                                              stream=self.stream)
+                                              stream=self.stream, reuse=reuse)
         return g(inputs)
 
     def __len__(self):

@@ -275,8 +275,13 @@ class Runner(PrefillSteps, SpeculativeSteps):
         list of `forward` arguments eagerly. Returns fn's outputs, its last item the parts'
         logits, a list of [1, n, V] (a graph's copied out of its output buffer)."""
         if isinstance(parts, GraphChunk):
-            *out, lg = self.graphs.run(("mixed", *key, parts.P), partial(with_chunk, fn, parts.stage),
-                                       {**inputs, **parts.inputs}, shared=parts.shared)
+            # its outputs in the plain step's buffers (or another chunk bucket's): a mixed step
+            # runs with no block queued ahead, and its outputs are read before the next step
+            mkey = ("mixed", *key, parts.P)
+            donors = () if mkey in self.graphs.graphs else \
+                [key] + [k for k in self.graphs.graphs if k[0] == "mixed" and k[1:-1] == tuple(key)]
+            *out, lg = self.graphs.run(mkey, partial(with_chunk, fn, parts.stage), {**inputs, **parts.inputs},
+                                       shared=parts.shared, outputs_of=donors)
             return (*out, [lg[:, None].clone()])
         return fn(**inputs, kv_len=kv_len, parts=parts)
 
