@@ -371,7 +371,8 @@ class FamilyBench(e2e.Bench):
             firsts = [self.engine.generate(self.prompt, images=[self.image], speculative=speculative,
                                            sampling=sp8).stats.time_first_token * 1e3 for _ in range(self.p.repeats)]
             out[name].update(time_first_token_of_8_ms=statistics.median(firsts),
-                             views_deferred=speculative and self.engine.runner.views_deferred())
+                             views_deferred=speculative and self.engine.runner.views_deferred(),
+                             views_share=self.engine.runner.views_share() if speculative else None)
         return out
 
     def sd_gamma(self) -> dict:

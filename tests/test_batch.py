@@ -228,6 +228,32 @@ def test_cost_model_choices():
     assert forced.choose(4, [c(0.9)]) == 2
 
 
+def test_cost_model_measures_ar_before_the_prior_decides():
+    """With only speculative blocks measured at a bucket, AR's time there is measured (up to
+    `ar_measure` AR steps), not taken from the prior (a γ-chain = 1.25 AR steps), which would keep
+    an expensive draft speculating forever: the draft a third of the target's size makes a chain
+    cost several AR steps, and AR, never chosen, would never be measured."""
+    c = _counts
+    cm = CostModel(True, gamma=4)
+    cm.times = {(4, 8): 0.040}                         # a 4-chain: 40 ms
+    # the prior alone: AR 32 ms, a 4-chain 2.31 tokens / 40 ms beats 1 / 32 ms
+    assert cm.time(0, 8) == pytest.approx(0.032)
+    assert [cm.choose(8, [c(0.6)]) for _ in range(2)] == [0, 0]   # AR's time measured instead
+    cm.record(0, 8, 1.0)                               # the first interval: dropped
+    cm.record(0, 8, 0.010)                             # AR 10 ms: 100 tokens/s
+    assert cm.choose(8, [c(0.6)]) == 0                 # chains interpolated: 1.6 / 17.5 ms at best
+    assert cm.choose(8, [c(0.97)]) > 0                 # a draft that pays still speculates
+    assert cm.choose(16, [c(0.6)]) == 4                # another bucket: its chains measured first
+    cm.record(4, 16, 1.0)
+    cm.record(4, 16, 0.050)
+    assert cm.choose(16, [c(0.6)]) == 0                # then its own AR
+    # AR steps that never give a steady interval (admissions between them): after ar_measure
+    # tries the prior decides
+    stuck = CostModel(True, gamma=4, ar_measure=3)
+    stuck.times = {(4, 8): 0.040}
+    assert [stuck.choose(8, [c(0.6)]) for _ in range(5)] == [0, 0, 0, 4, 4]
+
+
 def test_chain_length_per_block_is_lossless():
     """Blocks of different chain lengths in a row (and AR steps between them): tokens stay the
     target's, each block drafts no more than its chain."""

@@ -1,5 +1,5 @@
 """A request's draft views prefilled at its first block instead of with its prompt
-(`Runner.views_deferred`, the default for a draft whose view rows weigh >= 5% of the target): the
+(`Runner.views_deferred`, the default for a draft whose view rows weigh >= 50% of the target): the
 first token goes out before the draft's work, the tokens and blocks are those of the prefill that
 runs the views beside the prompt, a request that ends at its first token never runs them, and
 their draft pages are promised to it meanwhile (float32, CPU)."""

@@ -45,14 +45,17 @@ def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Opti
     return min(-(-n // PREFILL_STEP) * PREFILL_STEP, max_len)
 
 
-# The draft's views prefill beside the target's prompt (on a second stream on the GPU) while their
-# host work, eager draft forwards, fits under the target's prefill on the device. A draft whose K
-# view rows weigh at least this share of the target's decoder (`decoder_params`) outlasted it on the H200 (first
-# token with / without the draft: LLaVA-OneVision-7B + 0.5B, 14% with two views, 50.1 / 44.6 ms;
-# Qwen2.5-VL-7B + 3B, 87%, 88.0 / 40.6 ms; benchmarks/results/e2e_families_onevision-7b_qwen2.5-
-# vl-7b.json; LLaVA-1.5-7B + 68M, 1.3%, none): its views wait for the request's first block, after
-# the first token is out
-DEFER_VIEWS_SHARE = 0.05
+# The draft's views prefill beside the target's prompt (on a second stream on the GPU) and the
+# device hides part of their work under the target's prefill; the first token waits for the rest.
+# Left to the request's first block instead (after the first token) they cost it nothing but run
+# whole, unhidden, before the first block. A draft whose K view rows weigh at least this share of
+# the target's decoder (`decoder_params`) is deferred. Measured on the H200
+# (benchmarks/results/e2e_families_*.json): LLaVA-OneVision-7B + 0.5B (14% over two views)
+# beside the prompt costs its first token 5.5 ms (50.1 vs AR's 44.6 ms), deferred it runs
+# 22 ms longer over 64 tokens (258.1 vs 235.6 ms: the first block 30 ms later, the first token 7 ms
+# sooner); Qwen2.5-VL-7B + 3B (87%) beside the prompt costs
+# its first token 47 ms (88.0 vs 40.6 ms; transformers 79.9); LLaVA-1.5-7B + 68M (1.3%) nothing
+DEFER_VIEWS_SHARE = 0.5
 
 
 def decoder_params(cfg) -> int:
@@ -453,9 +456,13 @@ class PrefillSteps:
         DEFER_VIEWS_SHARE of the target's decoder, see there)."""
         if self.defer_views is not None:
             return self.defer_views
+        return self.views_share() >= DEFER_VIEWS_SHARE
+
+    def views_share(self) -> float:
+        """The draft's K view rows' weights over the target decoder's (`decoder_params`)."""
         if self._views_share is None:
             self._views_share = self.K * decoder_params(self.draft.lm.cfg) / decoder_params(self.target.lm.cfg)
-        return self._views_share >= DEFER_VIEWS_SHARE
+        return self._views_share
 
     def prefill_pending_views(self, req: Request):
         """The draft's views of a request whose prefill left them (`views_deferred`): prefilled

@@ -50,7 +50,10 @@ class CostModel:
     (graph capture and kernel compilation are one-off costs). A kind not measured yet is
     interpolated linearly in g between measured ones (an AR step is g = 0; before one is
     measured it is taken as a γ-chain's time / `prior_ratio`, and with only AR measured a
-    γ-chain as `prior_ratio` AR steps). The running choice is kept unless another promises
+    γ-chain as `prior_ratio` AR steps). A speculating batch whose bucket has no AR time yet runs
+    up to `ar_measure` AR steps there to measure one: the prior would otherwise decide for good
+    (a draft of a third of the target's size makes a γ-chain cost 3-4 AR steps, not 1.25, and
+    AR, never chosen, would never be measured). The running choice is kept unless another promises
     `margin` times its throughput (a switch costs the overlap of one block with the host's
     work). While decoding autoregressively, `probe_len` speculative blocks every
     `probe_every` steps re-measure acceptance (a request's draft may start to help; each probe that finds
@@ -60,7 +63,7 @@ class CostModel:
 
     def __init__(self, enabled: bool, gamma: int = 5, chains: bool = True, probe_every: int = 64,
                  probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03, prior_weight: float = 1.0,
-                 probe_max: int = 1024, tree_depth: Optional[int] = None):
+                 probe_max: int = 1024, tree_depth: Optional[int] = None, ar_measure: int = 4):
         self.enabled, self.gamma, self.chains = enabled, gamma, chains
         # a tree block (kind γ when not `chains`) accepts up to its depth along a path
         self.tree_depth = tree_depth if not chains and tree_depth else gamma
@@ -71,6 +74,8 @@ class CostModel:
         self._seen: dict[tuple[int, int], int] = {}
         self._last: dict[int, int] = {}                     # bucket -> the last choice there
         self.ar_run = 0
+        self.ar_measure = ar_measure
+        self._ar_tries: Counter = Counter()               # bucket -> AR steps run to measure one
         self._probe = 0           # speculative blocks of a probe still to run
         self.forced: Optional[int] = None
         self.prior = ALPHA_PRIOR
@@ -134,6 +139,9 @@ class CostModel:
                 self._probe -= 1
                 choice = best
                 self._probed = self._probe == 0
+            elif (0, b) not in self.times and self._ar_tries[b] < self.ar_measure:
+                self._ar_tries[b] += 1               # AR's time here, measured rather than assumed
+                choice = 0
             else:
                 choice = best if rate(best) > rate(0) else 0
                 prev = self._last.get(b)
