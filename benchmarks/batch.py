@@ -246,6 +246,10 @@ class BatchBench:
             done, gaps, steps, wall = self.arrival_pass(reqs, mode)
             outs = list(done.values())
             ttft = [o.stats.time_first_token * 1e3 for o in outs]
+            # TTFT = the wait before the request's prefill began (a slot, pages, earlier prompts'
+            # turns) + its prefill (all its chunks, and the steps between them)
+            prefill = [o.stats.time_prefill * 1e3 for o in outs]
+            queued = [t - p for t, p in zip(ttft, prefill)]
             tpot = [(o.stats.time_total - o.stats.time_first_token) / (len(o.token_ids) - 1) * 1e3
                     for o in outs if len(o.token_ids) > 1]
             itl = [g * 1e3 for g in gaps]
@@ -257,6 +261,8 @@ class BatchBench:
                          # the share of the run spent in prefills (the batch's decode waits meanwhile)
                          "prefill_share": sum(o.stats.time_prefill for o in outs) / wall,
                          "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+                         "queued_ms_p50": pct(queued, 50), "queued_ms_p99": pct(queued, 99),
+                         "prefill_ms_p50": pct(prefill, 50), "prefill_ms_p99": pct(prefill, 99),
                          "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
                          # the per-request mean ITL of earlier results files is tpot here
                          "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),

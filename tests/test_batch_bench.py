@@ -49,6 +49,8 @@ def test_batch_benchmark_tiny(tmp_path):
             assert 0 < r["prefill_share"] < 1
             assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] and 0 < r["step_ms_p50"] <= r["step_ms_p99"]
             assert r["steps"] > 0 and r["ttft_ms_p99"] >= r["ttft_ms_p50"] > 0
+            # TTFT splits into the wait before the prefill began and the prefill
+            assert 0 < r["prefill_ms_p50"] <= r["prefill_ms_p99"] and r["queued_ms_p50"] <= r["queued_ms_p99"]
         assert rep["sampling"]["B=4"][f"{mode}_mixed_vs_one"] > 0
     # with mixed steps on, chunks of arriving prompts ran inside the running requests' blocks
     assert sum(rep["mixed"]["rate=40,chunk=9,mixed_steps"][m]["mixed_steps_run"] for m in ("ar", "sd")) > 0
