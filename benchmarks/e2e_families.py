@@ -422,6 +422,9 @@ class FamilyBench(e2e.Bench):
         blocks by kind, speed against engine AR (a draft that cannot pay should leave AR's)."""
         eng, p = self.engine, self.p
         eng.configure(adaptive=True, gamma=GEO_GAMMA)
+        # as a server starts: every block kind's graphs captured and its time measured (a
+        # re-configured γ rebuilt the runner and the scheduler, graphs and block times gone)
+        warm_s = eng.warmup()
         eng.bench_accept_schedule = geometric_schedule(TAU_MAIN, GEO_GAMMA)
         try:
             kinds0 = dict(eng.scheduler.kinds)
@@ -432,7 +435,7 @@ class FamilyBench(e2e.Bench):
         finally:
             eng.bench_accept_schedule = None
             eng.configure(adaptive=False)
-        d.update(adaptive=True, gamma=GEO_GAMMA, blocks_by_kind=kinds, tau_realized=self.last_stats.block_efficiency,
+        d.update(adaptive=True, gamma=GEO_GAMMA, blocks_by_kind=kinds, warmup_s=warm_s, tau_realized=self.last_stats.block_efficiency,
                  speedup_vs_engine_ar=self.ar_ms / d["ms_per_token"] if self.ar_ms else None)
         log(f"  default engine (adaptive): {d['ms_per_token']:.3f} ms/token, "
             f"{fmt(d['speedup_vs_engine_ar'], '.2f')}x AR, blocks {kinds}")
