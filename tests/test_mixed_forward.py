@@ -258,6 +258,52 @@ def test_captured_mixed_steps_equal_unchunked(mode):
         assert all(m.data_ptr() == p.data_ptr() for p, m in zip(plain, mixed_)), k
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "chain"])
+@pytest.mark.parametrize("below", [False, True], ids=["slots-above", "slots-below"])
+def test_captured_mixed_step_admits_the_prompts_behind_its_chunk(speculative, below):
+    """With graphs a mixed step packs one chunk; the budget it leaves prefills the prompts
+    waiting behind it (after the mixed forward, as their own forwards), so three prompts
+    arriving together all give their first token in the one step, as a step without mixing
+    would, and every request's tokens equal its tokens alone (emulated graphs, poisoned KV).
+    `below`: the running request sits in the last slot, so the step's block spans the slots the
+    arriving prompts take (its rows there are garbage the prefills must write over)."""
+    from test_batch import emulated_graphs
+    from test_chunked_prefill import PROMPTS, engine
+
+    eng = emulated_graphs(engine(None, max_batch=4))
+    texts = [PROMPTS["text"][0], "Question: which color is the door of the barn?\nAnswer:",
+             "Question: how tall is the tree near the old house?\nAnswer:", "Describe a quiet street."]
+    sps = [SamplingParams(max_new_tokens=n, stop_at_eos=False) for n in (24, 9, 11, 10)]
+    eng.prefill_chunk = None
+    alone = [eng.generate(t, sampling=sp, speculative=speculative).token_ids for t, sp in zip(texts, sps)]
+    eng.prefill_chunk, eng.mixed_steps = 128, True
+    try:
+        fill = [eng.add_request(texts[0], sampling=SamplingParams(max_new_tokens=2, stop_at_eos=False),
+                                speculative=speculative) for _ in range(3 if below else 0)]
+        a = eng.add_request(texts[0], sampling=sps[0], speculative=speculative)
+        got = {i: [] for i in fill + [a]}
+        while len(got[a]) < 3 or any(len(got[f]) < 2 for f in fill):
+            for o in eng.step():
+                got[o.request_id] += o.new_token_ids
+        a_slot = next(r.slot for r in eng.scheduler.slots if r is not None and r.request_id == a)
+        assert a_slot == 3 or not below
+        ids = [eng.add_request(t, sampling=sp, speculative=speculative) for t, sp in zip(texts[1:], sps[1:])]
+        got.update({i: [] for i in ids})
+        mixed0 = eng.scheduler.mixed_steps
+        first = eng.step()                   # one mixed step: a's block and b's chunk, then c and d
+        assert eng.scheduler.mixed_steps == mixed0 + 1
+        assert {o.request_id for o in first if o.new_token_ids} >= set(ids)
+        for o in first:
+            got[o.request_id] += o.new_token_ids
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.request_id] += o.new_token_ids
+    finally:
+        eng.prefill_chunk, eng.mixed_steps = None, False
+    assert any(k[0] == "mixed" for k in eng.runner.graphs.graphs)
+    assert [got[i] for i in [a] + ids] == alone
+
+
 def test_warmup_captures_the_mixed_steps_of_full_chunks():
     """With mixed steps on (emulated graphs), `warmup` captures the mixed step of a full chunk
     for each block kind at the buckets below the largest, and leaves the engine idle and clean:

@@ -32,8 +32,11 @@ requests whose prefill ends in the step decode from the next one (their first to
 of the forward). With graphs (CUDA) a
 step packs one chunk, padded to a bucket (`prefill.mixed_bucket`) and written through a staged
 one-row view of its slot, and replays the captured graph of (block kind, batch bucket, chunk
-bucket) (`Runner.run_mixed`); elsewhere the forward is eager, with every chunk the budget
-allows. A mixed step queues no block behind it. A tree's verification compacts only the live
+bucket) (`Runner.run_mixed`); the budget that chunk leaves prefills the prompts waiting behind
+it after the mixed forward, as forwards of their own (one prompt a step would admit fewer
+prompts than arrive: on the H200 a 616-token prompt in a 64-row step took 27.5 ms, at most ~36
+prompts a second against 40 arriving, benchmarks/results/batch_llava-1.5-7b_mixed_warm.json).
+Elsewhere the forward is eager, with every chunk the budget allows. A mixed step queues no block behind it. A tree's verification compacts only the live
 requests' accepted paths (a chunk's slot keeps what its part wrote). The first block's view
 tree runs the chunks and the block as separate forwards.
 """
@@ -175,7 +178,11 @@ class ChunkedAdmission:
         # prompt keeps moving when they take all of it
         left = max(left - b * self.block_rows(g), min(left, MIN_CHUNK))
         # with graphs, one chunk a step: a captured mixed step packs one
-        self._prefill_work(outputs, left, plan, 1 if self.runner.graphs is not None else math.inf)
+        graphs = self.runner.graphs is not None
+        spent = self._prefill_work(outputs, left, plan, 1 if graphs else math.inf)
+        # the budget a mixed graph's one chunk leaves: prompts waiting behind it, prefilled after
+        # the mixed forward as their own (so a step admits as many as a step without mixing)
+        spare = left - spent if graphs and plan else 0
         self._last = None               # the next block's time includes no prefill
         self._next = None
         if not plan:
@@ -208,6 +215,8 @@ class ChunkedAdmission:
         for (job, end), lg in zip(plan, logits):
             self.runner.chunk_done(job, end, lg[:, -1])
             self._after_chunk(job, outputs)
+        if spare > 0 and self.filling is None:
+            self._prefill_work(outputs, spare)
 
     def block_rows(self, g: int) -> int:
         """The target rows a request takes in a block of kind g: 1 in an AR step (g = 0), the
@@ -217,7 +226,8 @@ class ChunkedAdmission:
 
     def _prefill_work(self, outputs: list, budget, plan: Optional[list] = None, max_parts=math.inf):
         """Chunks and whole prefills of at most `budget` prompt tokens in all; with `plan`, their
-        forwards are not run but planned into it, at most `max_parts` (see `_run_chunk`)."""
+        forwards are not run but planned into it, at most `max_parts` (see `_run_chunk`).
+        Returns the prompt tokens spent (or planned)."""
         left = budget
         if self.filling is not None:
             left -= self._run_chunk(self.filling, left, outputs, plan)
@@ -238,6 +248,7 @@ class ChunkedAdmission:
                 self._fail(head, None, e, outputs)
                 continue
             left -= self._run_chunk(job, left, outputs, plan)
+        return 0 if budget == math.inf else budget - left
 
     def _run_chunk(self, job: PrefillJob, left, outputs: list, plan: Optional[list] = None) -> int:
         """The job's next chunk (at most `left` tokens); after its last, the request joins the
