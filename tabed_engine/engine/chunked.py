@@ -33,10 +33,8 @@ of the forward). With graphs (CUDA) a
 step packs one chunk, padded to a bucket (`prefill.mixed_bucket`) and written through a staged
 one-row view of its slot, and replays the captured graph of (block kind, batch bucket, chunk
 bucket) (`Runner.run_mixed`); the budget that chunk leaves prefills the prompts waiting behind
-it after the mixed forward, as forwards of their own (one prompt a step would admit fewer
-prompts than arrive: on the H200 a 616-token prompt in a 64-row step took 27.5 ms, at most ~36
-prompts a second against 40 arriving, benchmarks/results/batch_llava-1.5-7b_mixed_warm.json).
-Elsewhere the forward is eager, with every chunk the budget allows. A mixed step queues no block behind it. A tree's verification compacts only the live
+it after the mixed forward, as forwards of their own (one prompt a step admitted fewer prompts
+than arrived under load: benchmarks/results/README.md, 2026-12-03). Elsewhere the forward is eager, with every chunk the budget allows. A mixed step queues no block behind it. A tree's verification compacts only the live
 requests' accepted paths (a chunk's slot keeps what its part wrote). The first block's view
 tree runs the chunks and the block as separate forwards.
 """

@@ -49,12 +49,10 @@ def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Opti
 # device hides part of their work under the target's prefill; the first token waits for the rest.
 # Left to the request's first block instead (after the first token) they cost it nothing but run
 # whole, unhidden, before the first block. A draft whose K view rows weigh at least this share of
-# the target's decoder (`decoder_params`) is deferred. Measured on the H200
-# (benchmarks/results/e2e_families_*.json): LLaVA-OneVision-7B + 0.5B (14% over two views)
-# beside the prompt costs its first token 5.5 ms (50.1 vs AR's 44.6 ms), deferred it runs
-# 22 ms longer over 64 tokens (258.1 vs 235.6 ms: the first block 30 ms later, the first token 7 ms
-# sooner); Qwen2.5-VL-7B + 3B (87%) beside the prompt costs
-# its first token 47 ms (88.0 vs 40.6 ms; transformers 79.9); LLaVA-1.5-7B + 68M (1.3%) nothing
+# the target's decoder (`decoder_params`) is deferred: on the H200 LLaVA-OneVision's 0.5B (two
+# views: 14%) beside the prompt delayed its first token less than deferral delayed its first
+# block, and Qwen2.5-VL's 3B (87%) beside the prompt made SD's first token later than
+# transformers' (benchmarks/results/README.md, 2026-12-03); LLaVA-1.5's 68M (1.3%) costs nothing
 DEFER_VIEWS_SHARE = 0.5
 
 
