@@ -52,7 +52,7 @@ class CostModel:
     measured it is taken as a γ-chain's time / `prior_ratio`, and with only AR measured a
     γ-chain as `prior_ratio` AR steps). A speculating batch whose bucket has no AR time yet runs
     up to `ar_measure` AR steps there to measure one: the prior would otherwise decide for good
-    (a draft of a third of the target's size makes a γ-chain cost 3-4 AR steps, not 1.25, and
+    (a draft a third of the target's size makes a γ-chain cost several AR steps, not 1.25, and
     AR, never chosen, would never be measured). The running choice is kept unless another promises
     `margin` times its throughput (a switch costs the overlap of one block with the host's
     work). While decoding autoregressively, `probe_len` speculative blocks every
