@@ -435,7 +435,8 @@ class FamilyBench(e2e.Bench):
         finally:
             eng.bench_accept_schedule = None
             eng.configure(adaptive=False)
-        d.update(adaptive=True, gamma=GEO_GAMMA, blocks_by_kind=kinds, warmup_s=warm_s, tau_realized=self.last_stats.block_efficiency,
+        d.update(adaptive=True, gamma=GEO_GAMMA, blocks_by_kind=kinds, warmup_s=warm_s,
+                 tau_realized=self.last_stats.block_efficiency,
                  speedup_vs_engine_ar=self.ar_ms / d["ms_per_token"] if self.ar_ms else None)
         log(f"  default engine (adaptive): {d['ms_per_token']:.3f} ms/token, "
             f"{fmt(d['speedup_vs_engine_ar'], '.2f')}x AR, blocks {kinds}")

@@ -28,14 +28,15 @@ step costs about the longer of the two rather than their sum. The block's rows c
 budget (bucket × rows per request), so the forward's tokens stay within it, but a step always
 gives a prompt at least MIN_CHUNK tokens (or the whole budget, if smaller). The step's part
 comes first in the packing (a parked row's garbage lands where its chunk writes over it);
-requests whose prefill ends in the step decode from the next one (their first token comes out
-of the forward). With graphs (CUDA) a
-step packs one chunk, padded to a bucket (`prefill.mixed_bucket`) and written through a staged
-one-row view of its slot, and replays the captured graph of (block kind, batch bucket, chunk
-bucket) (`Runner.run_mixed`); the budget that chunk leaves prefills the prompts waiting behind
-it after the mixed forward, as forwards of their own (one prompt a step admitted fewer prompts
-than arrived under load: benchmarks/results/README.md, 2026-12-03). Elsewhere the forward is eager, with every chunk the budget allows. A mixed step queues no block behind it. A tree's verification compacts only the live
-requests' accepted paths (a chunk's slot keeps what its part wrote). The first block's view
+requests whose prefill ends in the step decode from the next one (their first token comes out of
+the forward). With graphs (CUDA) a step packs one chunk, padded to a bucket
+(`prefill.mixed_bucket`) and written through a staged one-row view of its slot, and replays the
+captured graph of (block kind, batch bucket, chunk bucket) (`Runner.run_mixed`); the budget that
+chunk leaves prefills the prompts waiting behind it after the mixed forward, as forwards of
+their own (one prompt a step admitted fewer prompts than arrived under load:
+benchmarks/results/README.md, 2026-12-03). Elsewhere the forward is eager, with every chunk the
+budget allows. A mixed step queues no block behind it. A tree's verification compacts only the
+live requests' accepted paths (a chunk's slot keeps what its part wrote). The first block's view
 tree runs the chunks and the block as separate forwards.
 """
 from __future__ import annotations
