@@ -1,4 +1,4 @@
-"""A request's draft views prefilled at its first block instead of with its prompt
+"""A request's draft views prefilled before its first drafting block instead of with its prompt
 (`Runner.views_deferred`, the default for a draft whose view rows weigh >= 50% of the target): the
 first token goes out before the draft's work, the tokens and blocks are those of the prefill that
 runs the views beside the prompt, a request that ends at its first token never runs them, and
@@ -66,6 +66,45 @@ def test_a_request_ending_at_its_first_token_runs_no_views():
     assert len(out.token_ids) == 1 and out.stats.draft_cached_tokens == 0
     pages = eng.runner.pages
     assert not pages.draft_reserved and not any(pages.draft.rows)
+
+
+@pytest.mark.parametrize("pattern", [("ar", "ar", "ar", "sd"), ("ar",)], ids=["ar-then-sd", "ar-only"])
+def test_views_wait_through_ar_steps(pattern):
+    """Deferred views run before a request's first block that drafts, not before an AR step:
+    through the cost model's AR steps they stay pending (their pages promised), a request ending
+    before any drafting block never runs them, and the tokens are transformers' (the draft's
+    rows catch up on the AR steps' tokens)."""
+    from test_batch import Scripted
+
+    eng = engine(max_batch=4)
+    eng.runner.defer_views = True
+    eng.scheduler.cost = Scripted(pattern)
+    names, prompts, imgs, sps = batch_inputs()
+    ids = [eng.add_request(p, images=i, sampling=sp, speculative=True) for p, i, sp in zip(prompts, imgs, sps)]
+    ran_views, outs = [], {}
+    runner = eng.runner
+    prefill_pending_views = runner.prefill_pending_views
+
+    def spy(req):
+        ran_views.append((req.request_id, len(req.tokens)))
+        return prefill_pending_views(req)
+
+    runner.prefill_pending_views = spy
+    try:
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.output
+    finally:
+        del runner.prefill_pending_views
+    for rid, name in zip(ids, names):
+        assert outs[rid].token_ids == expected(name), name
+    if pattern == ("ar",):                      # no drafting block: no views, no promised pages left
+        assert ran_views == [] and not any(o.stats.accepted_lengths for o in outs.values())
+    else:   # the first four (one batch) draft after three AR steps, the later ones after at least one
+        assert [n for _, n in ran_views[:4]] == [4] * 4 and all(n >= 2 for _, n in ran_views), ran_views
+        assert any(o.stats.accepted_lengths for o in outs.values())
+    assert not runner.pages.draft_reserved
 
 
 def test_promised_draft_pages_hold_back_an_admission():

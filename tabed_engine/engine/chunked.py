@@ -165,7 +165,8 @@ class ChunkedAdmission:
         """The step's prefill work packed into the running batch's block, an AR step (g = 0) or
         a chain of g (see the module docstring); without prefill work to run (no pages yet,
         failures) the block alone, unless a block already ran."""
-        self._pending_views(outputs)
+        if g:
+            self._pending_views(outputs)
         live = [r for r in live if not r.finished]
         if not live:
             self._prefill_work(outputs, left)

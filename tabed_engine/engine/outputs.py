@@ -31,7 +31,7 @@ class GenerationStats:
     time_queued: float = 0.0          # from add_request to the start of the request's prefill
     # from the prefill's start to the first token: with chunked prefill, the steps between its
     # chunks (the running requests' blocks) included, as in time_first_token; the draft's views
-    # too, unless deferred to the request's first block (`Runner.views_deferred`)
+    # too, unless deferred to the request's first drafting block (`Runner.views_deferred`)
     time_prefill: float = 0.0
     time_first_token: float = 0.0     # from add_request to the first new token on the host
     time_draft: float = 0.0

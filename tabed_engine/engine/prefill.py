@@ -47,12 +47,13 @@ def prefill_bucket(n: int, max_len: int, limit: int = PREFILL_GRAPH_MAX) -> Opti
 
 # The draft's views prefill beside the target's prompt (on a second stream on the GPU) and the
 # device hides part of their work under the target's prefill; the first token waits for the rest.
-# Left to the request's first block instead (after the first token) they cost it nothing but run
-# whole, unhidden, before the first block. A draft whose K view rows weigh at least this share of
-# the target's decoder (`decoder_params`) is deferred: on the H200 LLaVA-OneVision's 0.5B (two
-# views: 14%) beside the prompt delayed its first token less than deferral delayed its first
-# block, and Qwen2.5-VL's 3B (87%) beside the prompt made SD's first token later than
-# transformers' (benchmarks/results/README.md, 2026-12-03); LLaVA-1.5's 68M (1.3%) costs nothing
+# Left to the request's first block that drafts instead (after the first token; an AR step needs
+# none) they cost it nothing but run whole, unhidden, before that block. A draft whose K view rows
+# weigh at least this share of the target's decoder (`decoder_params`) is deferred: on the H200
+# LLaVA-OneVision's 0.5B (two views: 14%) beside the prompt delayed its first token less than
+# deferral delayed its first block, and Qwen2.5-VL's 3B (87%) beside the prompt made SD's first
+# token later than transformers' (benchmarks/results/README.md, 2026-12-03); LLaVA-1.5's 68M (1.3%)
+# costs nothing
 DEFER_VIEWS_SHARE = 0.5
 
 
@@ -449,8 +450,8 @@ class PrefillSteps:
         req.stats.time_prefill = time.perf_counter() - job.t0
 
     def views_deferred(self) -> bool:
-        """Whether a request's draft views are prefilled at its first block rather than with
-        its prompt (`defer_views`; None: when the draft's K rows weigh at least
+        """Whether a request's draft views are prefilled before its first drafting block rather
+        than with its prompt (`defer_views`; None: when the draft's K rows weigh at least
         DEFER_VIEWS_SHARE of the target's decoder, see there)."""
         if self.defer_views is not None:
             return self.defer_views

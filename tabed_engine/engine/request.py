@@ -59,7 +59,7 @@ class Request:
     view_len: list[int] = field(default_factory=list)
     prompt_tail: list[int] = field(default_factory=list)
     draft_valid: int = 0
-    # the draft's views, left by the prefill to the request's first block (`Runner.views_deferred`)
+    # the draft's views, left by the prefill to the request's first drafting block (`Runner.views_deferred`)
     views_pending: Any = None
     blocks: int = 0                       # speculative blocks run
     # the cost model's running acceptance: drafts accepted and rejections, decayed per block

@@ -88,7 +88,7 @@ class Runner(PrefillSteps, SpeculativeSteps):
         self.prefill_graph_max = PREFILL_GRAPH_MAX
         # CUDA: the draft's view prefill on a second stream, overlapping the target's prefill
         self.overlap_draft = self.device.type == "cuda"
-        # a request's draft views at its first block, after its first token (None: by the
+        # a request's draft views at its first drafting block, after its first token (None: by the
         # draft's weight, `PrefillSteps.views_deferred`)
         self.defer_views: Optional[bool] = None
         self._views_share: Optional[float] = None

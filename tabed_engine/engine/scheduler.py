@@ -231,8 +231,9 @@ class Scheduler(ChunkedAdmission):
         return outputs
 
     def _pending_views(self, outputs):
-        """Prefill the draft views the prefills of the batch's requests left to their first
-        block (`Runner.views_deferred`); a request whose views fail ends with the error."""
+        """Prefill the draft views the prefills of the batch's requests left (`Runner.views_deferred`),
+        before the first block that drafts: an AR step needs none, and a request that ends before
+        such a block never runs them. A request whose views fail ends with the error."""
         for r in self.slots:
             if r is not None and not r.finished and r.views_pending is not None:
                 try:
@@ -269,7 +270,6 @@ class Scheduler(ChunkedAdmission):
         choice, of the same mode (an AR step queues AR steps, a speculative block speculative
         ones). `kind`: the block queued ahead, finished before an admission: nothing is queued
         after it. `choice`: the kind the cost model chose for this block already."""
-        self._pending_views(outputs)
         live = [r for r in self.slots if r is not None and not r.finished]
         if not live:
             return
@@ -291,6 +291,14 @@ class Scheduler(ChunkedAdmission):
         else:
             g = g_next = 0
         self._next = g_next
+        if g and any(r.views_pending is not None for r in live):
+            self._pending_views(outputs)
+            live = [r for r in live if not r.finished]
+            if not live:
+                return
+            b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
+            reqs = self.slots[:b]
+            gen = live[0].generator if len(live) == 1 else self._batch_gen
         try:
             if g:
                 new = self.runner.sd_block(reqs, b, gen, g, gamma_next=g_next or 0)
