@@ -70,6 +70,7 @@ def test_every_section_and_its_fields(report, name):
 
     hf = R["hf"]                 # same weights, float32: transformers' greedy tokens are the engine's
     assert hf["greedy_prefix_agreeing_with_engine_ar"] == n and hf["ttft_ms"] > 0
+    assert len(hf["ttft_runs_ms"]) == len(tt["engine_ar"]["ttft_runs_ms"]) == 5    # TTFT: medians of 5 a side
     goals = R["targets"]
     assert goals["engine_ar_le_1.15x_floor"]["value"] == pytest.approx(R["engine_ar"]["ratio_to_floor"])
     assert all(v["value"] is not None for k, v in goals.items() if isinstance(v, dict))
