@@ -112,6 +112,8 @@ for stage in "$@"; do
         ${MIXED_ARGS:---rates 40 --prefill-chunks 1664 512 256 --mixed-steps 0 1} 2>&1 | grep -v Warn | tail -20
       ;;
     multiturn)
+      # multi-turn TTFT with and without the prefix cache (MULTITURN_ARGS="--invariant": both engines
+      # invariant=True, whose bf16 tokens then equal with and without the cache; "--defer-views")
       timeout ${MULTITURN_TIMEOUT:-300} $PY benchmarks/multiturn.py --out "$OUT" ${MULTITURN_ARGS:-} 2>&1 | grep -v Warn | tail -25
       ;;
     demo-tau)

@@ -19,7 +19,8 @@ How each number is measured
   capture, kernel compilation); `cached_tokens` per turn from the same stats.
 * Engines: `prefix_cache=True` and `prefix_cache=False` over the same loaded models, AR and SD
   (K = 2 views M+T, adaptive off); `tokens_equal`: every turn's greedy tokens equal between the
-  two engines.
+  two engines (in bf16 on the GPU only with `--invariant`: both engines `invariant=True`, whose
+  prefill of a cached turn's rest reduces as the whole prompt's does).
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ GOALS_MS = {"later_turns": 4.0, "same_image": 5.0}   # issue 58 item 4 (H200, 7B
 class Bench(E2EBench):
     def __init__(self, args, preset):
         super().__init__(args, preset, {"doc": __doc__.split("How each number is measured")[1].strip()})
-        self.json_path = os.path.join(args.out, f"multiturn_{args.preset}.json")
-        self.md_path = os.path.join(args.out, f"multiturn_{args.preset}.md")
+        tag = "_invariant" if args.invariant else ""
+        self.json_path = os.path.join(args.out, f"multiturn_{args.preset}{tag}.json")
+        self.md_path = os.path.join(args.out, f"multiturn_{args.preset}{tag}.md")
         self.reps = args.repeats or preset.repeats
         self.shape = SHAPE[args.preset]
 
@@ -66,9 +68,10 @@ class Bench(E2EBench):
             torch.cuda.empty_cache()
         self.engines = {cache: Engine(target, self.processor, draft=draft, device=dev, dtype=dt, views=("M", "T"),
                                       gamma=p.gamma, max_len=p.max_len, max_batch=1, adaptive=False,
-                                      prefix_cache=cache)
+                                      prefix_cache=cache, invariant=self.args.invariant)
                         for cache in (True, False)}
         return {"build_s": time.perf_counter() - t0, "dtype": str(dt), "max_len": p.max_len, "gamma": p.gamma,
+                "invariant": self.args.invariant,
                 "repeats": self.reps, **self.shape}
 
     # ------------------------------------------------------------------ prompts
@@ -204,6 +207,9 @@ def main(argv=None):
     ap.add_argument("--preset", choices=sorted(SHAPE), default="llava-1.5-7b")
     ap.add_argument("--profile", action="store_true",
                     help="also profile a turn 2 of each mode (DIR/multiturn_profile_{ar,sd}.txt)")
+    ap.add_argument("--invariant", action="store_true",
+                    help="both engines with invariant=True (bf16 on the GPU: the cached and uncached turns' "
+                         "tokens then equal bit for bit; results file suffix _invariant)")
     ap.add_argument("--defer-views", action="store_true",
                     help="also SD with the draft's views left to each request's first block (Runner.defer_views)")
     add_common_args(ap)

@@ -27,3 +27,14 @@ def test_multiturn_tiny(tmp_path):
         assert on["same image, new chat"]["cached_tokens"] >= 1 + img_tokens     # BOS + the image
     with open(tmp_path / "multiturn_tiny.md") as f:
         assert "| AR | turn 2 |" in f.read()
+
+
+def test_multiturn_invariant_tiny(tmp_path):
+    """`--invariant`: both engines invariant=True, their own results file, tokens equal."""
+    load_benchmark("multiturn").main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path),
+                                      "--repeats", "1", "--invariant"])
+    with open(tmp_path / "multiturn_tiny_invariant.json") as f:
+        rep = json.load(f)
+    assert rep["setup"]["invariant"] is True
+    assert all(rep[m]["tokens_equal"] is True for m in ("AR", "SD K=2"))
+    assert not (tmp_path / "multiturn_tiny.json").exists()
