@@ -11,7 +11,8 @@ a batch's chains; `gemv_rows`, tensor cores): q/k/v 12288x4096, o 4096x4096, gat
 `silu_mul` launch before the several-row one), lm_head 32064x4096; and the LLaVA-68M-shape
 draft's at one row and at 4 (a draft step over 4 views): q/k/v 2304x768, o 768x768, gate/up
 6144x768 (at 4 rows with the SiLU gate in the GEMV's epilogue, `glu`), down 768x3072 (the
-gate fused at one row), lm_head 32064x768; bf16. Each timed call runs the projection over
+gate fused at one row), lm_head 32064x768; bf16 (`--model qwen2-7b`: LLaVA-OneVision-7B's /
+Qwen2.5-VL-7B's Qwen2-7B and the OneVision 0.5B draft instead). Each timed call runs the projection over
 several copies of the weight (>= 400 MB in all), so every byte comes from HBM, not L2.
 Columns (us per projection, medians):
   fused     tabed_engine.kernels.gemv (gemv_rows at several rows)
@@ -60,9 +61,27 @@ TARGET = [("qkv", 12288, 4096, None, 32), ("o", 4096, 4096, None, 32), ("gate_up
           ("down", 4096, 11008, "in", 32), ("lm_head", 32064, 4096, None, 1)]
 DRAFT_ONE = [("draft_qkv", 2304, 768, None, 2), ("draft_o", 768, 768, None, 2), ("draft_gate_up", 6144, 768, None, 2),
              ("draft_down", 768, 3072, "in", 2), ("draft_lm_head", 32064, 768, None, 1)]
-DRAFT_ROWS = [("draft_qkv", 2304, 768, None, 2), ("draft_o", 768, 768, None, 2),
-              ("draft_gate_up", 6144, 768, "out", 2), ("draft_down", 768, 3072, None, 2),
-              ("draft_lm_head", 32064, 768, None, 1)]
+
+
+def draft_rows(one: list) -> list:
+    """A draft's projections at several rows from its one-row list: gate/up with the SiLU gate in
+    the epilogue (glu), down on the gated activations."""
+    return [(n, N, K, "out" if n.endswith("gate_up") else None, L) for n, N, K, _, L in one]
+
+
+DRAFT_ROWS = draft_rows(DRAFT_ONE)
+
+
+# --model qwen2-7b: LLaVA-OneVision-7B's / Qwen2.5-VL-7B's language model (Qwen2-7B: hidden 3584,
+# 28 layers, 28 / 4 heads of 128, MLP 18944, vocabulary 152064 as published) and the OneVision
+# 0.5B draft's (Qwen2-0.5B: hidden 896, 24 layers, 14 / 2 heads of 64, MLP 4864, vocabulary 151936)
+QWEN2_TARGET = [("qkv", 4608, 3584, None, 28), ("o", 3584, 3584, None, 28), ("gate_up", 37888, 3584, None, 28),
+                ("down", 3584, 18944, "in", 28), ("lm_head", 152064, 3584, None, 1)]
+QWEN2_DRAFT_ONE = [("draft_qkv", 1152, 896, None, 24), ("draft_o", 896, 896, None, 24),
+                   ("draft_gate_up", 9728, 896, None, 24), ("draft_down", 896, 4864, "in", 24),
+                   ("draft_lm_head", 151936, 896, None, 1)]
+MODELS = {"llava-7b": (TARGET, DRAFT_ONE, DRAFT_ROWS),
+          "qwen2-7b": (QWEN2_TARGET, QWEN2_DRAFT_ONE, draft_rows(QWEN2_DRAFT_ONE))}
 
 
 def over_weights(ws, fn):
@@ -247,6 +266,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 6, 16, 32, 64],
                     help="activation rows per target projection")
     ap.add_argument("--draft-rows", type=int, nargs="*", default=[1, 4], help="activation rows per draft projection")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llava-7b",
+                    help="the target and draft shapes (qwen2-7b: LLaVA-OneVision-7B / Qwen2.5-VL-7B and the 0.5B draft)")
     ap.add_argument("--sweep", action="store_true", help="time gemv_rows block configs instead of the table")
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=None,
                     help="activation rows per sweep (default 16 32 64; --smoke: 6 20 40)")
@@ -274,8 +295,9 @@ def main(argv=None):
                          configs=[[*key, *cfg] for key, cfg in sorted(best.items())]))
         write_result("gemv_sweep", args, device, copy_gbs, rows, out_path, t_start)
         return
-    cases = [(*c, M) for M in args.rows for c in TARGET]
-    cases += [(*c, M) for M in args.draft_rows for c in (DRAFT_ONE if M == 1 else DRAFT_ROWS)]
+    target, draft_one, draft_many = MODELS[args.model]
+    cases = [(*c, M) for M in args.rows for c in target]
+    cases += [(*c, M) for M in args.draft_rows for c in (draft_one if M == 1 else draft_many)]
     if args.smoke:
         cases = [(*c, M) for M in args.rows for c in [("small", 96, 130, None, 1), ("small_gated", 64, 70, "in", 1),
                                                       ("small_glu", 64, 70, "out", 1)]]
@@ -326,8 +348,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
     summary = {}
-    for model, M, shapes in ([("target", M, TARGET) for M in args.rows]
-                             + [("draft", M, DRAFT_ONE if M == 1 else DRAFT_ROWS) for M in args.draft_rows]):
+    for model, M, shapes in ([("target", M, target) for M in args.rows]
+                             + [("draft", M, draft_one if M == 1 else draft_many) for M in args.draft_rows]):
         sel = [r for r in rows if r["rows"] == M and r["name"] in {n for n, *_ in shapes}]
         if len(sel) == len(shapes) and all("eager" in r["graph_us"] for r in sel):
             # the baseline is what the decoder would run on cuBLAS: with the model's SiLU*up

@@ -52,7 +52,8 @@ for stage in "$@"; do
       timeout 120 $PY benchmarks/bench_rope_kv_write.py --out "$OUT/rope_kv_write.json" 2>&1 | tail -14
       timeout 120 $PY benchmarks/bench_add_rms_norm.py --out "$OUT/add_rms_norm.json" 2>&1 | tail -14
       timeout 120 $PY benchmarks/bench_silu_mul.py --out "$OUT/silu_mul.json" 2>&1 | tail -8
-      timeout 300 $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" 2>&1 | tail -26
+      # (GEMV_ARGS="--model qwen2-7b --out $OUT/gemv_qwen2.json": the OneVision / Qwen2.5-VL 7B shapes)
+      timeout 300 $PY benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 | tail -26
       ;;
     world)
       # the bundled demo pair, trained on the GPU (seeded), packed into one file
