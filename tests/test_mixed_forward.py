@@ -304,6 +304,57 @@ def test_captured_mixed_step_admits_the_prompts_behind_its_chunk(speculative, be
     assert [got[i] for i in [a] + ids] == alone
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_random_arrivals_through_captured_mixed_steps(seed):
+    """Random schedules through the captured mixed steps (emulated graphs, poisoned KV): requests
+    of text and one or two images arriving at random steps, budgets from 16 tokens to more than a
+    prompt, AR or speculative, blocks of AR steps and chains in a scripted order, the draft's
+    views deferred or not. Every request's greedy tokens equal its tokens alone."""
+    import random
+
+    from test_batch import Scripted, emulated_graphs
+    from test_chunked_prefill import PROMPTS, engine, images
+
+    names = ["text", "one_image", "separated", "adjacent", "chat"]
+    eng = emulated_graphs(engine(None, max_batch=4))
+    rng = random.Random(seed)
+    alone, cost0 = {}, eng.scheduler.cost
+
+    def request(name, n_new, spec):
+        prompt, n_img = PROMPTS[name]
+        return dict(prompt=prompt, images=images(n_img), speculative=spec,
+                    sampling=SamplingParams(max_new_tokens=n_new, stop_at_eos=False))
+
+    try:
+        for _ in range(4):
+            spec = rng.random() < 0.6
+            reqs = [(rng.choice(names), rng.choice([3, 7, 12, 20]), rng.randint(0, 6)) for _ in range(rng.randint(3, 7))]
+            eng.prefill_chunk, eng.mixed_steps, eng.runner.defer_views = None, False, None
+            eng.scheduler.cost = Scripted(("sd",), gamma=3)
+            for name, n_new, _ in reqs:
+                if (name, n_new, spec) not in alone:
+                    alone[name, n_new, spec] = eng.generate(**request(name, n_new, spec)).token_ids
+            eng.prefill_chunk, eng.mixed_steps = rng.choice([16, 24, 40, 64, 128, 300]), True
+            eng.runner.defer_views = rng.choice([None, True, False])
+            eng.scheduler.cost = Scripted(rng.choice([("sd",), ("ar", "sd"), ("ar", "ar", 2, "sd"), (1, "ar", 3)]),
+                                          gamma=3)
+            pending, got, which, step = sorted(reqs, key=lambda r: r[2]), {}, {}, 0
+            while pending or eng.has_unfinished():
+                while pending and pending[0][2] <= step:
+                    name, n_new, _ = pending.pop(0)
+                    rid = eng.add_request(**request(name, n_new, spec))
+                    which[rid], got[rid] = (name, n_new, spec), []
+                for o in eng.step():
+                    got[o.request_id] += o.new_token_ids
+                step += 1
+            for rid, k in which.items():
+                assert got[rid] == alone[k], (rid, k, eng.prefill_chunk, eng.runner.defer_views)
+        assert eng.scheduler.mixed_steps > 0
+    finally:
+        eng.prefill_chunk, eng.mixed_steps, eng.runner.defer_views = None, False, None
+        eng.scheduler.cost = cost0
+
+
 def test_warmup_captures_the_mixed_steps_of_full_chunks():
     """With mixed steps on (emulated graphs), `warmup` captures the mixed step of a full chunk
     for each block kind at the buckets below the largest, and leaves the engine idle and clean:
