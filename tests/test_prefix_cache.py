@@ -294,6 +294,28 @@ def test_pixel_keys_follow_the_picture():
                                                                                          [image(20)]))
 
 
+def test_content_hash_of_a_large_picture_by_pieces():
+    """A picture of more than two HASH_PIECE pieces is hashed piece by piece on threads: the same
+    bytes give the same key, and one byte changed in the first, a middle or the last (short)
+    piece, or a different header (the picture's size), gives another; sizes at the boundary
+    between the one-pass and the piecewise hash are keys of their own too."""
+    import numpy as np
+
+    from tabed_engine.engine.prefix_cache import HASH_PIECE, content_hash
+
+    n = 3 * HASH_PIECE + 1234
+    data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    key = content_hash(b"(RGB, (1, 1))", data)
+    assert len(key) == 16 and key == content_hash(b"(RGB, (1, 1))", data.copy())
+    for i in (0, HASH_PIECE + 7, n - 1):
+        d = data.copy()
+        d[i] ^= 1
+        assert content_hash(b"(RGB, (1, 1))", d) != key, i
+    assert content_hash(b"(RGB, (2, 1))", data) != key
+    small = [content_hash(b"h", data[:m]) for m in (2 * HASH_PIECE, 2 * HASH_PIECE + 1)]
+    assert small[0] != small[1] and small[0] == content_hash(b"h", bytes(data[:2 * HASH_PIECE]))
+
+
 def test_slot_choice_prefers_a_hit_then_least_recently_used():
     idx = PrefixIndex(4, 64)
     idx.hold(1, Prepared([1, 2, 3, 4], None, [], []))
