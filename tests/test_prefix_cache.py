@@ -316,6 +316,19 @@ def test_content_hash_of_a_large_picture_by_pieces():
     assert small[0] != small[1] and small[0] == content_hash(b"h", bytes(data[:2 * HASH_PIECE]))
 
 
+def test_media_hash_benchmark_smoke(tmp_path):
+    """benchmarks/bench_media_hash.py at two small sizes: a row per size with every timing."""
+    import json
+
+    from bench_scripts import load_benchmark
+
+    out = tmp_path / "media_hash.json"
+    load_benchmark("bench_media_hash").main(["--out", str(out), "--reps", "1", "--sizes", "64", "48", "30", "20"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["width"], r["height"]) for r in rows] == [(64, 48), (30, 20)]
+    assert all(r[k] > 0 for r in rows for k in ("tobytes_ms", "blake2b_ms", "key_ms"))
+
+
 def test_slot_choice_prefers_a_hit_then_least_recently_used():
     idx = PrefixIndex(4, 64)
     idx.hold(1, Prepared([1, 2, 3, 4], None, [], []))
