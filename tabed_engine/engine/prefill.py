@@ -341,7 +341,8 @@ class PrefillSteps:
         # prefixes lack, `views.build_views`)
         if req.prep.num_images and req.prep.pixel_values is None and not covered:
             from tabed_engine.models.image_ops import device_pixels      # preprocessed here, on the device
-            req.prep.pixel_values = device_pixels(req.prep.images, self.eng.processor.image_processor, self.device)
+            req.prep.pixel_values = device_pixels(req.prep.host_pixels(), self.eng.processor.image_processor,
+                                                  self.device)
         sel, feats = (None, None) if covered else self.encode(req.prep)
         vision_done = self._record()         # where the draft's views may start (they share `sel`)
         x, pos3 = self.lm_inputs(req.prep, feats, slot, cached)

@@ -79,7 +79,7 @@ def media_keys(prep: Prepared) -> list[tuple[int, int, bytes]]:
     keys = getattr(prep, "_media_keys", None)
     if keys is not None:
         return keys
-    digests = [content_hash(repr((im.mode, im.size)).encode(), im.tobytes()) for im in prep.images or []]
+    digests = [content_hash(repr(a.shape).encode(), a) for a in prep.host_pixels()]
     digests += [_digest(v) for v in (prep.video_pixels or [])]
     keys = [(s, n, d) for (s, n), d in zip(prep.media_spans, digests)]
     prep._media_keys = keys

@@ -3,7 +3,7 @@ token ids with one run of image tokens per image, and pixel values from the proc
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -21,6 +21,18 @@ class Prepared:
     draft_pixel_values: Optional[torch.Tensor] = None   # the draft processor's, when it has its own
     video_pixels: Optional[list] = None    # per video: its frames' preprocessed pixels [frames, 3, H, W]
     video_spans: Optional[list] = None     # (start, length) of each video's token run
+    _arrays: Optional[list] = field(default=None, repr=False, compare=False)
+
+    def host_pixels(self) -> list:
+        """The images as uint8 [H, W, 3] arrays, converted from PIL once and kept: the prefix
+        cache's keys and every upload to the device (the target's preprocessing, a draft's own)
+        read these same bytes."""
+        if self._arrays is None:
+            self._arrays = [im if isinstance(im, np.ndarray) else np.array(im) for im in self.images or []]
+        return self._arrays
+
+    def __getstate__(self):          # (a tensor-parallel worker gets the images, not these copies)
+        return {**self.__dict__, "_arrays": None}
 
     @property
     def num_videos(self) -> int:

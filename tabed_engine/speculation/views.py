@@ -107,7 +107,7 @@ def build_views(engine, prep: Prepared, target_sel: Optional[torch.Tensor],
                 pixels = prep.draft_pixel_values if own else prep.pixel_values
                 if pixels is None:     # preprocessed on the device (device_images), as the target's
                     proc = engine.draft_processor if own else engine.processor
-                    pixels = device_pixels(prep.images, proc.image_processor, engine.device)
+                    pixels = device_pixels(prep.host_pixels(), proc.image_processor, engine.device)
                     if own:
                         prep.draft_pixel_values = pixels
                     else:
