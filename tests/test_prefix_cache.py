@@ -120,6 +120,27 @@ def test_same_image_in_a_new_conversation(speculative):
     assert out.stats.cached_tokens == common
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["views-beside", "views-deferred"])
+def test_host_pixels_kept_until_the_last_upload(defer):
+    """A picture's array (`Prepared.host_pixels`: the cache key's bytes, every upload's source)
+    is dropped once the prefill and the draft's views are done: at the first token, or after
+    the views a deferred request prefills before its first drafting block."""
+    on = engine(True)
+    on.runner.defer_views = defer
+    try:
+        rid = on.add_request(user("What is shown in this photo?", True), images=[image(14)], speculative=True,
+                             sampling=SamplingParams(max_new_tokens=6))
+        on.step()                                      # the admission: the first token
+        req = next(r for r in on.scheduler.slots if r is not None and r.request_id == rid)
+        assert req.prep._media_keys and (req.prep._arrays is not None) == defer
+        on.step()                                      # the first block (a deferred request's views first)
+        assert req.prep._arrays is None and req.views_pending is None
+    finally:
+        while on.has_unfinished():
+            on.step()
+        on.runner.defer_views = None
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_different_image_same_text(speculative):
     """Another picture with the same text: the image tokens' ids are the same, the pixels not, so

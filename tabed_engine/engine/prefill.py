@@ -441,6 +441,8 @@ class PrefillSteps:
         if self.prefix is not None:
             self.prefix.hold(slot, req.prep)
             self.prefix.account(cached, req.n_prompt)
+        if not defer:
+            req.prep.release_host_pixels()   # the target's and the draft's uploads are done
         req.append([int(host[0])])
         req.stats.time_first_token = time.perf_counter() - req.arrival
         if defer and not req.finished:    # (a request ending at its first token needs none)
@@ -471,6 +473,7 @@ class PrefillSteps:
         req.views_pending = None
         self.pages.draft_reserved.pop(req.slot, None)
         self._views_ready(req, sel, after, logits, first)
+        req.prep.release_host_pixels()
 
     def _views_ready(self, req: Request, sel, after, logits: torch.Tensor, first: torch.Tensor):
         """Prefill `req`'s draft views (`_prefill_views`) and set its slot's view mask, weights

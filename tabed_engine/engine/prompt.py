@@ -31,6 +31,10 @@ class Prepared:
             self._arrays = [im if isinstance(im, np.ndarray) else np.array(im) for im in self.images or []]
         return self._arrays
 
+    def release_host_pixels(self):
+        """Drop the arrays of `host_pixels` (every upload that reads them is done)."""
+        self._arrays = None
+
     def __getstate__(self):          # (a tensor-parallel worker gets the images, not these copies)
         return {**self.__dict__, "_arrays": None}
 
