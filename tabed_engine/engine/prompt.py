@@ -28,7 +28,7 @@ class Prepared:
         cache's keys and every upload to the device (the target's preprocessing, a draft's own)
         read these same bytes."""
         if self._arrays is None:
-            self._arrays = [im if isinstance(im, np.ndarray) else np.array(im) for im in self.images or []]
+            self._arrays = [np.array(im) for im in self.images or []]
         return self._arrays
 
     def release_host_pixels(self):

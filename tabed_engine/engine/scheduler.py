@@ -292,13 +292,11 @@ class Scheduler(ChunkedAdmission):
             g = g_next = 0
         self._next = g_next
         if g and any(r.views_pending is not None for r in live):
+            # (a request whose views failed has finished: its row in the block is garbage)
             self._pending_views(outputs)
             live = [r for r in live if not r.finished]
             if not live:
                 return
-            b = bucket_of(max(r.slot for r in live) + 1, self.runner.max_batch)
-            reqs = self.slots[:b]
-            gen = live[0].generator if len(live) == 1 else self._batch_gen
         try:
             if g:
                 new = self.runner.sd_block(reqs, b, gen, g, gamma_next=g_next or 0)
