@@ -12,7 +12,7 @@ import torch
 from realistic import image
 from tabed_engine import Engine, SamplingParams
 from tabed_engine.engine.graphs import CapturedFn, GraphCache
-from tabed_engine.engine.scheduler import ALPHA_PRIOR, CostModel
+from tabed_engine.engine.scheduler import CostModel
 from test_real_checkpoints import N_NEW, PROMPTS, images, loaded, reference
 from test_speculative import exact_dist  # noqa: F401  (fixture: the target's exact distribution)
 
@@ -203,17 +203,9 @@ def test_cost_model_choices():
         cm2.observe(0.0)                               # finished requests never accepted a draft:
     assert cm2.prior < 0.06
     assert cm2.choose(4, [c(0.0), (0, 0)]) == 0        # a new request beside measured ones: the prior
-    assert cm2.choose(4, [(0, 0)]) == 0                # a batch of new ones too: no probe of its own
-    # before any request has finished, a batch of new requests probes its own acceptance first
-    # (the prior is a guess)
-    fresh = CostModel(True, gamma=4, probe_every=4, probe_len=2)
-    fresh.times = {(4, 4): 0.030, (0, 4): 0.011}      # a 1-chain 15.75 ms: pays from alpha 0.43
-    assert [fresh.choose(4, [(0, 0)]) for _ in range(2)] == [1, 1]
-    assert fresh.choose(4, [(0, 2)]) == 0              # its acceptance measured: AR
-    fresh.observe(0.0)                                 # the prior 0.4: AR
-    assert fresh.observed == 1 and fresh.choose(4, [(0, 0)]) == 0   # the next request: no probe of its own
-    fresh.observe(1.0)                                 # the prior 0.52: speculation pays
-    assert fresh.choose(4, [(0, 0)]) == 1
+    # a batch of new requests probes its own acceptance first (the prior may be another draft's)
+    assert [cm2.choose(4, [(0, 0)]) for _ in range(2)] == [1, 1]
+    assert cm2.choose(4, [c(0.0)]) == 0
     ar_only = CostModel(True, gamma=4)                 # only AR measured (AR requests came first)
     ar_only.times = {(0, 4): 0.01}
     assert ar_only.time(4, 4) == pytest.approx(0.0125) and ar_only.time(2, 4) == pytest.approx(0.01125)
@@ -590,9 +582,7 @@ def test_warmup_runs_every_bucket_and_leaves_the_engine_as_it_was():
     assert eng.warmup() > 0
     assert {b for _, b in eng.scheduler.cost.times} == {1, 2, 4}       # block times of every bucket
     assert caught_up == {1, 2, 4}          # the draft caught up after AR steps at every bucket
-    cost = eng.scheduler.cost
-    # warm-up's gray images say nothing of real requests' acceptance: the prior is as before
-    assert cost.forced is None and (cost.prior, cost.observed) == (ALPHA_PRIOR, 0)
+    assert eng.scheduler.cost.forced is None
     assert not eng.has_unfinished()
     names, prompts, imgs, sps = batch_inputs()
     assert [o.token_ids for o in eng.generate(prompts, images=imgs, sampling=sps)] == [expected(n) for n in names]

@@ -147,39 +147,3 @@ def test_gpu_deferred_views_give_the_same_tokens_and_blocks():
         got[defer] = [(o.token_ids, o.stats.accepted_lengths) for o in outs]
         assert not eng.runner.pages.draft_reserved
     assert got[True] == got[False]
-
-
-def test_a_draft_that_does_not_pay_runs_no_views_after_the_first_request():
-    """Requests one after another with a draft whose chains cost far more than their tokens: the
-    first request probes its acceptance (no request has finished: the prior is a guess) and so
-    runs its deferred views; once it has finished, the next requests decode autoregressively
-    without a probe of their own, so their views never run, and the tokens are transformers'."""
-    from tabed_engine.engine.runner import bucket_of
-    from tabed_engine.engine.scheduler import CostModel
-
-    eng = engine(max_batch=1)
-    eng.runner.defer_views = True
-    gamma = eng.scheduler.cost.gamma
-    cost = CostModel(True, gamma, probe_every=10 ** 6)
-    b = bucket_of(1, eng.runner.max_batch)
-    cost.times = {(0, b): 0.01, (gamma, b): 1.0}       # a chain: at least 0.2 s for at most 6 tokens
-    cost.record = lambda *a: None                       # this machine's block times stay out of it
-    eng.scheduler.cost = cost
-    names, prompts, imgs, sps = batch_inputs()
-    runner = eng.runner
-    prefill_pending_views = runner.prefill_pending_views
-    ran_views = []
-
-    def spy(req):
-        ran_views.append(req.request_id)
-        return prefill_pending_views(req)
-
-    runner.prefill_pending_views = spy
-    try:
-        outs = [eng.generate(p, images=i, sampling=sp) for p, i, sp in zip(prompts[:3], imgs[:3], sps[:3])]
-    finally:
-        del runner.prefill_pending_views
-    for name, out in zip(names, outs):
-        assert out.token_ids == expected(name), name
-    assert len(ran_views) == 1 and outs[0].stats.accepted_lengths, ran_views
-    assert not any(o.stats.accepted_lengths for o in outs[1:]) and cost.observed == 1

@@ -57,12 +57,9 @@ class CostModel:
     `margin` times its throughput (a switch costs the overlap of one block with the host's
     work). While decoding autoregressively, `probe_len` speculative blocks every
     `probe_every` steps re-measure acceptance (a request's draft may start to help; each probe that finds
-    nothing doubles the interval, up to `probe_max`; the steps count across requests). A batch of
-    requests none of which has speculated yet probes its own acceptance first while no request
-    has finished (the prior is then a guess) or while the prior says speculation pays; once
-    finished requests (`observe`) make the prior say AR, new requests wait for the AR interval's
-    probe like the running ones, so a draft that does not pay (its views' prefill included, when
-    deferred) costs a probe per interval, not one per request. `forced`: always this kind (warm-up)."""
+    nothing doubles the interval, up to `probe_max`), and so does a batch of
+    requests none of which has speculated yet (the prior, which follows the finished requests
+    (`observe`), may come from another kind of request). `forced`: always this kind (warm-up)."""
 
     def __init__(self, enabled: bool, gamma: int = 5, chains: bool = True, probe_every: int = 64,
                  probe_len: int = 2, prior_ratio: float = 1.25, margin: float = 1.03, prior_weight: float = 1.0,
@@ -82,13 +79,11 @@ class CostModel:
         self._probe = 0           # speculative blocks of a probe still to run
         self.forced: Optional[int] = None
         self.prior = ALPHA_PRIOR
-        self.observed = 0         # finished requests the prior has followed
 
     def observe(self, alpha: Optional[float]):
         """A finished request's acceptance: the prior for the next requests moves toward it."""
         if alpha is not None:
             self.prior = 0.8 * self.prior + 0.2 * alpha
-            self.observed += 1
 
     def record(self, g: int, b: int, seconds: float):
         """One steady block interval of kind g (0 = AR) at bucket b."""
@@ -137,10 +132,9 @@ class CostModel:
         if self.time(self.gamma, b) is None:
             choice = self.gamma                     # measure speculative blocks first
         else:
-            best = max(lengths, key=rate)
-            if self._probe == 0 and all(acc + rej == 0 for acc, rej in counts) and \
-                    (self.observed == 0 or rate(best) > rate(0)):
+            if self._probe == 0 and all(acc + rej == 0 for acc, rej in counts):
                 self._probe = self.probe_len        # a fresh batch measures its own acceptance first
+            best = max(lengths, key=rate)
             if self._probe > 0:
                 self._probe -= 1
                 choice = best

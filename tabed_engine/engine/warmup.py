@@ -33,7 +33,7 @@ def run_warmup(engine, max_batch, images: bool, sampling) -> float:
     # every kind of block the cost model may pick: AR and, speculating, each chain length
     kinds = [0] + ([] if engine.draft is None else list(range(1, engine.gamma + 1)) if cost.chains and cost.enabled
                    else [engine.gamma])
-    prior = cost.prior, cost.observed    # a gray image's acceptance says nothing about real requests
+    prior = cost.prior                   # a gray image's acceptance says nothing about real requests
     try:
         for b, sp in itertools.product(buckets, sps):
             # AR steps and the draft's catch-up run the same graphs whatever the sampling:
@@ -53,7 +53,7 @@ def run_warmup(engine, max_batch, images: bool, sampling) -> float:
         if engine.mixed_steps and engine.runner.graphs is not None and engine.prefill_chunk:
             warm_mixed(engine, [b for b in buckets if b < engine.runner.max_batch], kinds, sps[0])
     finally:
-        cost.forced, (cost.prior, cost.observed) = None, prior
+        cost.forced, cost.prior = None, prior
     with engine._lock:              # idle (generate has returned): row 0 is free to scribble on
         if not engine.scheduler.has_unfinished():
             engine.runner.capture_prefill()
