@@ -261,8 +261,8 @@ def test_engine_option_and_cli(tmp_path):
 def test_gpu_bf16_sd_equals_ar_bitwise():
     """bf16 on the GPU with `invariant=True`: greedy SD tokens == AR tokens bit for bit, every
     request alone and the same requests batched (AR and SD, chains and trees), 48 requests of
-    48 tokens, and with a small prefill budget (chunks cut anywhere); seeded sampled requests
-    batched with SD == alone with AR."""
+    48 tokens, with a small prefill budget (chunks cut anywhere) and with the block kind switching
+    between AR and chains of every length; seeded sampled requests batched with SD == alone with AR."""
     from models import model_dir
     from tabed_engine import Engine, SamplingParams
     from test_prefill_graphs import _prompt
@@ -284,6 +284,12 @@ def test_gpu_bf16_sd_equals_ar_bitwise():
     assert batch_ar == alone_ar
     assert batch_sd == alone_ar
     assert chunked_sd == alone_ar
+    # the cost model's choices switching freely between AR steps and chains of every length
+    from test_batch import Scripted
+
+    eng.scheduler.cost = Scripted(("ar", 2, "sd", 1, "ar", "ar", 3), gamma=eng.gamma)
+    switched = [o.token_ids for o in eng.generate(texts, images=imgs, sampling=sp)]
+    assert switched == alone_ar
     # seeded sampling (the coupling): its draws read the logits' bits too
     seeded = [SamplingParams(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=100 + i) for i in range(16)]
     few = cases[:16]
