@@ -599,21 +599,60 @@ def test_draft_view_prefill_is_padded_to_a_bucket(monkeypatch):
     eng = engine()
     calls, prefill_draft = [], runner_mod.prefill_draft
 
-    def record(runner, rows, cache, pad_to=0):
-        lens, logits = prefill_draft(runner, rows, cache, pad_to)
+    def record(runner, rows, cache, pad_to=0, step=0):
+        lens, logits = prefill_draft(runner, rows, cache, pad_to, step)
         calls.append((max(len(r.ids) for r in rows), pad_to))
         return lens, logits
 
     monkeypatch.setattr(runner_mod, "prefill_draft", record)
     monkeypatch.setattr(view_mod, "prefill_draft", record)
-    assert eng.runner.warm_draft_prefill() == len(calls) == 256 // 64
-    assert sorted(n for n, _ in calls) == [64, 128, 192, 256]         # every bucket, once
+    assert eng.runner.warm_draft_prefill() == len(calls) - 1 == 256 // 64
+    # every bucket, once, then views of two buckets packed
+    assert [n for n, _ in calls] == [64, 128, 192, 256, 128] and calls[-1][1] == 128
     calls.clear()
     names, prompts, imgs, sps = batch_inputs()
     outs = eng.generate(prompts, images=imgs, sampling=sps)
     assert [o.token_ids for o in outs] == [expected(n) for n in names]
     hits = sum(o.stats.draft_cached_tokens > 0 for o in outs)
     assert len(calls) == len(names) - hits and all(p % 64 == 0 and 0 < n <= p for n, p in calls)
+
+
+def test_views_of_different_buckets_prefill_packed(monkeypatch):
+    """View rows whose lengths fall in different prompt buckets (the image view and the
+    text-only one) prefill as one packed stream, each row padded to its own bucket: the tokens,
+    accepted lengths and view weights equal those of the views prefilled as one batch padded to
+    the longest row (float32; the drafts read every row's KV), and the tokens are transformers'.
+    (The fixtures' views are short: buckets of 16 tokens here.)"""
+    import tabed_engine.engine.prefill as prefill_mod
+    import tabed_engine.engine.view_cache as view_mod
+    from tabed_engine.models.decoder import LlamaLM
+
+    monkeypatch.setattr(prefill_mod, "PREFILL_STEP", 16)
+    prefill_draft, mixed = view_mod.prefill_draft, LlamaLM.forward_mixed
+    packed_parts = []
+
+    def spy(self, parts, *a, **k):
+        packed_parts.append([p["embeds"].shape[1] for p in parts])
+        return mixed(self, parts, *a, **k)
+
+    monkeypatch.setattr(LlamaLM, "forward_mixed", spy)
+    names, prompts, imgs, sps = batch_inputs()
+    runs = []
+    for step in (None, 16):
+        if step is None:                                 # one batch, padded to the longest row
+            monkeypatch.setattr(view_mod, "prefill_draft", lambda r, rows, c, pad=0, step=0: prefill_draft(r, rows, c, pad))
+        else:
+            monkeypatch.setattr(view_mod, "prefill_draft", prefill_draft)
+        eng = engine(views=("M", "T"), prefix_cache=False)
+        runs.append(eng.generate(prompts, images=imgs, sampling=sps))
+        assert bool(packed_parts) == (step is not None)
+    for name, a, b in zip(names, *runs):
+        assert b.token_ids == a.token_ids == expected(name), name
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths, name
+        assert b.stats.weights == a.stats.weights, name
+    # the image prompts' views packed, each at its own bucket
+    assert len(packed_parts) >= 3 and all(len(set(p)) == len(p) == 2 and all(n % 16 == 0 for n in p)
+                                          for p in packed_parts), packed_parts
 
 
 def test_speculative_and_autoregressive_requests_take_turns():

@@ -379,3 +379,34 @@ def test_padded_vocabularies_pair(dirs, tmp_path):
     out = eng.generate(text, images=images, sampling=SP)
     assert out.token_ids == reference(hf_padded, eng.processor, text, images)
     assert sum(out.stats.accepted_lengths) > 0
+
+
+def test_views_of_different_buckets_prefill_packed(dirs, monkeypatch):
+    """The M, T and P rows (M-RoPE ids, each row its own offset) of different prompt buckets
+    prefilled as one packed stream, each at its own bucket: the same tokens, accepted lengths
+    and view weights as one batch padded to the longest row (buckets of 16 tokens here)."""
+    import tabed_engine.engine.prefill as prefill_mod
+    import tabed_engine.engine.view_cache as view_mod
+    from tabed_engine.models.decoder import LlamaLM
+
+    monkeypatch.setattr(prefill_mod, "PREFILL_STEP", 16)
+    prefill_draft, mixed = view_mod.prefill_draft, LlamaLM.forward_mixed
+    packed = []
+
+    def spy(self, parts, *a, **k):
+        packed.append([p["embeds"].shape[1] for p in parts])
+        return mixed(self, parts, *a, **k)
+
+    monkeypatch.setattr(LlamaLM, "forward_mixed", spy)
+    outs = []
+    for step in (False, True):
+        monkeypatch.setattr(view_mod, "prefill_draft", prefill_draft if step else
+                            lambda r, rows, c, pad=0, step=0: prefill_draft(r, rows, c, pad))
+        eng = sd_engine(dirs["target"], dirs["draft"], ("M", "T", "P"), None, prefix_cache=False)
+        text, images = chat(eng, "two images")
+        outs.append(eng.generate(text, images=images, sampling=SP))
+    assert packed and len(set(packed[0])) > 1, packed
+    a, b = outs
+    assert b.token_ids == a.token_ids
+    assert b.stats.accepted_lengths == a.stats.accepted_lengths and sum(a.stats.accepted_lengths) > 0
+    assert b.stats.weights == a.stats.weights

@@ -287,15 +287,19 @@ class PrefillSteps:
 
     def warm_draft_prefill(self) -> int:
         """Run the draft views' prefill once at every prompt-length bucket of the draft's cache
-        (on an idle runner: writes into slot 0's draft rows), so a request's first encounter of
-        a bucket pays no one-off costs. Returns how many buckets ran."""
+        (on an idle runner: writes into slot 0's draft rows), and once packed (views of two
+        buckets), so a request's first encounter of a bucket pays no one-off costs. Returns how
+        many buckets ran."""
         if self.draft is None:
             return 0
         self.allocate()
         rows = [ViewRow([0] * P, [], []) for P in prefill_buckets(self.dcache.max_len, self.dcache.max_len)]
         self.pages.scribble_draft(0)    # (its writes land in scratch)
+        cache = cache_rows(self.dcache, 0, self.K)
         for row in rows:
-            prefill_draft(self, [row] * self.K, cache_rows(self.dcache, 0, self.K))
+            prefill_draft(self, [row] * self.K, cache)
+        if self.K > 1 and len(rows) > 1:
+            prefill_draft(self, rows[1:2] + rows[:1] * (self.K - 1), cache, len(rows[1].ids), PREFILL_STEP)
         self.pending = None
         return len(rows)
 
@@ -522,9 +526,10 @@ class PrefillSteps:
                                  f"{self.eng.draft_len} positions")
             # padded to a prompt-length bucket: the eager forward's per-shape costs (kernel
             # selection and compilation on the GPU) are paid once per bucket, not per length
+            # (views of different buckets, say an image view and the text-only one, each at its own)
             pad = prefill_bucket(longest, self.dcache.max_len, self.dcache.max_len) or 0
             # cached prefixes of the view rows reused (engine/view_cache.py)
-            first_q, req.stats.draft_cached_tokens = prefill_views(self, req, rows, skip, slot, pad)
+            first_q, req.stats.draft_cached_tokens = prefill_views(self, req, rows, skip, slot, pad, PREFILL_STEP)
         if side is not None:
             # the caching allocator must not hand these to the other stream while still in use
             main = torch.cuda.current_stream()

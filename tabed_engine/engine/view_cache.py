@@ -170,11 +170,12 @@ def prefill_rows(runner, rows, cache: KVCache, cached: list[int], P: int) -> tor
                     kv_len=runner.kv_bucket(max(cached) + P))[:, 0]
 
 
-def prefill_views(runner, req, rows, skip: frozenset, slot: int, pad: int) -> tuple[torch.Tensor, int]:
+def prefill_views(runner, req, rows, skip: frozenset, slot: int, pad: int, step: int = 0) -> tuple[torch.Tensor, int]:
     """Prefill request `req`'s view rows into `slot`'s K draft rows (their pages taken here),
     reusing cached prefixes where the
     index (`runner.view_prefix`) holds them; without one, or when nothing is reused, the full
-    padded prefill (`chain.prefill_draft`, padded to `pad`). Returns (each view's logits of the
+    padded prefill (`chain.prefill_draft`: padded to `pad`, rows of different multiples of
+    `step` each to its own). Returns (each view's logits of the
     first generated token [K, V], view-row tokens whose prefill a cached prefix saved)."""
     K, idx, prep = runner.K, runner.view_prefix, req.prep
     cache = cache_rows(runner.dcache, slot * K, slot * K + K)
@@ -183,7 +184,7 @@ def prefill_views(runner, req, rows, skip: frozenset, slot: int, pad: int) -> tu
     first = slot * K
     if idx is None:
         runner.pages.draft.assign([(first + k, None, 0, n) for k, n in enumerate(need)])
-        return prefill_draft(runner, rows, cache, pad)[1], 0
+        return prefill_draft(runner, rows, cache, pad, step)[1], 0
     keys = view_keys(runner.eng, prep, rows, skip)
     plan = idx.plan(keys, slot)
     idx.forget(slot)                     # written over from here on (kept forgotten if this fails)
@@ -193,7 +194,7 @@ def prefill_views(runner, req, rows, skip: frozenset, slot: int, pad: int) -> tu
         first_q = prefill_rows(runner, rows, cache, [c for c, _ in plan], P)
     else:
         runner.pages.draft.assign([(first + k, None, 0, n) for k, n in enumerate(need)])
-        first_q = prefill_draft(runner, rows, cache, pad)[1]
+        first_q = prefill_draft(runner, rows, cache, pad, step)[1]
     saved = sum(c for c, _ in plan)
     idx.hold(slot, keys)
     idx.account(saved, sum(lens))

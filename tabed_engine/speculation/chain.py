@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from tabed_engine.models.decoder import cache_rows
 from tabed_engine.ops.chain_verify import chain_verify
 from tabed_engine.ops.ensemble_mix import ensemble_mix
 from tabed_engine.speculation.coupling import coupled_proposals, coupled_scores
@@ -23,14 +24,20 @@ from tabed_engine.speculation.ensemble import confidence_weights
 from tabed_engine.speculation.sampling import row_filtered_probs, target_probs
 
 
-def prefill_draft(eng, rows, cache, pad_to: int = 0):
-    """Prefill all view rows into `cache` (one row per view) in one ragged batch, padded to
-    `pad_to` positions when that is longer (the padding is written past each row's prompt, where
-    the draft's next writes land before anything reads it). Returns the per-row prompt lengths
-    [R] and each row's logits for the first generated token [R, V] (its last position)."""
+def prefill_draft(eng, rows, cache, pad_to: int = 0, step: int = 0):
+    """Prefill all view rows into `cache` (one row per view) in one pass through the draft's
+    weights. Rows padded to one length, `pad_to` positions when that is longer than every row
+    (the padding is written past each row's prompt, where the draft's next writes land before
+    anything reads it), form one batch; with `step`, rows whose lengths round up (to multiples
+    of `step`, at most `pad_to`) to different paddings (an image view beside the text-only one) are instead packed
+    as one token stream, each padded to its own multiple (`LlamaLM.forward_mixed`), so a short
+    row costs its own tokens, not the longest row's. Returns the per-row prompt lengths [R] and
+    each row's logits for the first generated token [R, V] (its last position)."""
     draft, dev = eng.draft, eng.device
     lens = [len(r.ids) for r in rows]
     Tm = max(max(lens), pad_to)
+    pads = [min(-(-n // step) * step, Tm) for n in lens] if step else [Tm] * len(rows)
+    packed = len(set(pads)) > 1
     x = torch.zeros(len(rows), Tm, draft.lm.cfg.hidden_size, device=dev, dtype=eng.dtype)
     for i, r in enumerate(rows):
         x[i, : lens[i]] = eng.embed(draft, r.ids, r.spans, r.features())
@@ -42,9 +49,13 @@ def prefill_draft(eng, rows, cache, pad_to: int = 0):
     pos = pos.contiguous().pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pos
     cache.pos_offset.copy_(eng.to_device(offsets, cache.pos_offset.dtype))
     lens = eng.to_device(lens)
-    logits = draft.lm(cache, pos, embeds=x, logits_index=(lens - 1)[:, None], kv_len=eng.kv_bucket(Tm),
-                      fresh=True)[:, 0]
-    return lens, logits
+    last = (lens - 1)[:, None]
+    if not packed:
+        logits = draft.lm(cache, pos, embeds=x, logits_index=last, kv_len=eng.kv_bucket(Tm), fresh=True)
+        return lens, logits[:, 0]
+    parts = [dict(cache=cache_rows(cache, i, i + 1), positions=pos[..., i:i + 1, :P], embeds=x[i:i + 1, :P],
+                  logits_index=last[i:i + 1], kv_len=eng.kv_bucket(P), fresh=True) for i, P in enumerate(pads)]
+    return lens, torch.cat([lg[:, 0] for lg in draft.lm.forward_mixed(parts)])
 
 
 def prompt_positions(positions, lens, T: int):
