@@ -617,42 +617,48 @@ def test_draft_view_prefill_is_padded_to_a_bucket(monkeypatch):
     assert len(calls) == len(names) - hits and all(p % 64 == 0 and 0 < n <= p for n, p in calls)
 
 
-def test_views_of_different_buckets_prefill_packed(monkeypatch):
-    """View rows whose lengths fall in different prompt buckets (the image view and the
-    text-only one) prefill as one packed stream, each row padded to its own bucket: the tokens,
-    accepted lengths and view weights equal those of the views prefilled as one batch padded to
-    the longest row (float32; the drafts read every row's KV), and the tokens are transformers'.
-    (The fixtures' views are short: buckets of 16 tokens here.)"""
+def pack_views(monkeypatch, step: int = 16):
+    """Prompt buckets of `step` tokens (the fixtures' views are short) and a switch between the
+    draft views' packed prefill and one batch padded to the longest row: returns (pack(on),
+    calls), `calls` holding each packed prefill's rows' padded lengths."""
     import tabed_engine.engine.prefill as prefill_mod
     import tabed_engine.engine.view_cache as view_mod
     from tabed_engine.models.decoder import LlamaLM
 
-    monkeypatch.setattr(prefill_mod, "PREFILL_STEP", 16)
-    prefill_draft, mixed = view_mod.prefill_draft, LlamaLM.forward_mixed
-    packed_parts = []
+    monkeypatch.setattr(prefill_mod, "PREFILL_STEP", step)
+    prefill_draft, mixed, calls = view_mod.prefill_draft, LlamaLM.forward_mixed, []
 
     def spy(self, parts, *a, **k):
-        packed_parts.append([p["embeds"].shape[1] for p in parts])
+        calls.append([p["embeds"].shape[1] for p in parts])
         return mixed(self, parts, *a, **k)
 
+    def padded(runner, rows, cache, pad=0, step=0):
+        return prefill_draft(runner, rows, cache, pad)
+
     monkeypatch.setattr(LlamaLM, "forward_mixed", spy)
+    return lambda on: monkeypatch.setattr(view_mod, "prefill_draft", prefill_draft if on else padded), calls
+
+
+def test_views_of_different_buckets_prefill_packed(monkeypatch):
+    """View rows whose lengths fall in different prompt buckets (the image view and the
+    text-only one) prefill as one packed stream, each row padded to its own bucket: the tokens,
+    accepted lengths and view weights equal those of the views prefilled as one batch padded to
+    the longest row (float32; the drafts read every row's KV), and the tokens are transformers'."""
+    pack, packed = pack_views(monkeypatch)
     names, prompts, imgs, sps = batch_inputs()
     runs = []
-    for step in (None, 16):
-        if step is None:                                 # one batch, padded to the longest row
-            monkeypatch.setattr(view_mod, "prefill_draft", lambda r, rows, c, pad=0, step=0: prefill_draft(r, rows, c, pad))
-        else:
-            monkeypatch.setattr(view_mod, "prefill_draft", prefill_draft)
+    for on in (False, True):
+        pack(on)
         eng = engine(views=("M", "T"), prefix_cache=False)
         runs.append(eng.generate(prompts, images=imgs, sampling=sps))
-        assert bool(packed_parts) == (step is not None)
+        assert bool(packed) == on
     for name, a, b in zip(names, *runs):
         assert b.token_ids == a.token_ids == expected(name), name
         assert b.stats.accepted_lengths == a.stats.accepted_lengths, name
         assert b.stats.weights == a.stats.weights, name
     # the image prompts' views packed, each at its own bucket
-    assert len(packed_parts) >= 3 and all(len(set(p)) == len(p) == 2 and all(n % 16 == 0 for n in p)
-                                          for p in packed_parts), packed_parts
+    assert len(packed) >= 3 and all(len(set(p)) == len(p) == 2 and all(n % 16 == 0 for n in p)
+                                    for p in packed), packed
 
 
 def test_speculative_and_autoregressive_requests_take_turns():

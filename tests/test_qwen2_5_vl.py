@@ -384,24 +384,13 @@ def test_padded_vocabularies_pair(dirs, tmp_path):
 def test_views_of_different_buckets_prefill_packed(dirs, monkeypatch):
     """The M, T and P rows (M-RoPE ids, each row its own offset) of different prompt buckets
     prefilled as one packed stream, each at its own bucket: the same tokens, accepted lengths
-    and view weights as one batch padded to the longest row (buckets of 16 tokens here)."""
-    import tabed_engine.engine.prefill as prefill_mod
-    import tabed_engine.engine.view_cache as view_mod
-    from tabed_engine.models.decoder import LlamaLM
+    and view weights as one batch padded to the longest row."""
+    from test_batch import pack_views
 
-    monkeypatch.setattr(prefill_mod, "PREFILL_STEP", 16)
-    prefill_draft, mixed = view_mod.prefill_draft, LlamaLM.forward_mixed
-    packed = []
-
-    def spy(self, parts, *a, **k):
-        packed.append([p["embeds"].shape[1] for p in parts])
-        return mixed(self, parts, *a, **k)
-
-    monkeypatch.setattr(LlamaLM, "forward_mixed", spy)
+    pack, packed = pack_views(monkeypatch)
     outs = []
-    for step in (False, True):
-        monkeypatch.setattr(view_mod, "prefill_draft", prefill_draft if step else
-                            lambda r, rows, c, pad=0, step=0: prefill_draft(r, rows, c, pad))
+    for on in (False, True):
+        pack(on)
         eng = sd_engine(dirs["target"], dirs["draft"], ("M", "T", "P"), None, prefix_cache=False)
         text, images = chat(eng, "two images")
         outs.append(eng.generate(text, images=images, sampling=SP))
