@@ -28,10 +28,10 @@ def prefill_draft(eng, rows, cache, pad_to: int = 0, step: int = 0):
     """Prefill all view rows into `cache` (one row per view) in one pass through the draft's
     weights. Rows padded to one length, `pad_to` positions when that is longer than every row
     (the padding is written past each row's prompt, where the draft's next writes land before
-    anything reads it), form one batch; with `step`, rows whose lengths round up (to multiples
-    of `step`, at most `pad_to`) to different paddings (an image view beside the text-only one) are instead packed
-    as one token stream, each padded to its own multiple (`LlamaLM.forward_mixed`), so a short
-    row costs its own tokens, not the longest row's. Returns the per-row prompt lengths [R] and
+    anything reads it), form one batch. With `step`, rows whose lengths round up to different
+    multiples of `step` (an image view beside the text-only one) are instead packed as one
+    token stream, each padded to its own multiple (`LlamaLM.forward_mixed`), so a short row
+    costs its own tokens, not the longest row's. Returns the per-row prompt lengths [R] and
     each row's logits for the first generated token [R, V] (its last position)."""
     draft, dev = eng.draft, eng.device
     lens = [len(r.ids) for r in rows]
