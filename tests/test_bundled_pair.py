@@ -80,3 +80,25 @@ def test_view_tree_first_block_accepts_the_best_views_chain(pair, policy):
             assert firsts[("M", "T").index(out.stats.view_tree_view)] == max(firsts)
             differed += firsts[0] != firsts[1]
     assert differed, "M and T accepted the same in every first block: the test shows nothing"
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_invariant_sd_equals_ar_bitwise():
+    """The bundled pair in bf16 on the GPU with `invariant=True`, 200 requests over the five
+    scenarios: each request's greedy tokens with SD (alone, batched by 16 and by 64) equal its
+    tokens decoded autoregressively alone, bit for bit."""
+    from benchmarks.world.scenarios import SCENARIOS
+
+    eng = Engine.from_pretrained(_demo("target"), _demo("draft"), device="cuda", dtype=torch.bfloat16,
+                                 views=("M", "T"), invariant=True, max_batch=64, adaptive=False)
+    exs = [ex for s in SCENARIOS for ex in examples(s, 40, seed=3)]
+    prompts, images = [ex.prompt for ex in exs], [ex.images for ex in exs]
+    sp = SamplingParams(max_new_tokens=32)
+    alone_ar = [eng.generate(p, images=im, sampling=sp, speculative=False).token_ids for p, im in zip(prompts, images)]
+    alone_sd = [eng.generate(p, images=im, sampling=sp).token_ids for p, im in zip(prompts, images)]
+    assert alone_sd == alone_ar
+    for B in (16, 64):
+        batched = []
+        for i in range(0, len(exs), B):
+            batched += [o.token_ids for o in eng.generate(prompts[i:i + B], images=images[i:i + B], sampling=sp)]
+        assert batched == alone_ar, B
