@@ -112,6 +112,8 @@ def _token_ids(prompt) -> list[int]:
         prompt = t.tolist()
     if not prompt:
         raise ValueError("prompt is empty")
+    if all(type(t) is int for t in prompt):        # plain ints (the common case): no checks left
+        return list(prompt)
     if any(isinstance(t, (list, tuple, str, torch.Tensor, np.ndarray)) for t in prompt):
         raise ValueError("a prompt must be a string, chat messages or token ids, not a list of prompts "
                          "(several prompts go to generate() as one list of prompts)")
