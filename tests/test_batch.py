@@ -639,7 +639,8 @@ def pack_views(monkeypatch, step: int = 16):
     return lambda on: monkeypatch.setattr(view_mod, "prefill_draft", prefill_draft if on else padded), calls
 
 
-def test_views_of_different_buckets_prefill_packed(monkeypatch):
+@pytest.mark.parametrize("options", [{}, dict(tree="4x2x2")], ids=["chain", "tree"])
+def test_views_of_different_buckets_prefill_packed(monkeypatch, options):
     """View rows whose lengths fall in different prompt buckets (the image view and the
     text-only one) prefill as one packed stream, each row padded to its own bucket: the tokens,
     accepted lengths and view weights equal those of the views prefilled as one batch padded to
@@ -649,7 +650,7 @@ def test_views_of_different_buckets_prefill_packed(monkeypatch):
     runs = []
     for on in (False, True):
         pack(on)
-        eng = engine(views=("M", "T"), prefix_cache=False)
+        eng = engine(views=("M", "T"), prefix_cache=False, **options)
         runs.append(eng.generate(prompts, images=imgs, sampling=sps))
         assert bool(packed) == on
     for name, a, b in zip(names, *runs):
