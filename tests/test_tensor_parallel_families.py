@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tabed_engine import Engine, SamplingParams
+from tabed_engine.models.tiny import random_image
 
 pytestmark = pytest.mark.one_worker     # each family's engine starts its worker once
 
@@ -72,3 +73,64 @@ def test_llava_next_on_qwen1_5():
             assert out.token_ids == reference("qwen", prompt_name) and sum(out.stats.accepted_lengths) > 0
     finally:
         eng.close()
+
+
+def config_only(src: str, dst) -> str:
+    """A copy of checkpoint `src` without its weight files (config, tokenizer, processor)."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "*.bin"))
+    return str(dst)
+
+
+def test_random_weights_for_benchmarks(tmp_path):
+    """`random_weights=True` (benchmarks of published shapes): no weight file read, the same
+    weights on every call, and under tensor parallelism every rank draws the same replicated
+    weights (its sharded ones its own), so the ranks agree step by step; greedy SD gives AR's
+    tokens in both."""
+    from models import model_dir
+
+    target = config_only(model_dir("mha", kv_heads=2), tmp_path / "target")    # vocabulary 173: a padding row
+    draft = config_only(model_dir("mha", kv_heads=2, perturb=0.6), tmp_path / "draft")
+    with pytest.raises(Exception):
+        Engine.from_pretrained(target, device="cpu")                            # no weights: refused
+    text, images = "<image>\nwhat is it", [random_image(3)]
+    sp = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    one = [Engine.from_pretrained(target, draft, device="cpu", dtype=torch.float32, random_weights=True, gamma=3)
+           for _ in range(2)]
+    ar = one[0].generate(text, images=images, sampling=sp, speculative=False).token_ids
+    assert one[1].generate(text, images=images, sampling=sp, speculative=False).token_ids == ar
+    assert one[0].generate(text, images=images, sampling=sp).token_ids == ar
+    eng = tp_engine(target, draft, random_weights=True, gamma=3)
+    try:
+        tp_ar = eng.generate(text, images=images, sampling=sp, speculative=False).token_ids
+        assert eng.generate(text, images=images, sampling=sp).token_ids == tp_ar
+        eng.verify_ranks()
+    finally:
+        eng.close()
+
+
+def test_random_shards_share_the_replicated_weights(tmp_path):
+    """`random_lvlm` per rank: the weights every rank holds whole (norms, replicated biases, the
+    vision side) are equal on both ranks, the sharded ones differ, and the vocabulary shard's
+    padding row is zero. (The ranks' outputs cannot show a replicated difference: each rank's
+    logits shard is gathered, so every rank picks the same tokens either way.)"""
+    from models import model_dir
+
+    from tabed_engine.models.loader import random_lvlm
+    from tabed_engine.parallel.comm import TPGroup
+
+    path = config_only(model_dir("mha", kv_heads=2), tmp_path / "target")
+    ranks = [random_lvlm(path, "cpu", torch.float32, tp=TPGroup(r, 2)) for r in range(2)]
+    whole = random_lvlm(path, "cpu", torch.float32)
+    shapes = {n: p.shape for n, p in whole.lm.named_parameters()}
+    for part in ("lm", "vision"):
+        a, b = (dict(getattr(m, part).named_parameters()) for m in ranks)
+        for name in a:
+            if part == "vision" or a[name].shape == shapes[name]:
+                assert torch.equal(a[name], b[name]), name
+            else:
+                assert not torch.equal(a[name], b[name]), name
+    head = ranks[1].lm.lm_head
+    real = head.cuts[0].size
+    assert real < head.weight.shape[0] and not head.weight[real:].any() and head.weight[:real].any()

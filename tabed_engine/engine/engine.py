@@ -20,7 +20,7 @@ from tabed_engine.engine.runner import Runner
 from tabed_engine.engine.scheduler import CostModel, Scheduler
 from tabed_engine.engine.warmup import run_warmup
 from tabed_engine.models.decoder import cache_rows
-from tabed_engine.models.loader import LoadedLVLM, image_layout, load_lvlm, load_processor, read_config, vocab_size
+from tabed_engine.models.loader import LoadedLVLM, image_layout, load_lvlm, load_processor, random_lvlm, read_config, vocab_size
 from tabed_engine.models.vocab import fit_vocab
 from tabed_engine.speculation.tree import parse_tree
 
@@ -165,7 +165,7 @@ class Engine(RequestIntake, EngineLimits):
     @classmethod
     def from_pretrained(cls, target_dir: str, draft_dir: Optional[str] = None, device=None, dtype=None,
                         log: Optional[Callable[[str], Any]] = None, tensor_parallel: int = 1,
-                        **kwargs) -> "Engine":
+                        random_weights: bool = False, **kwargs) -> "Engine":
         """Load local HF LLaVA checkpoints (no network). device: "cpu", "cuda" (default when
         a GPU is usable) or "cuda:N"; dtype: a torch.dtype or "float32" / "bfloat16" /
         "float16" (default bfloat16 on CUDA, float32 on the CPU). log: optional callable
@@ -175,7 +175,9 @@ class Engine(RequestIntake, EngineLimits):
         no model are checked before anything loads. tensor_parallel: N > 1 shards the target
         over N processes (this one and N - 1 workers it starts, one GPU each on CUDA; see
         docs/parallel.md) and returns a `TensorParallelEngine`: call its `close()` (or use a
-        `with` block) to stop them."""
+        `with` block) to stop them. random_weights: for benchmarks of published shapes only, the
+        weights are drawn at random from the directories' configs (`loader.random_lvlm`; no
+        weight file is read, the processor files are), the same on every call."""
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         try:
@@ -190,21 +192,25 @@ class Engine(RequestIntake, EngineLimits):
         check_prefill_chunk(args["prefill_chunk"])
         if not isinstance(args["mixed_steps"], bool):
             raise TypeError(f"mixed_steps must be a bool, got {type(args['mixed_steps']).__name__}")
+        if not isinstance(random_weights, bool):
+            raise TypeError(f"random_weights must be a bool, got {type(random_weights).__name__}")
         if isinstance(tensor_parallel, bool) or tensor_parallel != 1:
             from tabed_engine.parallel.startup import from_pretrained_tp
 
             if cls is not Engine:
                 raise TypeError(f"tensor_parallel is for Engine.from_pretrained, not {cls.__name__}'s")
-            return from_pretrained_tp(target_dir, draft_dir, device, dtype, log, tensor_parallel, kwargs)
-        target, processor, draft = cls.load_parts(target_dir, draft_dir, device, dtype, log, kwargs)
+            return from_pretrained_tp(target_dir, draft_dir, device, dtype, log, tensor_parallel, kwargs,
+                                      random_weights)
+        load = random_lvlm if random_weights else load_lvlm
+        target, processor, draft = cls.load_parts(target_dir, draft_dir, device, dtype, log, kwargs, load, load)
         return cls(target, processor, draft=draft, device=device, dtype=dtype, **kwargs)
 
     @staticmethod
     def load_parts(target_dir: str, draft_dir: Optional[str], device, dtype, log, kwargs: dict,
-                   load_target: Callable = load_lvlm):
+                   load_target: Callable = load_lvlm, load_draft: Callable = load_lvlm):
         """`from_pretrained`'s loading: (target, processor, draft or None); `kwargs` gains the
         draft's own processor where the draft needs one. `load_target(path, device, dtype)`
-        loads the target (a tensor-parallel rank loads its shard)."""
+        loads the target (a tensor-parallel rank loads its shard), `load_draft` the draft."""
 
         def load(what, fn, path):
             if log is None:
@@ -233,7 +239,7 @@ class Engine(RequestIntake, EngineLimits):
             else:
                 check_same_tokenizer(processor.tokenizer, dtok)
         target = load("target", lambda p: load_target(p, device, dtype), target_dir)
-        draft = load("draft", lambda p: load_lvlm(p, device, dtype), draft_dir) if draft_dir else None
+        draft = load("draft", lambda p: load_draft(p, device, dtype), draft_dir) if draft_dir else None
         return target, processor, draft
 
     @property

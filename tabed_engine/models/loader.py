@@ -229,6 +229,50 @@ def load_lvlm(path: str, device, dtype) -> LoadedLVLM:
     return _finish(path, raw, lm, vision, family)
 
 
+RANDOM_STD = 0.02     # the spread of `random_lvlm`'s weights (a typical initializer range)
+
+
+def random_lvlm(path: str, device, dtype, tp=None, seed: int = 0) -> LoadedLVLM:
+    """Our modules for the checkpoint config at `path` with random weights, reading no weight
+    file: a benchmark of a published shape without its checkpoint (`Engine.from_pretrained(...,
+    random_weights=True)`), also a tensor-parallel rank's shard (`tp`: `shard.shard_lm`'s split;
+    a 72B needs no 145 GB checkpoint on disk). Norm weights 1, every other parameter ~ N(0,
+    RANDOM_STD) from a generator seeded by (seed, its name), and by the rank for a parameter the
+    split shards, so every rank draws the same replicated weights; a vocabulary shard's rows
+    past the vocabulary are zero, as `parallel.load.load_shard` leaves them."""
+    import hashlib
+
+    device = torch.device(device)
+    raw = read_config(path)
+    family = family_of(raw, repr(path))
+    lm, vision = _meta_modules(path, raw, _auto_config(path), family)
+    whole = {name: tuple(p.shape) for name, p in lm.named_parameters()}
+    if tp is not None:
+        from tabed_engine.parallel.shard import shard_lm
+
+        shard_lm(lm, tp)
+    lm, vision = _allocate(lm, vision, device, dtype)
+    with torch.no_grad():
+        for part, module in (("lm", lm), ("vision", vision)):
+            norms = {id(m.weight) for m in module.modules()
+                     if "norm" in type(m).__name__.lower() and isinstance(getattr(m, "weight", None), torch.Tensor)}
+            for name, p in module.named_parameters():
+                if id(p) in norms:
+                    p.fill_(1.0)
+                    continue
+                shard = f"/rank{tp.rank}" if part == "lm" and tuple(p.shape) != whole[name] else ""
+                key = hashlib.sha256(f"{seed}/{part}.{name}{shard}".encode()).digest()
+                g = torch.Generator(device=device).manual_seed(int.from_bytes(key[:7], "little"))
+                p.normal_(0.0, RANDOM_STD, generator=g)
+        for mod in (lm.embed_tokens, lm.lm_head):
+            cuts = getattr(mod, "cuts", None)
+            if tp is not None and cuts is not None and cuts[0].dim == 0:     # the last shard's padding rows
+                for t in (mod.weight, getattr(mod, "bias", None)):
+                    if t is not None:
+                        t[cuts[0].size:].zero_()
+    return _finish(path, raw, lm, vision, family)
+
+
 def lvlm_from_hf(model, device=None, dtype=None) -> LoadedLVLM:
     """Wrap an in-memory transformers model of a registered family (e.g. random weights built
     on the GPU for a benchmark) through the same key mapping as checkpoints. Shares no storage:

@@ -13,7 +13,7 @@ import torch
 
 from tabed_engine.engine.engine import Engine
 from tabed_engine.engine.request import Request
-from tabed_engine.models.loader import read_config
+from tabed_engine.models.loader import load_lvlm, random_lvlm, read_config
 from tabed_engine.models.registry import family_of
 from tabed_engine.parallel.comm import TPGroup, destroy_group, free_port, init_group, nvls_off
 from tabed_engine.parallel.load import load_shard
@@ -28,10 +28,12 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
-def from_pretrained_tp(target_dir: str, draft_dir: Optional[str], device: torch.device, dtype, log, n, kwargs):
+def from_pretrained_tp(target_dir: str, draft_dir: Optional[str], device: torch.device, dtype, log, n, kwargs,
+                       random_weights: bool = False):
     """`Engine.from_pretrained(..., tensor_parallel=n)`: the degree checked before anything loads,
-    n - 1 workers started, the process group joined, every rank's shard loaded; returns rank 0's
-    `TensorParallelEngine`. Any failure stops the workers before it is raised."""
+    n - 1 workers started, the process group joined, every rank's shard loaded (drawn at random
+    with `random_weights`: `loader.random_lvlm`); returns rank 0's `TensorParallelEngine`. Any
+    failure stops the workers before it is raised."""
     import torch.distributed as dist
 
     raw = read_config(target_dir)
@@ -48,14 +50,14 @@ def from_pretrained_tp(target_dir: str, draft_dir: Optional[str], device: torch.
     nvls_off()
     port = free_port()
     spec = dict(world=n, port=port, target_dir=target_dir, draft_dir=draft_dir, device=str(device),
-                dtype=dtype, kwargs=sent, threads=torch.get_num_threads())
+                dtype=dtype, kwargs=sent, threads=torch.get_num_threads(), random_weights=random_weights)
     pool = WorkerPool(n, spec)
     spmd = Spmd(TPGroup(0, n), pool=pool)
     try:
         pool.recv_all("hello", START_TIMEOUT_S)
         spmd.tp = init_group(0, n, rank_device(device, 0), "127.0.0.1", port, COLLECTIVE_TIMEOUT_S)
         target, processor, draft = Engine.load_parts(target_dir, draft_dir, rank_device(device, 0), dtype, log,
-                                                     kwargs, load_target=partial(load_shard, tp=spmd.tp))
+                                                     kwargs, *loaders(spmd.tp, random_weights))
         engine = TensorParallelEngine(target, processor, draft=draft, device=rank_device(device, 0), dtype=dtype,
                                       spmd=spmd, **kwargs)
         pool.recv_all("ready", COLLECTIVE_TIMEOUT_S)
@@ -64,6 +66,14 @@ def from_pretrained_tp(target_dir: str, draft_dir: Optional[str], device: torch.
         destroy_group()
         raise
     return engine
+
+
+def loaders(tp: TPGroup, random_weights: bool):
+    """(load_target, load_draft) of a rank: its shard of the target, the whole draft; drawn at
+    random (`random_lvlm`) or read from the checkpoints."""
+    if random_weights:
+        return partial(random_lvlm, tp=tp), random_lvlm
+    return partial(load_shard, tp=tp), load_lvlm
 
 
 def _picklable(x) -> bool:
@@ -86,7 +96,7 @@ def run_worker(spec: dict, link: ParentLink):
     spmd = Spmd(tp, link=link)
     kwargs = spec["kwargs"]
     target, processor, draft = Engine.load_parts(spec["target_dir"], spec["draft_dir"], device, spec["dtype"], None,
-                                                 kwargs, load_target=partial(load_shard, tp=tp))
+                                                 kwargs, *loaders(tp, spec["random_weights"]))
     engine = WorkerEngine(target, processor, draft=draft, device=device, dtype=spec["dtype"], spmd=spmd, **kwargs)
     link.send(("ready",))
     try:
