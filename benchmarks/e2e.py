@@ -163,13 +163,25 @@ def decode_ms(gen, n_new: int, repeats: int, device, one_ms=None, warmup: bool =
     return r
 
 
+class FixedSchedule:
+    """Deterministic accepted-count pattern with mean m per block (each block floor or ceil);
+    the engine's hook also passes the block's depth: unused. A class, not a closure: a
+    tensor-parallel engine sends it to its workers (pickled)."""
+
+    def __init__(self, m: float):
+        self.m = m
+
+    def __call__(self, b: int, depth=None) -> int:
+        return int(math.floor((b + 1) * self.m + 1e-9) - math.floor(b * self.m + 1e-9))
+
+
 def accept_schedule(tau: float, gamma: int):
     """Deterministic accepted-count pattern with mean tau - 1 (each block floor or ceil), for
-    blocks of `gamma` drafts (the engine's hook also passes the block's depth: unused)."""
+    blocks of `gamma` drafts."""
     m = tau - 1.0
     if not 0.0 <= m <= gamma:
         raise ValueError(f"tau must be in [1, gamma + 1] = [1, {gamma + 1}], got {tau}")
-    return lambda b, depth=None: int(math.floor((b + 1) * m + 1e-9) - math.floor(b * m + 1e-9))
+    return FixedSchedule(m)
 
 
 def draft_acceptance(tau: float, gamma: int) -> float:
@@ -193,16 +205,22 @@ def geometric_schedule(tau: float, gamma: int, seed: int = 0):
     already averages tau). Chains of `gamma` drafts average tau tokens per block; shorter
     chains give what they would really give at that acceptance rate (the floor/ceil
     `accept_schedule` would credit a 2-draft chain with the same tau)."""
-    alpha = draft_acceptance(tau, gamma)
-    phi = (math.sqrt(5) - 1) / 2
+    return GeometricSchedule(draft_acceptance(tau, gamma), gamma, seed)
 
-    def accepted(b: int, depth: int = gamma) -> int:
-        u = 1.0 - (seed * 0.5 + (b + 1) * phi) % 1.0          # in (0, 1]
-        if alpha <= 0.0:
+
+class GeometricSchedule:
+    """`geometric_schedule`'s accepted drafts of block b (of depth `depth`); picklable, as
+    `FixedSchedule`."""
+
+    def __init__(self, alpha: float, gamma: int, seed: int = 0):
+        self.alpha, self.gamma, self.seed = alpha, gamma, seed
+
+    def __call__(self, b: int, depth: int = None) -> int:
+        depth = self.gamma if depth is None else depth
+        u = 1.0 - (self.seed * 0.5 + (b + 1) * (math.sqrt(5) - 1) / 2) % 1.0          # in (0, 1]
+        if self.alpha <= 0.0:
             return 0
-        return min(depth, int(math.log(u) / math.log(alpha)) if alpha < 1.0 else depth)
-    accepted.alpha = alpha
-    return accepted
+        return min(depth, int(math.log(u) / math.log(self.alpha)) if self.alpha < 1.0 else depth)
 
 
 # ---------------------------------------------------------------------------- benchmark

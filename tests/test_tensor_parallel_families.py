@@ -105,6 +105,15 @@ def test_random_weights_for_benchmarks(tmp_path):
     try:
         tp_ar = eng.generate(text, images=images, sampling=sp, speculative=False).token_ids
         assert eng.generate(text, images=images, sampling=sp).token_ids == tp_ar
+        # a benchmark's acceptance schedule reaches the workers (the ranks follow it alike)
+        from benchmarks.e2e import accept_schedule
+
+        eng.bench_accept_schedule = accept_schedule(3.0, 3)
+        out = eng.generate(text, images=images, sampling=sp)
+        assert out.stats.accepted_lengths[:-1] == [2] * (len(out.stats.accepted_lengths) - 1)
+        eng.bench_accept_schedule = None
+        with pytest.raises(ValueError, match="picklable"):
+            eng.bench_accept_schedule = lambda b, depth=None: 1
         eng.verify_ranks()
     finally:
         eng.close()

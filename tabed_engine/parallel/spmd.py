@@ -10,7 +10,7 @@ over its shard (`startup.run_worker`) and follows rank 0's messages, in order:
 * ("choose", g) inside a step: the cost model's block kind, decided on rank 0 (it measures
   wall times, which differ per rank: `SharedCostModel`).
 * ("drop", ids), ("configure", kwargs), ("set", name, value) (the settings that may change
-  between steps: `prefill_chunk`, `mixed_steps`), ("runner", method, args) (prefill-graph
+  between steps: `prefill_chunk`, `mixed_steps`, a benchmark's `bench_accept_schedule`), ("runner", method, args) (prefill-graph
   capture and the draft's prefill warm-up of `warmup`, `prefill_target`), ("sync",), ("close",).
 
 Anything else a step does depends only on what every rank holds alike: the request (its seed
@@ -22,6 +22,7 @@ ranks that drifted apart fail loudly instead of decoding different tokens.
 from __future__ import annotations
 
 import hashlib
+import pickle
 import weakref
 from functools import partial
 from typing import Optional
@@ -118,6 +119,15 @@ class SharedCostModel(CostModel):
 
     def choose(self, b: int, counts: list) -> int:
         return self.spmd.decide("choose", partial(super().choose, b, counts))
+
+
+def picklable(x) -> bool:
+    """Whether `x` can be sent to the workers."""
+    try:
+        pickle.dumps(x)
+        return True
+    except Exception:     # pickle raises many types
+        return False
 
 
 def request_payload(r: Request) -> dict:
@@ -304,8 +314,10 @@ class TensorParallelEngine(_SpmdEngine):
 
     @Engine.bench_accept_schedule.setter
     def bench_accept_schedule(self, fn):
-        if fn is not None:
-            raise NotImplementedError("bench_accept_schedule does not reach the workers of a tensor-parallel engine")
+        if fn is not None and not picklable(fn):
+            raise ValueError("a tensor-parallel engine's bench_accept_schedule must be picklable (a module-level "
+                             "class or function) to reach its workers")
+        self._set("bench_accept_schedule", Engine.bench_accept_schedule, fn)
 
     def close(self):
         """Stop the workers and leave the process group (idempotent)."""

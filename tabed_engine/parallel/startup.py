@@ -5,7 +5,6 @@ parallel/spmd.py describes)."""
 from __future__ import annotations
 
 import os
-import pickle
 from functools import partial
 from typing import Optional
 
@@ -19,7 +18,7 @@ from tabed_engine.parallel.comm import TPGroup, destroy_group, free_port, init_g
 from tabed_engine.parallel.load import load_shard
 from tabed_engine.parallel.shard import check_degree
 from tabed_engine.parallel.spmd import (COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, Spmd, TensorParallelEngine,
-                                        WorkerEngine)
+                                        WorkerEngine, picklable)
 from tabed_engine.parallel.workers import ParentLink, WorkerPool
 
 
@@ -44,7 +43,7 @@ def from_pretrained_tp(target_dir: str, draft_dir: Optional[str], device: torch.
                          "engine still open? close() it first): a tensor-parallel engine starts its own process "
                          "group, one at a time per process (see docs/parallel.md)")
     sent = {k: v for k, v in kwargs.items() if k != "captioner"}   # captions are made on rank 0
-    if not _picklable(sent):
+    if not picklable(sent):
         raise ValueError("the engine's options must be picklable to reach the tensor-parallel workers "
                          "(a draft_processor given by hand?)")
     nvls_off()
@@ -74,14 +73,6 @@ def loaders(tp: TPGroup, random_weights: bool):
     if random_weights:
         return partial(random_lvlm, tp=tp), random_lvlm
     return partial(load_shard, tp=tp), load_lvlm
-
-
-def _picklable(x) -> bool:
-    try:
-        pickle.dumps(x)
-        return True
-    except Exception:     # pickle raises many types
-        return False
 
 
 def run_worker(spec: dict, link: ParentLink):
@@ -132,7 +123,7 @@ def follow(engine: WorkerEngine, link: ParentLink):
             engine.scheduler.drop([reqs.pop(i) for i in msg[1] if i in reqs])
         elif kind == "configure":
             engine.configure(**msg[1])
-        elif kind == "set" and msg[1] in ("prefill_chunk", "mixed_steps"):
+        elif kind == "set" and msg[1] in ("prefill_chunk", "mixed_steps", "bench_accept_schedule"):
             setattr(engine, msg[1], msg[2])
         elif kind == "runner":
             engine.runner.allocate()
